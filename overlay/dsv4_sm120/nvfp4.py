@@ -160,17 +160,23 @@ def _check_blocks(w_u8: torch.Tensor, scale: torch.Tensor, block: int, what: str
     return k
 
 
-def dequant_mxfp4(w_u8: torch.Tensor, scale_e8m0_u8: torch.Tensor) -> torch.Tensor:
-    """MXFP4 -> float32.
+def dequant_mxfp4(
+    w_u8: torch.Tensor,
+    scale_e8m0_u8: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """MXFP4 -> float32 (or ``out_dtype``).
 
     ``w_u8 uint8 [..., K/2]``, ``scale_e8m0_u8 uint8|float8_e8m0fnu [..., K/32]``
-    -> ``float32 [..., K]`` = e2m1 * 2^(e8m0 - 127) (exact in float32 for
-    scales in 2^-126..2^127; smaller ones go subnormal, 2^-127 exactly).
+    -> ``float32 [..., K]`` = e2m1 * 2^(e8m0 - 127). Every value is exact in
+    float32 except past its range: scales >= 2^126 times codes >= 4 overflow
+    to +-inf (pass ``out_dtype=torch.float64`` for an exact result over the
+    whole E8M0 range). Scale 2^-127 values are exact float32 subnormals.
     """
     k = _check_blocks(w_u8, scale_e8m0_u8, MXFP4_BLOCK, "dequant_mxfp4")
-    vals = e2m1_to_float(unpack_e2m1(w_u8))
+    vals = e2m1_to_float(unpack_e2m1(w_u8)).to(out_dtype)
     exps = e8m0_exponent(scale_e8m0_u8)
-    mult = torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps)
+    mult = torch.ldexp(torch.ones_like(exps, dtype=out_dtype), exps)
     out = vals.reshape(*vals.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK) * mult.unsqueeze(-1)
     return out.reshape(vals.shape)
 
@@ -179,23 +185,25 @@ def dequant_nvfp4(
     w_u8: torch.Tensor,
     scale_e4m3: torch.Tensor,
     scale_2: Union[torch.Tensor, float],
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """NVFP4 -> float32.
+    """NVFP4 -> float32 (or ``out_dtype``, e.g. float64).
 
     ``w_u8 uint8 [..., K/2]``, ``scale_e4m3 float8_e4m3fn [..., K/16]``,
     ``scale_2`` fp32 scalar (0-d / 1-element tensor or float; a tensor
     broadcastable to ``[..., 1]`` is also accepted) -> ``float32 [..., K]`` =
-    e2m1 * float(scale_e4m3) * scale_2, computed in float32 (products of
-    e2m1, an E4M3 scale and a power-of-two ``scale_2`` are exact).
+    e2m1 * float(scale_e4m3) * scale_2, computed in ``out_dtype`` (products of
+    e2m1, an E4M3 scale and a power-of-two ``scale_2`` are exact unless they
+    leave the dtype's range).
     """
     if scale_e4m3.dtype != torch.float8_e4m3fn:
         raise TypeError(f"dequant_nvfp4: scale must be float8_e4m3fn, got {scale_e4m3.dtype}")
     k = _check_blocks(w_u8, scale_e4m3, NVFP4_BLOCK, "dequant_nvfp4")
-    vals = e2m1_to_float(unpack_e2m1(w_u8))
-    bs = scale_e4m3.float()
+    vals = e2m1_to_float(unpack_e2m1(w_u8)).to(out_dtype)
+    bs = scale_e4m3.to(out_dtype)
     out = vals.reshape(*vals.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK) * bs.unsqueeze(-1)
     out = out.reshape(vals.shape)
-    s2 = torch.as_tensor(scale_2, dtype=torch.float32, device=out.device)
+    s2 = torch.as_tensor(scale_2, device=out.device).to(out_dtype)
     if s2.numel() == 1:
         s2 = s2.reshape(())
     return out * s2
@@ -345,11 +353,11 @@ def mxfp4_to_nvfp4(
         stats.lossy = int(lossy.any(dim=-1).sum())
         out_w = pack_e2m1(new_codes.reshape(*w.shape[:-1], k))
         if stats.lossy:
-            src = dequant_mxfp4(w, scale_e8m0)
+            src = dequant_mxfp4(w, scale_e8m0, out_dtype=torch.float64)
             s2 = torch.ldexp(torch.tensor(1.0, dtype=torch.float64), torch.tensor(m))
-            dst = dequant_nvfp4(out_w, scale16, 1.0).double() * s2
-            err = (src.double() - dst).abs().max()
-            amax = src.double().abs().max()
+            dst = dequant_nvfp4(out_w, scale16, s2, out_dtype=torch.float64)
+            err = (src - dst).abs().max()
+            amax = src.abs().max()
             stats.max_abs_err = float(err)
             stats.max_rel_err = float(err / amax) if amax > 0 else 0.0
     scale_2 = torch.ldexp(torch.tensor(1.0, dtype=torch.float32), torch.tensor(m, dtype=torch.int32))
