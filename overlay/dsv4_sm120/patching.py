@@ -54,9 +54,14 @@ MANIFEST = "manifest.json"
 BACKUP_DIR = "backup"
 
 # sha256 of the pinned wheel(s) on PyPI; `check` refuses anything else.
+# The Python sources are identical in all of them (checked with their RECORDs); `check` and `lock` use cp311.
 PINNED_WHEELS = {
     "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl":
         "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937",
+    "sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl":
+        "8d257a319395b322bb1be327d05e5528859358153c8563b04c0a4a3c8af164b6",
+    "sglang-0.5.23-cp313-cp313-manylinux_2_34_x86_64.whl":
+        "10f0b2b29c8fea616e4b27cbbbb147f32a879bf3db71c9767425a3d9d77a36cb",
 }
 
 
@@ -653,20 +658,26 @@ def _install_overlay(python: str, say=_say, only_if_missing: bool = False) -> No
 # --------------------------------------------------------------------------
 
 
-def pinned_wheel(download: bool = True) -> Path:
+def pinned_wheel(download: bool = True, py: str = "311") -> Path:
+    """The pinned wheel for CPython `py` (e.g. '311'), from the cache or PyPI, sha256-verified."""
     wdir = cache_dir() / "wheels"
-    for name, sha in PINNED_WHEELS.items():
+    names = [n for n in PINNED_WHEELS if f"-cp{py}-" in n]
+    if not names:
+        raise PatchError(f"no pinned sglang=={SGLANG_VERSION} wheel for CPython {py} "
+                         f"(have: {', '.join(sorted(PINNED_WHEELS))}); use Python 3.11, 3.12 or 3.13", 2)
+    for name in names:
         p = wdir / name
-        if p.is_file() and sha256_file(p) == sha:
+        if p.is_file() and sha256_file(p) == PINNED_WHEELS[name]:
             return p
     if not download:
         raise PatchError("pinned SGLang wheel not in cache", 2)
     wdir.mkdir(parents=True, exist_ok=True)
-    _say(f"downloading sglang=={SGLANG_VERSION} wheel into {wdir}")
+    _say(f"downloading sglang=={SGLANG_VERSION} wheel (cp{py}) into {wdir}")
     r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
+                        "--python-version", py[0] + "." + py[1:], "--platform", "manylinux_2_34_x86_64",
                         f"sglang=={SGLANG_VERSION}", "-d", str(wdir)], capture_output=True, text=True)
-    for name, sha in PINNED_WHEELS.items():
+    for name in names:
+        sha = PINNED_WHEELS[name]
         p = wdir / name
         if p.is_file():
             got = sha256_file(p)
@@ -791,8 +802,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     common(p, root=False)
     p = sub.add_parser("lock", help="rewrite patches/targets.lock from the pinned wheel")
     common(p, root=False)
+    p = sub.add_parser("fetch-wheel", help="download (cached) and sha256-verify the pinned wheel; print its path")
+    p.add_argument("--py", default="%d%d" % sys.version_info[:2], help="CPython version, e.g. 311 (default: this one)")
     a = ap.parse_args(argv)
     try:
+        if a.cmd == "fetch-wheel":
+            print(pinned_wheel(py=a.py))
+            return 0
         if a.cmd in ("check", "lock"):
             series = load_series(a.series)
             if a.cmd == "check":

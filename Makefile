@@ -1,0 +1,84 @@
+# dsv4_sm120: DeepSeek-V4-Flash on 8x RTX PRO 6000 Blackwell (sm_120) with SGLang 0.5.23.
+# `make help` lists the targets.
+
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DSV4_CACHE ?= $(HOME)/.cache/dsv4_sm120
+export DSV4_CACHE
+# SGLANG_ROOT=/path/to/site-packages/sglang patches that tree instead of the one in $(VENV).
+SGLANG_ROOT ?=
+ROOT_ARG := $(if $(SGLANG_ROOT),--sglang-root $(SGLANG_ROOT),)
+PATCH_PY := $(if $(wildcard $(PY)),$(PY),python3)
+PATCHING := PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.patching
+
+.DEFAULT_GOAL := help
+.PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
+        bench-attention bench-moe tune-fp8 convert-nvfp4 serve serve-mtp stop measure profile freeze
+
+help: ## list the targets
+	@echo "dsv4_sm120 — serve DeepSeek-V4-Flash on 8x RTX PRO 6000 Blackwell (sm_120) with SGLang 0.5.23"
+	@echo
+	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
+	@echo
+	@echo "Variables: VENV=$(VENV) (environment), SGLANG_ROOT=<sglang package dir> (patch another tree), DSV4_CACHE=$(DSV4_CACHE)"
+
+setup: ## create the pinned environment in VENV (sglang==0.5.23, router, nixl); no system-wide installs
+	@scripts/setup_env.sh $(VENV)
+
+apply-patches: ## apply patches/series to the SGLang in VENV (or SGLANG_ROOT) and install dsv4_sm120 there
+	@if [ -z "$(SGLANG_ROOT)" ] && [ ! -x "$(PY)" ]; then \
+	  echo "[dsv4_sm120.patching] error: no environment at $(VENV): run \`make setup\` first (or pass SGLANG_ROOT=/path/to/sglang)"; exit 2; fi
+	@$(PATCHING) apply $(ROOT_ARG) $(if $(SGLANG_ROOT),$(if $(wildcard $(PY)),--python $(PY),--no-install),--python $(PY))
+
+revert-patches: ## restore every patched SGLang file byte-for-byte
+	@if [ -z "$(SGLANG_ROOT)" ] && [ ! -x "$(PY)" ]; then \
+	  echo "[dsv4_sm120.patching] error: no environment at $(VENV): nothing to revert (run \`make setup\` first)"; exit 2; fi
+	@$(PATCHING) revert $(ROOT_ARG) $(if $(SGLANG_ROOT),,--python $(PY))
+
+patch-status: ## say whether the SGLang tree is patched, and with which series
+	@$(PATCHING) status $(ROOT_ARG) $(if $(SGLANG_ROOT),,--python $(PY))
+
+check-patches: ## verify the series on a pristine scratch copy of the pinned wheel (cached download; touches no env)
+	@$(PATCHING) check
+
+lock-patches: ## rewrite patches/targets.lock after changing a patch
+	@$(PATCHING) lock
+
+test: ## the CPU test suite (creates/updates the cached test env, then pytest tests/)
+	@scripts/run_tests.sh -q
+
+test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
+	python3 -m pytest tests/gpu -q
+
+bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU)
+	python3 bench/bench_attention.py
+
+bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU)
+	python3 bench/bench_moe.py
+
+tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU; writes configs/fp8/
+	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(ARGS)
+
+convert-nvfp4: ## convert an MXFP4 checkpoint: make convert-nvfp4 SRC=... DST=...
+	@if [ -z "$(SRC)" ] || [ -z "$(DST)" ]; then echo "usage: make convert-nvfp4 SRC=<mxfp4 checkpoint dir> DST=<output dir> [ARGS=--verify]"; exit 2; fi
+	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.convert_nvfp4 $(SRC) $(DST) $(ARGS)
+
+serve: ## PD-disaggregated TP4 prefill (GPU0-3) + TP4 decode (GPU4-7) + router
+	bash serve/serve_dsv4_tp4.sh
+
+serve-mtp: ## the same with MTP speculative decoding
+	bash serve/serve_dsv4_mtp.sh
+
+stop: ## stop a running deployment
+	bash serve/stop.sh
+
+measure: ## decode throughput at C=1,8,16 against the running deployment
+	$(if $(wildcard $(PY)),$(PY),python3) bench/measure.py $(ARGS)
+
+profile: ## torch-profiler trace of the decode server under load, summarised
+	$(if $(wildcard $(PY)),$(PY),python3) bench/profile.py $(ARGS)
+
+freeze: ## regenerate requirements/constraints.txt from VENV
+	@{ echo "# pip freeze of the pinned environment (sglang==0.5.23 + requirements/runtime.txt), made by make freeze on $$(date -u +%F)."; \
+	   $(PY) -m pip freeze --exclude-editable | grep -v -E '^(sglang==|dsv4.sm120)'; } > requirements/constraints.txt

@@ -1,0 +1,72 @@
+"""Shared fixtures.
+
+`patched_sglang_site`: a scratch site dir holding the test environment's pinned `sglang`
+package (files symlinked, so it costs seconds) with the whole patch series applied to it
+(patched files are real files; the environment's own SGLang is never touched).  Run code
+against it in a subprocess with `run_patched` (PYTHONPATH=<site>:overlay).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OVERLAY = REPO / "overlay"
+if str(OVERLAY) not in sys.path:
+    sys.path.insert(0, str(OVERLAY))
+
+from dsv4_sm120 import patching  # noqa: E402
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Mirror src into dst: directories created, files symlinked (no __pycache__)."""
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        rel = Path(dirpath).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for f in filenames:
+            os.symlink(Path(dirpath) / f, dst / rel / f)
+
+
+@pytest.fixture(scope="session")
+def sglang_pkg_dir() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.origin:
+        pytest.fail("sglang is not installed in the test environment; run the suite with `make test`")
+    return Path(spec.origin).parent
+
+
+@pytest.fixture(scope="session")
+def patched_sglang_site(tmp_path_factory, sglang_pkg_dir) -> Path:
+    site = tmp_path_factory.mktemp("patched_site")
+    link_tree(sglang_pkg_dir, site / "sglang")
+    for di in sglang_pkg_dir.parent.glob("sglang-*.dist-info"):
+        shutil.copytree(di, site / di.name)
+    series = patching.load_series()
+    patching.apply(site / "sglang", series, install=False, say=lambda *_: None)
+    return site
+
+
+def _run(site: Path | None, code: str, env: dict | None = None, timeout: float = 600,
+         overlay: bool = True) -> subprocess.CompletedProcess:
+    paths = ([str(site)] if site else []) + ([str(OVERLAY)] if overlay else [])
+    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    e["PYTHONPATH"] = os.pathsep.join(paths)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=str(REPO))
+
+
+@pytest.fixture(scope="session")
+def run_patched(patched_sglang_site):
+    """run_patched(code, env=None, timeout=600, overlay=True) -> CompletedProcess, in the patched SGLang."""
+    def run(code: str, env: dict | None = None, timeout: float = 600, overlay: bool = True):
+        return _run(patched_sglang_site, code, env=env, timeout=timeout, overlay=overlay)
+    return run

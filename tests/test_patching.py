@@ -1,0 +1,248 @@
+"""The patch machinery: all-or-nothing apply, byte-exact revert, refusals, status, check.
+
+Trees are scratch extractions of the pinned wheel (only the target files + version files +
+dist-info), so every test starts from real pristine bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import OVERLAY, REPO
+from dsv4_sm120 import SGLANG_VERSION, patching
+
+SERIES = patching.load_series()
+
+
+def cli(*args, env=None):
+    e = dict(os.environ, PYTHONPATH=str(OVERLAY))
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "dsv4_sm120.patching", *args], capture_output=True,
+                          text=True, env=e, cwd=str(REPO))
+
+
+def snapshot(root: Path) -> dict:
+    """sha256 of every file under root (the state dir included), to prove 'nothing changed'."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts:
+            out[str(p.relative_to(root))] = patching.sha256_file(p)
+    return out
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """A pristine scratch sglang tree holding the series' target files."""
+    return patching.extract_pristine(tmp_path, SERIES.targets + ["srt/server_args.py"])
+
+
+def write_series(tmp_path: Path, patches: dict) -> Path:
+    d = tmp_path / "series_dir"
+    d.mkdir()
+    for name, text in patches.items():
+        (d / name).write_text(text)
+    (d / "series").write_text("\n".join(patches) + "\n")
+    return d / "series"
+
+
+def test_repo_series_has_headers_and_a_current_lock():
+    assert SERIES.patches[0].name == "0001-overlay-hook.patch"
+    for p in SERIES.patches:
+        assert p.header.strip(), f"{p.name} has no header"
+    lock = patching.load_lock(SERIES)
+    assert lock is not None, "patches/targets.lock missing: run make lock-patches"
+    assert lock["series_hash"] == SERIES.hash, "patches/targets.lock is stale: run make lock-patches"
+
+
+def test_check_patches_against_pristine_wheel():
+    r = cli("check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "series OK" in r.stdout
+
+
+def test_apply_twice_revert_apply_round_trip(tree):
+    pristine = snapshot(tree)
+    r = cli("apply", "--sglang-root", str(tree), "--no-install")
+    assert r.returncode == 0, r.stderr
+    assert "applied" in r.stdout
+    once = snapshot(tree)
+    assert once != pristine
+    for path in SERIES.targets:  # every target matches the lock's patched hash
+        assert patching.sha256_file(tree / path) == patching.load_lock(SERIES)["files"][path]["patched"]
+    r = cli("apply", "--sglang-root", str(tree), "--no-install")
+    assert r.returncode == 0 and "already applied" in r.stdout and "nothing to do" in r.stdout
+    assert snapshot(tree) == once
+    r = cli("revert", "--sglang-root", str(tree))
+    assert r.returncode == 0 and "byte-identical" in r.stdout, r.stdout + r.stderr
+    assert snapshot(tree) == pristine
+    r = cli("revert", "--sglang-root", str(tree))
+    assert r.returncode == 0 and "not patched" in r.stdout and "nothing to revert" in r.stdout
+    r = cli("apply", "--sglang-root", str(tree), "--no-install")
+    assert r.returncode == 0
+    assert snapshot(tree) == once
+
+
+def test_status_reports_series(tree):
+    r = cli("status", "--sglang-root", str(tree), "--json")
+    st = json.loads(r.stdout)
+    assert st["patched"] is False and st["state"] is None and st["sglang_version"] == SGLANG_VERSION
+    cli("apply", "--sglang-root", str(tree), "--no-install")
+    st = json.loads(cli("status", "--sglang-root", str(tree), "--json").stdout)
+    assert st["patched"] and st["matches_repo"] and st["series_hash"] == SERIES.hash
+    assert st["patches"] == [p.name for p in SERIES.patches]
+    # the hook module inside the tree can read the same record
+    assert patching.read_manifest(tree)["series_hash"] == SERIES.hash
+
+
+def test_parent_dir_is_accepted_as_root(tree):
+    r = cli("apply", "--sglang-root", str(tree.parent), "--no-install")
+    assert r.returncode == 0, r.stderr
+
+
+def test_wrong_version_refused_and_nothing_changed(tree):
+    vf = tree / "_version.py"
+    vf.write_text(vf.read_text().replace(f"'{SGLANG_VERSION}'", "'0.5.22'"))
+    before = snapshot(tree)
+    r = cli("apply", "--sglang-root", str(tree), "--no-install")
+    assert r.returncode == 2
+    assert "0.5.22" in r.stderr and f"sglang=={SGLANG_VERSION}" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert snapshot(tree) == before
+
+
+def test_sglang_missing(tmp_path):
+    r = cli("apply", "--sglang-root", str(tmp_path / "nope"), "--no-install")
+    assert r.returncode == 2 and "not an SGLang package directory" in r.stderr
+    # an environment without SGLang: this interpreter's base (no sglang there)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    r = cli("apply", "--python", str(venv / "bin" / "python"))
+    assert r.returncode == 2
+    assert "SGLang is not installed" in r.stderr and f"sglang=={SGLANG_VERSION}" in r.stderr
+    r = cli("apply", "--python", str(tmp_path / "missing" / "bin" / "python"))
+    assert r.returncode == 2 and "make setup" in r.stderr
+
+
+def test_make_apply_without_environment_says_setup(tmp_path):
+    r = subprocess.run(["make", "-s", "apply-patches", f"VENV={tmp_path}/none"], capture_output=True,
+                       text=True, cwd=str(REPO))
+    assert r.returncode != 0
+    assert "make setup" in (r.stdout + r.stderr)
+
+
+def test_locally_modified_target_refused(tree):
+    target = tree / "srt/models/deepseek_v4.py"
+    target.write_text(target.read_text() + "\n# a local edit\n")
+    before = snapshot(tree)
+    r = cli("apply", "--sglang-root", str(tree), "--no-install")
+    assert r.returncode == 1
+    assert "srt/models/deepseek_v4.py" in r.stderr and "modified locally" in r.stderr
+    assert snapshot(tree) == before
+
+
+def test_modified_after_patching_refused_by_apply_and_revert(tree):
+    cli("apply", "--sglang-root", str(tree), "--no-install")
+    target = tree / "srt/models/deepseek_v4.py"
+    target.write_text(target.read_text() + "\n# edited after patching\n")
+    before = snapshot(tree)
+    for cmd in ("apply", "revert"):
+        args = [cmd, "--sglang-root", str(tree)] + (["--no-install"] if cmd == "apply" else [])
+        r = cli(*args)
+        assert r.returncode == 1, (cmd, r.stdout, r.stderr)
+        assert "srt/models/deepseek_v4.py" in r.stderr
+        assert snapshot(tree) == before
+
+
+def test_failing_patch_leaves_nothing_half_applied(tree, tmp_path):
+    good = {p.name: p.text for p in SERIES.patches}
+    bad = ("header: a patch whose context does not exist\n\n"
+           "--- a/srt/server_args.py\n+++ b/srt/server_args.py\n@@ -1,3 +1,3 @@\n"
+           " this line is not in server_args.py\n-nor this\n+replacement\n still not\n")
+    series_file = write_series(tmp_path, {**good, "0099-broken.patch": bad})
+    before = snapshot(tree)
+    r = cli("apply", "--sglang-root", str(tree), "--no-install", "--series", str(series_file))
+    assert r.returncode == 1
+    assert "0099-broken.patch" in r.stderr and "does not match" in r.stderr
+    assert snapshot(tree) == before  # the good patches before it were not applied either
+
+
+def test_crash_while_writing_rolls_back(tree):
+    before = snapshot(tree)
+    r = cli("apply", "--sglang-root", str(tree), "--no-install", env={"DSV4_PATCHING_FAIL_AFTER": "1"})
+    assert r.returncode == 1
+    assert "simulated failure" in r.stderr and "rolled back" in r.stderr
+    assert snapshot(tree) == before
+
+
+def test_hard_crash_mid_apply_is_recovered(tree):
+    """A killed apply (state 'applying', some files written) is rolled back by the next apply or revert."""
+    pristine = snapshot(tree)
+    with pytest.raises(patching.PatchError):
+        os.environ["DSV4_PATCHING_FAIL_AFTER"] = "1"
+        try:
+            patching.apply(tree, SERIES, install=False, say=lambda *_: None)  # no rollback: like a kill
+        finally:
+            del os.environ["DSV4_PATCHING_FAIL_AFTER"]
+    assert patching.read_manifest(tree)["state"] == "applying"
+    assert snapshot(tree) != pristine
+    r = cli("revert", "--sglang-root", str(tree))
+    assert r.returncode == 0, r.stderr
+    assert snapshot(tree) == pristine
+    # and once more, recovered by apply this time
+    os.environ["DSV4_PATCHING_FAIL_AFTER"] = "1"
+    try:
+        with pytest.raises(patching.PatchError):
+            patching.apply(tree, SERIES, install=False, say=lambda *_: None)
+    finally:
+        del os.environ["DSV4_PATCHING_FAIL_AFTER"]
+    r = cli("apply", "--sglang-root", str(tree), "--no-install")
+    assert r.returncode == 0 and "interrupted apply" in r.stdout
+    assert patching.read_manifest(tree)["state"] == "applied"
+
+
+def test_different_series_is_replaced(tree, tmp_path):
+    """A tree patched by an older series is restored to pristine and patched with the current one."""
+    extra = ("header: an extra one-line change, standing in for an older series\n\n"
+             "--- a/srt/dsv4_sm120_hook.py\n+++ b/srt/dsv4_sm120_hook.py\n@@ -1,1 +1,2 @@\n"
+             + "".join(" " + l for l in patching.split_lines(
+                 patching.apply_series_to_contents(SERIES, {p: (None if p in SERIES.created else
+                                                                patching.read_text(tree / p))
+                                                            for p in SERIES.targets})["srt/dsv4_sm120_hook.py"])[:1])
+             + "+# older series\n")
+    series_file = write_series(tmp_path, {**{p.name: p.text for p in SERIES.patches}, "0099-old.patch": extra})
+    r = cli("apply", "--sglang-root", str(tree), "--no-install", "--series", str(series_file))
+    assert r.returncode == 0, r.stderr
+    assert "# older series" in (tree / "srt/dsv4_sm120_hook.py").read_text()
+    r = cli("apply", "--sglang-root", str(tree), "--no-install")
+    assert r.returncode == 0 and "different series" in r.stdout, r.stdout + r.stderr
+    assert "# older series" not in (tree / "srt/dsv4_sm120_hook.py").read_text()
+    st = json.loads(cli("status", "--sglang-root", str(tree), "--json").stdout)
+    assert st["matches_repo"]
+
+
+def test_strict_applier_handles_offsets_and_no_newline_at_eof():
+    text = "a\nb\nc\nd\ne"
+    patch = ("h\n\n--- a/f\n+++ b/f\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n@@ -4,2 +4,2 @@\n d\n-e\n\\ No newline at end of file\n"
+             "+E\n\\ No newline at end of file\n")
+    fp = patching.parse_patch("t", patch).files[0]
+    assert patching.apply_hunks(text, fp, "t") == "a\nB\nc\nd\nE"
+    # shifted by two lines: still applies at the offset
+    assert patching.apply_hunks("x\ny\n" + text, fp, "t") == "x\ny\na\nB\nc\nd\nE"
+    with pytest.raises(patching.PatchError):
+        patching.apply_hunks(text.replace("c", "C"), fp, "t")
+    # splitting is on \n only: a form feed inside a line is not a line break
+    assert patching.split_lines("a\x0cb\nc") == ["a\x0cb\n", "c"]
+
+
+def test_cli_help_and_usage_errors():
+    r = cli("--help")
+    assert r.returncode == 0 and "apply" in r.stdout and "revert" in r.stdout
+    r = cli("apply")
+    assert r.returncode == 2 and "no SGLang tree given" in r.stderr and "Traceback" not in r.stderr
