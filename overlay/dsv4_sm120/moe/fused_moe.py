@@ -1,0 +1,206 @@
+"""Launcher of the Triton NVFP4 fused MoE (DeepSeek-V4 routed experts).
+
+Public entry: :func:`dsv4_sm120.moe.nvfp4_fused_moe` (re-exported by the
+package). Shapes, dtypes and semantics are documented there and in
+``docs/moe.md``. Everything here depends only on tensor shapes: no
+``.item()``, no data-dependent allocation, so calls can be captured in CUDA
+graphs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from . import kernels as K
+
+PATH_ENV = "DSV4_SM120_MOE_PATH"  # auto | fp4 | bf16 (force a path; tests / debugging)
+SCALED_DOT_ENV = "DSV4_SM120_MOE_SCALED_DOT"  # native | emulated (fp4 path only)
+
+
+class MoEInputError(ValueError):
+    """Bad shapes / dtypes / devices given to :func:`nvfp4_fused_moe`."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_path(device: torch.device) -> str:
+    """``fp4`` on GPUs with FP4 block-scaled MMA (sm_100, sm_120), else ``bf16``."""
+    forced = os.environ.get(PATH_ENV, "auto").strip().lower()
+    if forced in ("fp4", "bf16"):
+        return forced
+    if forced not in ("", "auto"):
+        raise MoEInputError(f"{PATH_ENV}={forced!r}: expected auto, fp4 or bf16")
+    if device.type != "cuda" or _interpreting():
+        return "bf16"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "fp4" if major in (10, 12) else "bf16"
+
+
+def default_scaled_dot(device: torch.device) -> str:
+    forced = os.environ.get(SCALED_DOT_ENV, "").strip().lower()
+    if forced in ("native", "emulated"):
+        return forced
+    if forced:
+        raise MoEInputError(f"{SCALED_DOT_ENV}={forced!r}: expected native or emulated")
+    # the interpreter's dot_scaled reads every scale as E8M0: emulate there
+    return "emulated" if (_interpreting() or device.type != "cuda") else "native"
+
+
+@dataclass(frozen=True)
+class Config:
+    BM: int
+    BN1: int
+    BK1: int
+    BN2: int
+    BK2: int
+    warps1: int
+    warps2: int
+    stages: int
+
+
+def _pick_bk(K: int, want: int) -> int:
+    bk = want
+    while bk > 32 and K % bk:
+        bk //= 2
+    return bk
+
+
+def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str) -> Config:
+    """Tile sizes chosen by the number of (token, slot) pairs per expert."""
+    if _interpreting():
+        return Config(16, 16, _pick_bk(H, 32), 16, _pick_bk(I, 32), 4, 4, 1)
+    P = M * topk
+    per_expert = P / max(1, min(E, P))
+    if per_expert <= 16:  # decode: weight-bandwidth bound, many narrow programs
+        BM, BN1, BN2, w1, w2 = 16, 32, 64, 4, 4
+        BK1, BK2 = _pick_bk(H, 256), _pick_bk(I, 256)
+    elif per_expert <= 48:
+        BM, BN1, BN2, w1, w2 = 32, 64, 64, 4, 4
+        BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
+    else:  # prefill
+        BM, BN1, BN2, w1, w2 = 64, 64, 128, 8, 8
+        BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
+    return Config(BM, BN1, BK1, BN2, BK2, w1, w2, 3)
+
+
+def _check(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids):
+    def need(cond, msg):
+        if not cond:
+            raise MoEInputError(f"nvfp4_fused_moe: {msg}")
+
+    need(x.dim() == 2 and x.dtype == torch.bfloat16, f"x must be bf16 [M, H], got {x.dtype} {tuple(x.shape)}")
+    M, H = x.shape
+    need(w13.dim() == 3 and w13.dtype == torch.uint8, f"w13 must be uint8 [E, 2I, H/2], got {w13.dtype} {tuple(w13.shape)}")
+    E, two_i, h2 = w13.shape
+    need(two_i % 2 == 0, f"w13 dim 1 must be 2*I (even), got {two_i}")
+    I = two_i // 2
+    need(h2 * 2 == H, f"w13 is [E, 2I, {h2}] but x has H={H} (expected H/2={H // 2})")
+    need(H % 32 == 0 and I % 32 == 0, f"H and I must be multiples of 32 (got H={H}, I={I})")
+    need(w13_scale.dtype == torch.float8_e4m3fn and tuple(w13_scale.shape) == (E, two_i, H // 16),
+         f"w13_scale must be float8_e4m3fn [{E}, {two_i}, {H // 16}], got {w13_scale.dtype} {tuple(w13_scale.shape)}")
+    need(w13_scale_2.dtype == torch.float32 and tuple(w13_scale_2.shape) == (E, 2),
+         f"w13_scale_2 must be float32 [{E}, 2], got {w13_scale_2.dtype} {tuple(w13_scale_2.shape)}")
+    need(w2.dtype == torch.uint8 and tuple(w2.shape) == (E, H, I // 2),
+         f"w2 must be uint8 [{E}, {H}, {I // 2}], got {w2.dtype} {tuple(w2.shape)}")
+    need(w2_scale.dtype == torch.float8_e4m3fn and tuple(w2_scale.shape) == (E, H, I // 16),
+         f"w2_scale must be float8_e4m3fn [{E}, {H}, {I // 16}], got {w2_scale.dtype} {tuple(w2_scale.shape)}")
+    need(w2_scale_2.dtype == torch.float32 and tuple(w2_scale_2.shape) == (E,),
+         f"w2_scale_2 must be float32 [{E}], got {w2_scale_2.dtype} {tuple(w2_scale_2.shape)}")
+    need(topk_ids.dim() == 2 and topk_ids.shape[0] == M and topk_ids.dtype in (torch.int32, torch.int64),
+         f"topk_ids must be int32 [M={M}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    need(topk_weights.shape == topk_ids.shape and topk_weights.dtype in (torch.float32, torch.bfloat16, torch.float16),
+         f"topk_weights must be float32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    dev = x.device
+    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w13_scale_2", w13_scale_2), ("w2", w2),
+                    ("w2_scale", w2_scale), ("w2_scale_2", w2_scale_2), ("topk_weights", topk_weights),
+                    ("topk_ids", topk_ids)):
+        need(t.device == dev, f"{name} is on {t.device}, x on {dev}")
+    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        need(t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
+    return M, H, E, I
+
+
+def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                         topk_weights, topk_ids, swiglu_limit: Optional[float] = None,
+                         path: Optional[str] = None, scaled_dot: Optional[str] = None,
+                         config: Optional[Config] = None) -> torch.Tensor:
+    """:func:`nvfp4_fused_moe` with the path / scaled-dot mode / tiles explicit."""
+    M, H, E, I = _check(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids)
+    topk = topk_ids.shape[1]
+    dev = x.device
+    path = path or default_path(dev)
+    if path not in ("fp4", "bf16"):
+        raise MoEInputError(f"nvfp4_fused_moe: path must be fp4 or bf16, got {path!r}")
+    scaled_dot = scaled_dot or default_scaled_dot(dev)
+    out = torch.empty((M, H), dtype=torch.bfloat16, device=dev)
+    if M == 0:
+        return out
+    if topk == 0:
+        return out.zero_()
+    cfg = config or choose_config(M, topk, E, H, I, path)
+    if H % cfg.BK1 or I % cfg.BK2:
+        raise MoEInputError(f"nvfp4_fused_moe: tile K ({cfg.BK1}, {cfg.BK2}) must divide H={H} and I={I}")
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int32).contiguous().view(-1)
+    tw = topk_weights.to(torch.float32).contiguous().view(-1)
+    P = M * topk
+    BM = cfg.BM
+    max_blocks = triton.cdiv(P, BM) + min(E, P)
+    max_slots = max_blocks * BM
+    sorted_pair = torch.empty(max_slots, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(E)
+    chunk = max(16, min(128, 16384 // e_pad))
+    bchunk = max(16, min(64, 8192 // e_pad))
+    K._align_kernel[(1,)](ids, sorted_pair, block_expert, P, E, max_slots, max_blocks,
+                          BM=BM, E_PAD=e_pad, CHUNK=chunk, FILL=1024, BCHUNK=bchunk,
+                          num_warps=4 if _interpreting() else 8)
+    h = torch.empty((max_slots, I), dtype=torch.bfloat16, device=dev)
+    y = torch.empty((P, H), dtype=torch.float32, device=dev)
+    fp4 = path == "fp4"
+    native = scaled_dot == "native"
+    interp = _interpreting()
+    has_limit = swiglu_limit is not None
+    K._gemm1_kernel[(max_blocks, triton.cdiv(I, cfg.BN1))](
+        x, w13, w13_scale, w13_scale_2.contiguous(), sorted_pair, block_expert, h,
+        P, topk, H, I,
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        float(swiglu_limit) if has_limit else 0.0,
+        HAS_LIMIT=has_limit, BM=BM, BN=cfg.BN1, BK=cfg.BK1, PATH_FP4=fp4, NATIVE=native,
+        INTERP=interp, num_warps=cfg.warps1, num_stages=cfg.stages)
+    K._gemm2_kernel[(max_blocks, triton.cdiv(H, cfg.BN2))](
+        h, w2, w2_scale, w2_scale_2.contiguous(), sorted_pair, block_expert, tw, y,
+        P, H, I,
+        w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp,
+        num_warps=cfg.warps2, num_stages=cfg.stages)
+    rb = min(1024, triton.next_power_of_2(H))
+    K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb)
+    return out
+
+
+def nvfp4_fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                    topk_weights, topk_ids, swiglu_limit=None):
+    """Fused MoE over NVFP4 routed experts -> ``[M, H]`` bf16.
+
+    ``x [M, H]`` bf16; ``w13 u8 [E, 2I, H/2]`` (gate rows ``0..I-1``, up rows
+    ``I..2I-1``), ``w13_scale e4m3 [E, 2I, H/16]``, ``w13_scale_2 f32 [E, 2]``
+    (gate, up), ``w2 u8 [E, H, I/2]``, ``w2_scale e4m3 [E, H, I/16]``,
+    ``w2_scale_2 f32 [E]``; ``topk_ids [M, k]`` int32 (ids outside ``[0, E)``,
+    e.g. -1, are dropped), ``topk_weights [M, k]`` fp32.
+
+    ``out[t] = sum_j w[t,j] * W2[e] (silu(min(g, L)) * clamp(u, -L, L))`` with
+    ``g, u = W13[e] x[t]`` split into gate / up halves, ``e = ids[t,j]`` and
+    ``L = swiglu_limit`` (no clamp when ``None``), as DeepSeek-V4 defines it.
+    On sm_100 / sm_120 activations are quantized to NVFP4 on the fly (per-row
+    dynamic global scale); elsewhere weights are upcast to bf16 in-kernel.
+    """
+    return nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                                topk_weights, topk_ids, swiglu_limit)

@@ -1,0 +1,327 @@
+"""Triton kernels of the NVFP4 fused MoE (see :mod:`dsv4_sm120.moe.fused_moe`).
+
+Four launches per call, all with grids that depend only on tensor shapes (no
+host synchronisation, CUDA-graph safe):
+
+1. ``_align_kernel`` (one program): groups the ``P = M*k`` (token, slot) pairs
+   by expert, pads every expert's group to a multiple of ``BM`` rows and writes
+   ``sorted_pair[slot]`` (``P`` = padding) and ``block_expert[b]`` (``-1`` =
+   unused block). Ids outside ``[0, E)`` (``-1`` = dropped) are skipped.
+2. ``_gemm1_kernel``: per (row block, N block) ``h = SwiGLU(x W13^T)`` with the
+   DeepSeek-V4 clamp, stored as bf16 rows in sorted (padded) order.
+3. ``_gemm2_kernel``: ``y = h W2^T`` times the pair's top-k weight, stored per
+   pair in fp32.
+4. ``_reduce_kernel``: per token, the sum over its valid slots -> bf16.
+
+K ordering: a packed byte holds elements ``2j`` (low nibble) and ``2j+1`` (high
+nibble). The upcast path never interleaves nibbles: it splits every K tile into
+its even and odd elements and runs two dots (``x_even W_lo^T + x_odd W_hi^T``),
+which is the same sum in another order. The FP4 path packs quantized
+activations the same way, so bytes line up with the weights' K packing and
+``tl.dot_scaled`` takes both operands K-packed.
+
+Paths (``PATH_FP4`` constexpr):
+* ``False`` (upcast; H200 and anything without FP4 MMA): weights are decoded
+  in registers to bf16 (exact: e2m1 * e4m3 fits bf16) and hit bf16 MMA.
+* ``True`` (sm_120 / sm_100): activations are quantized to NVFP4 on the fly
+  with a per-row dynamic global scale ``gs = amax_row / (6 * 448)``, block
+  scale ``e4m3(amax_16 / (6 gs))``, codes ``RNE_e2m1(a / (scale * gs))``, the
+  same recipe as :func:`dsv4_sm120.nvfp4.quantize_nvfp4` with a per-row
+  ``scale_2``; then ``tl.dot_scaled(e2m1, e4m3 scales, group 16)`` when
+  ``NATIVE`` else an exact in-kernel emulation of that product (used under the
+  CPU interpreter, whose dot_scaled reads every scale as E8M0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e2m1_f32(nib):
+    """4-bit e2m1 codes (int32, 0..15) -> float32 / 16384 (exact).
+
+    The code ``s e1 e0 m`` placed at fp16 bits 15 and 11..9 is an fp16 whose
+    value is the e2m1 value times 2^-14 (code 1 lands on the fp16 subnormal
+    2^-15). The caller folds 16384 into the scale.
+    """
+    bits = ((nib & 8) << 12) | ((nib & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_code(v):
+    """float32 -> e2m1 code (int32), round to nearest even, saturating at 6."""
+    a = tl.abs(v)
+    c = (a > 0.25).to(tl.int32)
+    c += (a >= 0.75).to(tl.int32)
+    c += (a > 1.25).to(tl.int32)
+    c += (a >= 1.75).to(tl.int32)
+    c += (a > 2.5).to(tl.int32)
+    c += (a >= 3.5).to(tl.int32)
+    c += (a > 5.0).to(tl.int32)
+    return tl.where((v < 0) & (c > 0), c | 8, c)
+
+
+@triton.jit
+def _bcast8(s, R: tl.constexpr, G: tl.constexpr):
+    """[R, G] -> [R, G*8]: every column repeated 8 times (one 16-block = 8 bytes)."""
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (R, G, 8)), (R, G * 8))
+
+
+@triton.jit
+def _bcast8_rows(s, G: tl.constexpr, C: tl.constexpr):
+    """[G, C] -> [G*8, C]: every row repeated 8 times."""
+    return tl.reshape(tl.broadcast_to(s[:, None, :], (G, 8, C)), (G * 8, C))
+
+
+@triton.jit
+def _quant_tile(a_even, a_odd, gs, BM: tl.constexpr, BK: tl.constexpr):
+    """Quantize a [BM, BK] activation tile given as its even / odd K halves
+    (float32 [BM, BK/2] each) with per-row global scale ``gs`` [BM].
+
+    Returns (packed uint8 [BM, BK/2] K-packed like the weights, block scales
+    float8e4nv [BM, BK/16], block scales as float32 [BM, BK/16]).
+    """
+    G: tl.constexpr = BK // 16
+    am_e = tl.max(tl.reshape(tl.abs(a_even), (BM, G, 8)), axis=2)
+    am_o = tl.max(tl.reshape(tl.abs(a_odd), (BM, G, 8)), axis=2)
+    bam = tl.maximum(am_e, am_o)
+    raw = tl.minimum(bam / (6.0 * gs[:, None]), 448.0)
+    bs8 = raw.to(tl.float8e4nv)
+    bsf = bs8.to(tl.float32)
+    denom = _bcast8(bsf * gs[:, None], BM, G)
+    safe = tl.where(denom > 0, denom, 1.0)
+    ce = tl.where(denom > 0, _e2m1_code(a_even / safe), 0)
+    co = tl.where(denom > 0, _e2m1_code(a_odd / safe), 0)
+    packed = (ce | (co << 4)).to(tl.uint8)
+    return packed, bs8, bsf
+
+
+@triton.jit
+def _row_gs(a_ptrs_row, row_mask, K, BM: tl.constexpr, BK: tl.constexpr):
+    """Per-row dynamic NVFP4 global scale amax/(6*448) (1.0 for an all-zero row)."""
+    kk = tl.arange(0, BK)
+    amax = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_ptrs_row + (k0 + kk)[None, :], mask=row_mask[:, None], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+    return tl.where(amax > 0, amax / 2688.0, 1.0)
+
+
+@triton.jit
+def _fp4_pair_dot(acc, a_even, a_odd, gs, wq, ws_ptrs,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  NATIVE: tl.constexpr):
+    """acc[BM, BN] += dequant(quant(a)) @ dequant(w) without the global scales.
+
+    ``wq`` uint8 [BK/2, BN] (K-packed weights, transposed view), ``ws_ptrs``
+    pointers [BN, BK/16] to its E4M3 block scales. The result still has to be
+    multiplied by the activation row scale and the weight global scale.
+    """
+    G: tl.constexpr = BK // 16
+    aq, as8, asf = _quant_tile(a_even, a_odd, gs, BM, BK)
+    if NATIVE:
+        ws = tl.load(ws_ptrs)
+        acc = tl.dot_scaled(aq, as8, "e2m1", wq, ws, "e2m1", acc)
+    else:
+        # exact emulation (interpreter / no FP4 MMA): decode both operands
+        aqi = aq.to(tl.int32)
+        asb = _bcast8(asf * 16384.0, BM, G)
+        a_lo = _e2m1_f32(aqi & 15) * asb
+        a_hi = _e2m1_f32(aqi >> 4) * asb
+        wsf = tl.trans(tl.load(ws_ptrs).to(tl.float32))  # [G, BN]
+        wsb = _bcast8_rows(wsf * 16384.0, G, BN)
+        wqi = wq.to(tl.int32)
+        w_lo = _e2m1_f32(wqi & 15) * wsb
+        w_hi = _e2m1_f32(wqi >> 4) * wsb
+        acc += tl.dot(a_lo, w_lo, input_precision="ieee")
+        acc += tl.dot(a_hi, w_hi, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _upcast_pair_dot(acc, a_even, a_odd, wq, ws_ptrs,
+                     BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+    """acc += [a_even | a_odd] @ dequant(w) (bf16 MMA, fp32 accumulate),
+    without the weight global scale. ``a_*`` bf16 [BM, BK/2]."""
+    G: tl.constexpr = BK // 16
+    wsf = tl.load(ws_ptrs).to(tl.float32)  # [G, BN] (pointers already transposed)
+    wsb = _bcast8_rows(wsf * 16384.0, G, BN)
+    wqi = wq.to(tl.int32)
+    w_lo = _e2m1_f32(wqi & 15) * wsb
+    w_hi = _e2m1_f32(wqi >> 4) * wsb
+    if INTERP:
+        # the CPU interpreter mis-computes bf16 dots: stay in fp32 there
+        acc += tl.dot(a_even.to(tl.float32), w_lo, input_precision="ieee")
+        acc += tl.dot(a_odd.to(tl.float32), w_hi, input_precision="ieee")
+    else:
+        acc += tl.dot(a_even, w_lo.to(tl.bfloat16))
+        acc += tl.dot(a_odd, w_hi.to(tl.bfloat16))
+    return acc
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, MAX_SLOTS, MAX_BLOCKS,
+                  BM: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                  FILL: tl.constexpr, BCHUNK: tl.constexpr):
+    e_idx = tl.arange(0, E_PAD)
+    e_ok = e_idx < E
+    # pass 1: tokens per expert
+    cnt = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in range(0, P, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        oh = ((ids[:, None] == e_idx[None, :]) & e_ok[None, :]).to(tl.int32)
+        cnt += tl.sum(oh, axis=0)
+    padded = (cnt + BM - 1) // BM * BM
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    # padding slots point past the last pair
+    for s in range(0, MAX_SLOTS, FILL):
+        so = s + tl.arange(0, FILL)
+        tl.store(sorted_ptr + so, tl.zeros([FILL], dtype=tl.int32) + P, mask=so < MAX_SLOTS)
+    # row block -> expert (-1: past the used blocks)
+    for b in range(0, MAX_BLOCKS, BCHUNK):
+        bo = b + tl.arange(0, BCHUNK)
+        pos = bo * BM
+        inside = (pos[:, None] >= start[None, :]) & (pos[:, None] < end[None, :])
+        eb = tl.sum(tl.where(inside, e_idx[None, :] + 1, 0), axis=1) - 1
+        tl.store(block_expert_ptr + bo, eb, mask=bo < MAX_BLOCKS)
+    tl.debug_barrier()
+    # pass 2: scatter pair indices to their slots (stable within an expert)
+    running = start
+    for c in range(0, P, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        oh = ((ids[:, None] == e_idx[None, :]) & e_ok[None, :]).to(tl.int32)
+        incl = tl.cumsum(oh, axis=0)
+        rank = tl.sum(oh * incl, axis=1) - 1
+        base = tl.sum(oh * running[None, :], axis=1)
+        valid = tl.sum(oh, axis=1) > 0
+        tl.store(sorted_ptr + base + rank, offs, mask=valid & (offs < P))
+        running += tl.sum(oh, axis=0)
+
+
+@triton.jit
+def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_ptr,
+                  P, TOPK, H, I,
+                  stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                  swiglu_limit,
+                  HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
+                  INTERP: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        e64 = e.to(tl.int64)
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + rows)
+        rvalid = pair < P
+        tok = tl.where(rvalid, pair // TOPK, 0).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        nmask = offs_n < I
+        offs_n = tl.where(nmask, offs_n, 0)
+        jj = tl.arange(0, BK // 2)
+        gg = tl.arange(0, BK // 16)
+        a_row = x_ptr + tok[:, None] * stride_xm
+        # weights as [BK/2, BN] (K-packed bytes along dim 0)
+        wg_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
+        wu_p = wg_p + I * stride_wn
+        if PATH_FP4:
+            # scales as [BN, BK/16] (what dot_scaled wants for rhs)
+            sg_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
+            gs = _row_gs(a_row, rvalid, H, BM, BK)
+        else:
+            sg_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
+        su_p = sg_p + I * stride_sn
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            a_even = tl.load(a_row + k0 + 2 * jj[None, :], mask=rvalid[:, None], other=0.0)
+            a_odd = tl.load(a_row + k0 + 1 + 2 * jj[None, :], mask=rvalid[:, None], other=0.0)
+            wqg = tl.load(wg_p + k0 // 2)
+            wqu = tl.load(wu_p + k0 // 2)
+            if PATH_FP4:
+                ae = a_even.to(tl.float32)
+                ao = a_odd.to(tl.float32)
+                acc_g = _fp4_pair_dot(acc_g, ae, ao, gs, wqg, sg_p + k0 // 16, BM, BN, BK, NATIVE)
+                acc_u = _fp4_pair_dot(acc_u, ae, ao, gs, wqu, su_p + k0 // 16, BM, BN, BK, NATIVE)
+            else:
+                acc_g = _upcast_pair_dot(acc_g, a_even, a_odd, wqg, sg_p + k0 // 16, BN, BK, INTERP)
+                acc_u = _upcast_pair_dot(acc_u, a_even, a_odd, wqu, su_p + k0 // 16, BN, BK, INTERP)
+        g_scale = tl.load(wg_ptr + e64 * 2)
+        u_scale = tl.load(wg_ptr + e64 * 2 + 1)
+        g = acc_g * g_scale
+        u = acc_u * u_scale
+        if PATH_FP4:
+            g = g * gs[:, None]
+            u = u * gs[:, None]
+        if HAS_LIMIT:
+            g = tl.minimum(g, swiglu_limit)
+            u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
+        h = g / (1.0 + tl.exp(-g)) * u
+        h_p = h_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :]
+        tl.store(h_p, h.to(tl.bfloat16), mask=rvalid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw_ptr, y_ptr,
+                  P, H, I,
+                  stride_we, stride_wn, stride_se, stride_sn,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        e64 = e.to(tl.int64)
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + rows)
+        rvalid = pair < P
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        nmask = offs_n < H
+        offs_n = tl.where(nmask, offs_n, 0)
+        jj = tl.arange(0, BK // 2)
+        gg = tl.arange(0, BK // 16)
+        a_row = h_ptr + rows[:, None].to(tl.int64) * I
+        w_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
+        if PATH_FP4:
+            s_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
+            gs = _row_gs(a_row, rvalid, I, BM, BK)
+        else:
+            s_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            a_even = tl.load(a_row + k0 + 2 * jj[None, :], mask=rvalid[:, None], other=0.0)
+            a_odd = tl.load(a_row + k0 + 1 + 2 * jj[None, :], mask=rvalid[:, None], other=0.0)
+            wq = tl.load(w_p + k0 // 2)
+            if PATH_FP4:
+                acc = _fp4_pair_dot(acc, a_even.to(tl.float32), a_odd.to(tl.float32), gs, wq,
+                                    s_p + k0 // 16, BM, BN, BK, NATIVE)
+            else:
+                acc = _upcast_pair_dot(acc, a_even, a_odd, wq, s_p + k0 // 16, BN, BK, INTERP)
+        scale = tl.load(wg_ptr + e64)
+        tw = tl.load(tw_ptr + tl.where(rvalid, pair, 0), mask=rvalid, other=0.0)
+        if PATH_FP4:
+            y = acc * (scale * gs * tw)[:, None]
+        else:
+            y = acc * (scale * tw)[:, None]
+        y_p = y_ptr + tl.where(rvalid, pair, 0).to(tl.int64)[:, None] * H + offs_n[None, :]
+        tl.store(y_p, y, mask=rvalid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _reduce_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(TOPK):
+        eid = tl.load(ids_ptr + t * TOPK + j)
+        ok = (eid >= 0) & (eid < E)
+        v = tl.load(y_ptr + (t * TOPK + j) * H + offs, mask=m & ok, other=0.0)
+        acc += v
+    tl.store(out_ptr + t * H + offs, acc.to(tl.bfloat16), mask=m)
