@@ -246,3 +246,20 @@ def test_cli_help_and_usage_errors():
     assert r.returncode == 0 and "apply" in r.stdout and "revert" in r.stdout
     r = cli("apply")
     assert r.returncode == 2 and "no SGLang tree given" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_apply_installs_overlay_and_revert_removes_it(tree, tmp_path):
+    venv = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    r = cli("apply", "--sglang-root", str(tree), "--python", py)
+    assert r.returncode == 0, r.stdout + r.stderr
+    chk = subprocess.run([py, "-c", "import dsv4_sm120, sys; print(dsv4_sm120.__version__, dsv4_sm120.__file__)"],
+                         capture_output=True, text=True, cwd="/", env={"PATH": os.environ["PATH"]})
+    assert chk.returncode == 0 and str(venv) in chk.stdout, chk.stderr
+    assert not (OVERLAY / "build").exists()
+    r = cli("revert", "--sglang-root", str(tree), "--python", py)
+    assert r.returncode == 0
+    chk = subprocess.run([py, "-c", "import dsv4_sm120"], capture_output=True, text=True, cwd="/",
+                         env={"PATH": os.environ["PATH"]})
+    assert chk.returncode != 0

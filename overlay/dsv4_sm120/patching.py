@@ -647,10 +647,21 @@ def _install_overlay(python: str, say=_say, only_if_missing: bool = False) -> No
         if r.returncode == 0 and r.stdout.strip() == __version__:
             return
     say(f"installing dsv4_sm120 {__version__} into {python}")
-    r = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--no-cache-dir", str(overlay)], capture_output=True, text=True)
+    base = [python, "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--disable-pip-version-check"]
+    # Without build isolation first (works offline where setuptools is in the env, as in the pinned env);
+    # with it otherwise (pip fetches setuptools).
+    with tempfile.TemporaryDirectory() as td:  # build from a copy: never leave build/ or egg-info in the repo
+        src = Path(td) / "overlay"
+        shutil.copytree(overlay, src, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+        r = subprocess.run(base + ["--no-build-isolation", str(src)], capture_output=True, text=True)
+        if r.returncode != 0:
+            r = subprocess.run(base + [str(src)], capture_output=True, text=True)
     if r.returncode != 0:
         raise PatchError("installing the overlay failed:\n" + r.stderr[-2000:])
+    r = subprocess.run([python, "-c", "import dsv4_sm120; print(dsv4_sm120.__version__)"],
+                       capture_output=True, text=True, cwd="/")
+    if r.returncode != 0 or r.stdout.strip() != __version__:
+        raise PatchError(f"dsv4_sm120 {__version__} is not importable from {python} after installing it")
 
 
 # --------------------------------------------------------------------------
