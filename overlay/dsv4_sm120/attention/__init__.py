@@ -1,0 +1,33 @@
+"""Sparse MLA decode for DeepSeek-V4 on sm_120 (and any CUDA GPU Triton supports).
+
+Public entry point::
+
+    out, lse = dsv4_sm120.attention.sparse_mla_decode(
+        q, k_cache, indices, topk_length=None, attn_sink=None, head_dim_v=512,
+        softmax_scale=None, extra_k_cache=None, extra_indices_in_kvcache=None,
+        extra_topk_length=None)
+
+Same argument meaning as SGLang's ``flash_mla_with_kvcache_sm120``: ``q [T,1,H,512]`` bf16 (any H,
+may be a head-slice view), caches in the DeepSeek-V4 page layout (``[N, P, 1, 584]`` views, any
+page size), ``indices [T,1,K]`` int32 with -1 = invalid, optional per-row lengths, optional
+per-head sink (natural-log logit). Returns ``out [T,1,H,512]`` bf16 (zeros for rows with no valid
+candidate) and ``lse [T,H,1]`` fp32 (natural log, sink excluded, -inf for such rows).
+
+Keyword-only ``qk_mode``: ``"bf16"`` | ``"fp8"`` | ``None`` (env ``DSV4_SM120_ATTN_QK``, default
+``auto`` = fp8 block-scaled QK on sm_120, bf16 elsewhere).
+
+``dsv4_sm120.attention.reference`` holds a float64 reference; ``dsv4_sm120.attention.cache``
+builds paged caches for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+__all__ = ["sparse_mla_decode", "DecodeInputError"]
+
+
+def __getattr__(name):  # lazy: importing the package does not import torch/triton
+    if name in ("sparse_mla_decode", "DecodeInputError", "plan_splits"):
+        from . import kernel
+
+        return getattr(kernel, name)
+    raise AttributeError(name)

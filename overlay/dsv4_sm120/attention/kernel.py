@@ -1,0 +1,529 @@
+"""Tensor-core sparse MLA decode for DeepSeek-V4 (FP8 V4 paged KV cache), written in Triton.
+
+Two kernels:
+
+1. ``_dsv4_split_kernel``: grid ``(T, S, HG)``. Program ``(t, s, g)`` takes the heads
+   ``g*BLOCK_H ..`` of row ``t`` (padded up to ``BLOCK_H >= 16`` with masks: the heads are the
+   M dimension of the tensor-core MMA) and the ``s``-th chunk of that row's candidates, where the
+   chunks of the main cache come first and those of the extra (c4 / c128) cache after. It gathers
+   the candidate tokens straight from their pages (any page size; ``stride(0)`` = page bytes),
+   dequantizes the FP8 nope part with the UE8M0 tile scales, keeps rope in bf16, and runs an
+   online softmax (base 2). It writes the un-normalized partial ``acc`` and its ``(m, l)``.
+   QK runs either as bf16 ``tl.dot`` (nope dequantized to bf16, exact) or, for sm_120, as
+   ``tl.dot_scaled`` e4m3 x e4m3 with UE8M0 scales (Q quantized per 32 values on the fly, K used
+   as stored) plus a bf16 dot for rope. PV is always a bf16 dot (the V scales run along the
+   candidate axis, which block-scaled MMA cannot express).
+2. ``_dsv4_combine_kernel``: grid ``(T, cdiv(H, BLOCK_HC))``: merges the ``S`` partials and the
+   sink, writes bf16 ``out`` and the natural-log ``lse`` without the sink; rows with no valid
+   candidate get zeros and ``lse = -inf`` (as SGLang's torch reference).
+
+No host synchronization, no data-dependent shapes: the split plan depends only on the shapes and
+the SM count, the workspace is a grow-only per-device buffer, so the call can be captured in a
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    # Triton's CPU interpreter converts fp32 -> e4m3 without carrying a mantissa round-up into the
+    # exponent (126.0 -> 64.0); round onto the e4m3 grid first so its conversion is exact there.
+    ax = tl.abs(x)
+    e = tl.floor(tl.log2(tl.maximum(ax, 2.0 ** -6)))
+    ulp = tl.exp2(e - 3.0)
+    r = x / ulp
+    fl = tl.floor(r)
+    frac = r - fl
+    odd = (fl - 2.0 * tl.floor(fl * 0.5)) != 0.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)  # round half to even, as the hardware does
+    return tl.where(up, fl + 1.0, fl) * ulp
+
+
+@triton.jit
+def _dsv4_split_kernel(
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    main_ptr,
+    main_idx_ptr,
+    main_idx_st,
+    main_len_ptr,
+    main_K,
+    main_P,
+    main_PB,
+    main_PB2,
+    main_nsplit,
+    main_chunk,
+    extra_ptr,
+    extra_idx_ptr,
+    extra_idx_st,
+    extra_len_ptr,
+    extra_K,
+    extra_P,
+    extra_PB,
+    extra_PB2,
+    extra_chunk,
+    acc_ws,
+    m_ws,
+    l_ws,
+    H,
+    S,
+    HP,
+    sm_scale_log2,
+    HAS_MAIN_LEN: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    HAS_EXTRA_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8_QK: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    t64 = t.to(tl.int64)
+
+    # ---- which cache and which candidate range this program owns
+    cache = main_ptr.to(tl.pointer_type(tl.uint8))
+    idx_row = main_idx_ptr + t64 * main_idx_st
+    P = main_P
+    PB = main_PB.to(tl.int64)
+    PB2 = main_PB2.to(tl.int64)
+    start = s * main_chunk
+    end = tl.minimum(start + main_chunk, main_K)
+    if HAS_MAIN_LEN:
+        end = tl.minimum(end, tl.load(main_len_ptr + t))
+    if HAS_EXTRA:
+        if s >= main_nsplit:
+            cache = extra_ptr.to(tl.pointer_type(tl.uint8))
+            idx_row = extra_idx_ptr + t64 * extra_idx_st
+            P = extra_P
+            PB = extra_PB.to(tl.int64)
+            PB2 = extra_PB2.to(tl.int64)
+            start = (s - main_nsplit) * extra_chunk
+            end = tl.minimum(start + extra_chunk, extra_K)
+            if HAS_EXTRA_LEN:
+                end = tl.minimum(end, tl.load(extra_len_ptr + t))
+    cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
+
+    # ---- Q tile: heads on M, padded with masks
+    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, 512)
+    offs_r = tl.arange(0, 64)
+    q_row = q_ptr + t64 * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
+    q_nope = tl.load(q_row + offs_d[None, :], mask=hmask[:, None] & (offs_d[None, :] < 448), other=0.0)
+    q_rope = tl.load(q_row + 448 + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    if FP8_QK:
+        # per-32 UE8M0 quantization of q_nope to e4m3
+        qf = tl.reshape(q_nope.to(tl.float32), [BLOCK_H, 16, 32])
+        amax = tl.max(tl.abs(qf), axis=2)
+        qexp = tl.ceil(tl.log2(tl.maximum(amax, 1e-30) / 448.0))
+        qexp = tl.minimum(tl.maximum(qexp, -126.0), 127.0)
+        qs = qf * tl.exp2(-qexp)[:, :, None]
+        if INTERP:
+            qs = _round_to_e4m3_grid(qs)
+        q8 = qs.to(tl.float8e4nv)
+        q8 = tl.reshape(q8, [BLOCK_H, 512])
+        q_sc = (qexp + 127.0).to(tl.uint8)
+    if INTERP:
+        q_nope_op = q_nope.to(tl.float32)
+        q_rope_op = q_rope.to(tl.float32)
+    else:
+        q_nope_op = q_nope
+        q_rope_op = q_rope
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    tiles = tl.arange(0, 8)
+    lanes = tl.arange(0, 64)
+    for n0 in range(start, end, BLOCK_N):
+        cand = n0 + offs_n
+        inb = cand < end
+        idx = tl.load(idx_row + cand, mask=inb, other=-1)
+        valid = inb & (idx >= 0)
+        idx64 = tl.maximum(idx, 0).to(tl.int64)
+        page = idx64 // P
+        off = idx64 - page * P
+        row = page * PB + off * 576
+        # nope: [BLOCK_N, 8, 64] bytes, tile 7 masked (it is the rope region)
+        nope_ptr = cache + row[:, None, None] + (tiles[None, :, None] * 64 + lanes[None, None, :])
+        nmask = valid[:, None, None] & (tiles[None, :, None] < 7)
+        nope_b = tl.load(nope_ptr, mask=nmask, other=0)
+        sc_ptr = cache + (page * PB + P * 576 + off * 8)[:, None] + tiles[None, :]
+        sc_b = tl.load(sc_ptr, mask=valid[:, None] & (tiles[None, :] < 7), other=127)
+        scale = tl.exp2(sc_b.to(tl.float32) - 127.0)
+        nope_f = nope_b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+        kv = tl.reshape(nope_f, [BLOCK_N, 512]).to(tl.bfloat16)
+        rope = tl.load(
+            cache_bf16 + (page * PB2 + off * 288 + 224)[:, None] + offs_r[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        if INTERP:
+            kv_op = kv.to(tl.float32)
+            rope_op = rope.to(tl.float32)
+        else:
+            kv_op = kv
+            rope_op = rope
+        if FP8_QK:
+            k8 = tl.reshape(nope_b, [BLOCK_N, 512]).to(tl.float8e4nv, bitcast=True)
+            g32 = tl.arange(0, 16)
+            ks = tl.load(
+                cache + (page * PB + P * 576 + off * 8)[:, None] + (g32 // 2)[None, :],
+                mask=valid[:, None] & (g32[None, :] < 14),
+                other=127,
+            )
+            qk = tl.dot_scaled(q8, q_sc, "e4m3", tl.trans(k8), ks, "e4m3")
+        else:
+            qk = tl.dot(q_nope_op, tl.trans(kv_op))
+        qk = qk + tl.dot(q_rope_op, tl.trans(rope_op))
+        qk = qk * sm_scale_log2
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if INTERP:
+            p_op = p.to(tl.bfloat16).to(tl.float32)
+        else:
+            p_op = p.to(tl.bfloat16)
+        acc = acc * alpha[:, None] + tl.dot(p_op, kv_op)
+        acc_r = acc_r * alpha[:, None] + tl.dot(p_op, rope_op)
+        m_i = m_new
+
+    # ---- partial results: [T, S, HP, 512] / [T, S, HP]
+    base = (t64 * S + s) * HP + offs_h
+    tl.store(acc_ws + base[:, None] * 512 + offs_d[None, :], acc, mask=hmask[:, None] & (offs_d[None, :] < 448))
+    tl.store(acc_ws + base[:, None] * 512 + 448 + offs_r[None, :], acc_r, mask=hmask[:, None])
+    tl.store(m_ws + base, m_i, mask=hmask)
+    tl.store(l_ws + base, l_i, mask=hmask)
+
+
+@triton.jit
+def _dsv4_combine_kernel(
+    acc_ws,
+    m_ws,
+    l_ws,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    H,
+    S,
+    HP,
+    HAS_SINK: tl.constexpr,
+    BLOCK_HC: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    offs_h = hb * BLOCK_HC + tl.arange(0, BLOCK_HC)
+    hmask = offs_h < H
+    offs_d = tl.arange(0, 512)
+    m_max = tl.full([BLOCK_HC], float("-inf"), tl.float32)
+    for s in range(0, S):
+        m = tl.load(m_ws + (t64 * S + s) * HP + offs_h, mask=hmask, other=float("-inf"))
+        m_max = tl.maximum(m_max, m)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.zeros([BLOCK_HC], tl.float32)
+    acc = tl.zeros([BLOCK_HC, 512], tl.float32)
+    for s in range(0, S):
+        base = (t64 * S + s) * HP + offs_h
+        m = tl.load(m_ws + base, mask=hmask, other=float("-inf"))
+        l = tl.load(l_ws + base, mask=hmask, other=0.0)
+        w = tl.exp2(m - m_use)
+        l_tot += l * w
+        a = tl.load(acc_ws + base[:, None] * 512 + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        acc += a * w[:, None]
+    denom = l_tot
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h, mask=hmask, other=float("-inf")).to(tl.float32)
+        denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
+    lonely = l_tot == 0.0
+    out = tl.where(lonely[:, None], 0.0, acc / tl.where(lonely, 1.0, denom)[:, None])
+    lse = tl.where(lonely, float("-inf"), (m_use + tl.log2(tl.where(lonely, 1.0, l_tot))) * 0.6931471805599453)
+    orow = (t64 * H + offs_h)
+    tl.store(out_ptr + orow[:, None] * 512 + offs_d[None, :], out.to(tl.bfloat16), mask=hmask[:, None])
+    tl.store(lse_ptr + orow, lse, mask=hmask)
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+
+
+class DecodeInputError(ValueError):
+    """Bad arguments to ``sparse_mla_decode`` (shape, dtype, layout)."""
+
+
+_BYTES_PER_TOKEN = 584
+_SM_COUNT: Dict[int, int] = {}
+_WORKSPACE: Dict[Tuple[str, int], torch.Tensor] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def _is_sm120(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 12
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """Grow-only fp32 workspace per device; slices of it are reused by every call."""
+    key = (str(device), 0)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):
+            buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
+        _WORKSPACE[key] = buf
+    return buf
+
+
+def _cache_params(k_cache: torch.Tensor, name: str):
+    if k_cache.ndim == 3:
+        k_cache = k_cache.unsqueeze(2)
+    if k_cache.ndim != 4 or k_cache.shape[2] != 1 or k_cache.shape[3] != _BYTES_PER_TOKEN:
+        raise DecodeInputError(
+            f"{name} must be the DeepSeek-V4 page view [num_pages, page_size, 1, 584], got {tuple(k_cache.shape)}"
+        )
+    if k_cache.element_size() != 1:
+        raise DecodeInputError(f"{name} must have a 1-byte dtype (float8_e4m3fn/uint8), got {k_cache.dtype}")
+    P = k_cache.shape[1]
+    PB = k_cache.stride(0)
+    if P < 1 or PB < P * _BYTES_PER_TOKEN or PB % 2 != 0 or k_cache.stride(1) != _BYTES_PER_TOKEN:
+        raise DecodeInputError(
+            f"{name}: page stride {PB} / token stride {k_cache.stride(1)} do not fit page size {P} in the V4 layout"
+        )
+    return k_cache.view(torch.uint8), P, PB
+
+
+def _indices(ind: torch.Tensor, T: int, name: str) -> torch.Tensor:
+    if ind.ndim == 2:
+        ind = ind.unsqueeze(1)
+    if ind.ndim != 3 or ind.shape[0] != T or ind.shape[1] != 1:
+        raise DecodeInputError(f"{name} must be [T, 1, K] with T={T}, got {tuple(ind.shape)}")
+    if ind.dtype not in (torch.int32, torch.int64):
+        raise DecodeInputError(f"{name} must be int32/int64, got {ind.dtype}")
+    if ind.dtype != torch.int32:
+        ind = ind.to(torch.int32)
+    if ind.stride(2) != 1:
+        ind = ind.contiguous()
+    return ind
+
+
+def _lengths(x, T: int, name: str):
+    if x is None:
+        return None
+    if x.numel() != T:
+        raise DecodeInputError(f"{name} must have T={T} entries, got shape {tuple(x.shape)}")
+    x = x.reshape(T)
+    if x.dtype != torch.int32:
+        x = x.to(torch.int32)
+    return x.contiguous()
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0):
+    """Split plan: (s_main, chunk_main, s_extra, chunk_extra). Depends only on shapes and SM count.
+
+    Aim at ``waves * num_sms`` programs in total, never below one split per cache that has
+    candidates, never more splits than candidate blocks; the splits go to main / extra in
+    proportion to their candidate blocks."""
+    nb1 = max(1, triton.cdiv(K1, block_n))
+    nb2 = triton.cdiv(K2, block_n) if K2 > 0 else 0
+    want = max(1, triton.cdiv(int(waves * num_sms), max(1, T * HG)))
+    want = min(max(want, 1 + (1 if nb2 else 0)), nb1 + nb2)
+    if nb2:
+        s1 = min(max(1, round(want * nb1 / (nb1 + nb2))), want - 1)
+        s2 = want - s1
+    else:
+        s1, s2 = want, 0
+    c1 = triton.cdiv(nb1, s1) * block_n
+    s1 = max(1, triton.cdiv(K1, c1))
+    if nb2:
+        c2 = triton.cdiv(nb2, s2) * block_n
+        s2 = triton.cdiv(K2, c2)
+    else:
+        c2 = block_n
+    return s1, c1, s2, c2
+
+
+def _default_config(H: int, device: torch.device, fp8: bool):
+    if _interpreting():
+        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0)
+    bh = min(64, _pow2_at_least(H, 16))
+    cfg = dict(BLOCK_H=bh, BLOCK_N=32, num_warps=4 if bh <= 16 else 8, num_stages=2, waves=2.0)
+    return cfg
+
+
+# Overrides for benchmarking variants (keys of _default_config); empty in production.
+CONFIG_OVERRIDE: Dict[str, object] = {}
+
+
+def _qk_mode(device: torch.device, qk_mode) -> bool:
+    mode = qk_mode or os.environ.get("DSV4_SM120_ATTN_QK", "auto")
+    if mode not in ("auto", "bf16", "fp8"):
+        raise DecodeInputError(f"qk_mode / DSV4_SM120_ATTN_QK must be auto, bf16 or fp8, got {mode!r}")
+    if mode == "auto":
+        return _is_sm120(device)
+    return mode == "fp8"
+
+
+def sparse_mla_decode(
+    q,
+    k_cache,
+    indices,
+    topk_length=None,
+    attn_sink=None,
+    head_dim_v=512,
+    softmax_scale=None,
+    extra_k_cache=None,
+    extra_indices_in_kvcache=None,
+    extra_topk_length=None,
+    *,
+    qk_mode=None,
+):
+    """Sparse MLA decode over DeepSeek-V4 FP8 paged caches; see the package docstring."""
+    if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[1] != 1 or q.shape[3] != 512:
+        raise DecodeInputError(f"q must be [T, 1, H, 512], got {getattr(q, 'shape', type(q))}")
+    if q.dtype != torch.bfloat16:
+        raise DecodeInputError(f"q must be bfloat16, got {q.dtype}")
+    if head_dim_v != 512:
+        raise DecodeInputError(f"head_dim_v must be 512 for DeepSeek-V4, got {head_dim_v}")
+    T, _, H, D = q.shape
+    if H < 1:
+        raise DecodeInputError("q has no heads")
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    device = q.device
+    main_u8, P1, PB1 = _cache_params(k_cache, "k_cache")
+    idx1 = _indices(indices, T, "indices")
+    len1 = _lengths(topk_length, T, "topk_length")
+    has_extra = extra_k_cache is not None and extra_indices_in_kvcache is not None
+    if has_extra:
+        extra_u8, P2, PB2 = _cache_params(extra_k_cache, "extra_k_cache")
+        idx2 = _indices(extra_indices_in_kvcache, T, "extra_indices_in_kvcache")
+        len2 = _lengths(extra_topk_length, T, "extra_topk_length")
+        K2 = idx2.shape[2]
+    else:
+        extra_u8, P2, PB2, idx2, len2, K2 = main_u8, P1, PB1, idx1, None, 0
+    K1 = idx1.shape[2]
+    if attn_sink is not None:
+        if attn_sink.numel() < H:
+            raise DecodeInputError(f"attn_sink must have at least H={H} entries, got {attn_sink.numel()}")
+        attn_sink = attn_sink.reshape(-1)
+        if attn_sink.dtype != torch.float32:
+            attn_sink = attn_sink.float()
+        if attn_sink.stride(0) != 1:
+            attn_sink = attn_sink.contiguous()
+    if softmax_scale is None:
+        softmax_scale = D ** (-0.5)
+
+    out = torch.empty((T, 1, H, 512), dtype=torch.bfloat16, device=device)
+    lse = torch.empty((T, H, 1), dtype=torch.float32, device=device)
+    if T == 0:
+        return out, lse
+
+    fp8 = _qk_mode(device, qk_mode)
+    cfg = dict(_default_config(H, device, fp8))
+    cfg.update(CONFIG_OVERRIDE)
+    BH, BN = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"])
+    HG = triton.cdiv(H, BH)
+    HP = HG * BH
+    s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, _num_sms(device), float(cfg["waves"]))
+    S = s1 + s2
+    nrow = T * S * HP
+    ws = _workspace(device, nrow * 514)
+    acc_ws = ws[: nrow * 512]
+    m_ws = ws[nrow * 512 : nrow * 513]
+    l_ws = ws[nrow * 513 : nrow * 514]
+    interp = _interpreting()
+    _dsv4_split_kernel[(T, S, HG)](
+        q,
+        q.stride(0),
+        q.stride(2),
+        main_u8,
+        idx1,
+        idx1.stride(0),
+        len1 if len1 is not None else idx1,
+        K1,
+        P1,
+        PB1,
+        PB1 // 2,
+        s1,
+        c1,
+        extra_u8,
+        idx2,
+        idx2.stride(0),
+        len2 if len2 is not None else idx2,
+        K2,
+        P2,
+        PB2,
+        PB2 // 2,
+        c2,
+        acc_ws,
+        m_ws,
+        l_ws,
+        H,
+        S,
+        HP,
+        float(softmax_scale) * LOG2E,
+        HAS_MAIN_LEN=len1 is not None,
+        HAS_EXTRA=has_extra and K2 > 0,
+        HAS_EXTRA_LEN=len2 is not None,
+        BLOCK_H=BH,
+        BLOCK_N=BN,
+        FP8_QK=fp8,
+        INTERP=interp,
+        num_warps=int(cfg["num_warps"]),
+        num_stages=int(cfg["num_stages"]),
+    )
+    BHC = 16 if not interp else 16
+    _dsv4_combine_kernel[(T, triton.cdiv(H, BHC))](
+        acc_ws,
+        m_ws,
+        l_ws,
+        attn_sink if attn_sink is not None else m_ws,
+        out,
+        lse,
+        H,
+        S,
+        HP,
+        HAS_SINK=attn_sink is not None,
+        BLOCK_HC=BHC,
+        num_warps=4,
+    )
+    return out, lse
