@@ -81,4 +81,5 @@ profile: ## torch-profiler trace of the decode server under load, summarised
 
 freeze: ## regenerate requirements/constraints.txt from VENV
 	@{ echo "# pip freeze of the pinned environment (sglang==0.5.23 + requirements/runtime.txt), made by make freeze on $$(date -u +%F)."; \
-	   $(PY) -m pip freeze --exclude-editable | grep -v -E '^(sglang==|dsv4.sm120)'; } > requirements/constraints.txt
+	   echo "# Python $$($(PY) -c 'import sys; print(sys.version.split()[0])'), $$(uname -m). Regenerate with: make freeze VENV=..."; \
+	   $(PY) -m pip freeze --exclude-editable | grep -v -E '^(sglang( @|==)|dsv4.sm120)'; } > requirements/constraints.txt
