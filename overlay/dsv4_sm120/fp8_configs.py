@@ -1,0 +1,289 @@
+"""Where patched SGLang finds tuned FP8 block-GEMM configs, and which FP8 GEMM backend to serve with.
+
+SGLang 0.5.23 reads the Triton ``w8a8_block_fp8_matmul`` tile configs only from
+``sglang/kernels/ops/gemm/configs/`` inside the wheel, under the name
+``N={N},K={K},device_name={dev},dtype=fp8_w8a8,block_shape=[{bn}, {bk}].json``
+(``dev`` = ``torch.cuda.get_device_name().replace(" ", "_")``).  Patch
+``0004-fp8-config-dir.patch`` makes ``get_w8a8_block_fp8_configs`` ask
+:func:`project_config_path` first; when that returns None SGLang's own directory
+is used as before.
+
+The project directory is, in this order:
+
+1. ``$SGLANG_DSV4_FP8_CONFIG_DIR`` when set (an empty value turns the project
+   directory off: SGLang's own configs only);
+2. ``<repo_root>/configs/fp8`` where ``repo_root`` is the checkout the patches
+   were applied from (recorded at apply time in
+   ``<sglang>/.dsv4_sm120/manifest.json``);
+3. ``configs/fp8`` next to this overlay's source tree (a checkout used through
+   ``PYTHONPATH=overlay`` or an editable install).
+
+:func:`recommended_fp8_gemm_backend` reads the tuner's summary for a device and
+says whether ``--fp8-gemm-backend triton`` beats SGLang's default there; the serve
+scripts call ``python -m dsv4_sm120.fp8_configs backend-args``.
+
+This module imports neither torch nor SGLang at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+ENV_CONFIG_DIR = "SGLANG_DSV4_FP8_CONFIG_DIR"
+ENV_BACKEND = "DSV4_FP8_GEMM_BACKEND"
+
+# SGLang 0.5.23, kernels/ops/gemm/fp8_kernel.py, get_w8a8_block_fp8_configs
+CONFIG_NAME_RE = re.compile(
+    r"^N=(?P<N>[1-9][0-9]*),K=(?P<K>[1-9][0-9]*),device_name=(?P<dev>[^,/\\]+),"
+    r"dtype=fp8_w8a8,block_shape=\[(?P<bn>[1-9][0-9]*), (?P<bk>[1-9][0-9]*)\]\.json$"
+)
+REQUIRED_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+OPTIONAL_KEYS = {"SWAP_AB": bool, "SPLIT_K": int}  # honoured by SGLang 0.5.23 on sm_90 only
+
+_warned: set = set()
+
+
+def sglang_device_name(raw: str) -> str:
+    """The device-name field SGLang puts in config file names (spaces -> underscores)."""
+    return raw.replace(" ", "_")
+
+
+def config_file_name(N: int, K: int, device_name: str, block_n: int = 128, block_k: int = 128) -> str:
+    """The exact file name SGLang 0.5.23 looks up for a block-FP8 GEMM of weight shape (N, K)."""
+    dev = sglang_device_name(device_name)
+    return f"N={N},K={K},device_name={dev},dtype=fp8_w8a8,block_shape=[{block_n}, {block_k}].json"
+
+
+def parse_config_file_name(name: str) -> Optional[Dict[str, object]]:
+    m = CONFIG_NAME_RE.match(name)
+    if not m:
+        return None
+    return {"N": int(m["N"]), "K": int(m["K"]), "device_name": m["dev"],
+            "block_n": int(m["bn"]), "block_k": int(m["bk"])}
+
+
+def validate_config_table(table: object, block_k: int = 128) -> None:
+    """Raise ValueError unless ``table`` is a config JSON SGLang 0.5.23 can use as is."""
+    if not isinstance(table, dict) or not table:
+        raise ValueError("config must be a non-empty JSON object mapping M to a tile config")
+    for key, cfg in table.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) > 0):
+            raise ValueError(f"key {key!r} is not a positive integer M")
+        if not isinstance(cfg, dict):
+            raise ValueError(f"M={key}: value is not an object")
+        missing = [k for k in REQUIRED_KEYS if k not in cfg]
+        if missing:
+            raise ValueError(f"M={key}: missing {missing}")
+        extra = [k for k in cfg if k not in REQUIRED_KEYS and k not in OPTIONAL_KEYS]
+        if extra:
+            raise ValueError(f"M={key}: unknown keys {extra}")
+        for k in REQUIRED_KEYS:
+            v = cfg[k]
+            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"M={key}: {k}={v!r} is not a positive integer")
+        for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps"):
+            if cfg[k] & (cfg[k] - 1):
+                raise ValueError(f"M={key}: {k}={cfg[k]} is not a power of two")
+        if min(cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]) < 16:
+            raise ValueError(f"M={key}: Triton tl.dot needs every block size >= 16")
+        bk = cfg["BLOCK_SIZE_K"]
+        if bk > block_k or block_k % bk:
+            raise ValueError(f"M={key}: BLOCK_SIZE_K={bk} must divide the quantization block {block_k}")
+        if "SWAP_AB" in cfg and not isinstance(cfg["SWAP_AB"], bool):
+            raise ValueError(f"M={key}: SWAP_AB must be true/false")
+        if "SPLIT_K" in cfg:
+            s = cfg["SPLIT_K"]
+            if not (isinstance(s, int) and not isinstance(s, bool) and s > 0 and not s & (s - 1)):
+                raise ValueError(f"M={key}: SPLIT_K={s!r} must be a power of two")
+
+
+def _repo_fp8_dir_from_manifest(sglang_root: Optional[Path]) -> Optional[Path]:
+    if sglang_root is None:
+        return None
+    try:
+        with open(sglang_root / ".dsv4_sm120" / "manifest.json") as fh:
+            repo = json.load(fh).get("repo_root")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not repo:
+        return None
+    return Path(repo) / "configs" / "fp8"
+
+
+def _sglang_root() -> Optional[Path]:
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return Path(spec.origin).resolve().parent
+
+
+def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
+    """The project's FP8 config directory (see module doc), or None when switched off / not found."""
+    env = os.environ.get(ENV_CONFIG_DIR)
+    if env is not None:
+        if not env.strip():
+            return None
+        p = Path(env).expanduser()
+        if not p.is_dir() and str(p) not in _warned:
+            _warned.add(str(p))
+            logger.warning("%s=%s is not a directory; using SGLang's own FP8 GEMM configs", ENV_CONFIG_DIR, p)
+        return p if p.is_dir() else None
+    candidates = [_repo_fp8_dir_from_manifest(sglang_root if sglang_root is not None else _sglang_root()),
+                  Path(__file__).resolve().parents[2] / "configs" / "fp8"]
+    for c in candidates:
+        if c is not None and c.is_dir():
+            return c
+    return None
+
+
+def project_config_path(json_file_name: str, sglang_root: Optional[Path] = None) -> Optional[str]:
+    """Path of the project's config named ``json_file_name`` (SGLang's name), or None to use SGLang's own.
+
+    A project file that is not a valid config is skipped with a warning (SGLang's own is used).
+    """
+    if os.path.basename(json_file_name) != json_file_name:
+        return None
+    d = project_config_dir(sglang_root)
+    if d is None:
+        return None
+    path = d / json_file_name
+    if not path.is_file():
+        return None
+    try:
+        with open(path) as fh:
+            table = json.load(fh)
+        info = parse_config_file_name(json_file_name)
+        validate_config_table(table, block_k=int(info["block_k"]) if info else 128)
+    except (OSError, ValueError) as e:
+        if str(path) not in _warned:
+            _warned.add(str(path))
+            logger.warning("ignoring invalid FP8 GEMM config %s (%s); using SGLang's own", path, e)
+        return None
+    return str(path)
+
+
+# --------------------------------------------------------------------------
+# Backend recommendation for the serve scripts
+# --------------------------------------------------------------------------
+
+def summary_file_stem(device_name: str) -> str:
+    return f"summary_{sglang_device_name(device_name)}"
+
+
+def load_summary(device_name: str, config_dir: Optional[Path] = None) -> Optional[dict]:
+    d = config_dir if config_dir is not None else project_config_dir()
+    if d is None:
+        return None
+    path = Path(d) / (summary_file_stem(device_name) + ".json")
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def detect_device_name() -> Optional[str]:
+    """GPU 0's name as torch reports it (nvidia-smi first: it is much faster to start than torch)."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            r = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                               capture_output=True, text=True, timeout=20)
+            name = r.stdout.strip().splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else ""
+            if name:
+                return name
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return None
+
+
+def recommended_fp8_gemm_backend(device_name: Optional[str] = None,
+                                 config_dir: Optional[Path] = None) -> Tuple[Optional[str], str]:
+    """(backend, reason): ``"triton"`` when the tuner's summary for this device says Triton wins, else None
+    (keep SGLang's default).  ``$DSV4_FP8_GEMM_BACKEND`` overrides (``auto`` / ``default`` mean None)."""
+    env = os.environ.get(ENV_BACKEND, "").strip()
+    if env:
+        if env.lower() in ("auto", "default", "none"):
+            return None, f"{ENV_BACKEND}={env}: SGLang's default backend"
+        if not re.fullmatch(r"[a-z0-9_]+", env):
+            raise ValueError(f"{ENV_BACKEND}={env!r} is not a backend name")
+        return env, f"{ENV_BACKEND}={env}"
+    if device_name is None:
+        device_name = detect_device_name()
+        if device_name is None:
+            return None, "no GPU found: SGLang's default backend"
+    summary = load_summary(device_name, config_dir)
+    if summary is None:
+        return None, f"no FP8 tuning summary for {sglang_device_name(device_name)} (run `make tune-fp8`)"
+    decision = summary.get("decision") or {}
+    backend = decision.get("recommended_backend")
+    reason = decision.get("reason") or "no reason recorded"
+    if backend == "triton":
+        missing = [s for s in summary.get("shapes", {}).values() if not s.get("complete")]
+        if missing:
+            return None, "tuning summary is incomplete (rerun `make tune-fp8` to finish it)"
+        return "triton", reason
+    return None, reason
+
+
+def _main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.fp8_configs",
+                                 description="FP8 block-GEMM config lookup and backend choice (see module doc).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("backend-args", help="print the SGLang FP8 GEMM backend arguments to serve with "
+                                            "(empty when SGLang's default wins)")
+    p.add_argument("--device-name", help="device name as torch reports it (default: GPU 0)")
+    p.add_argument("--config-dir", type=Path, help="directory with the tuner's summary (default: project dir)")
+    p.add_argument("--explain", action="store_true", help="print the reason on stderr")
+    p = sub.add_parser("where", help="print the project config directory in use (empty if none)")
+    p = sub.add_parser("lookup", help="print which file SGLang would load for a shape")
+    p.add_argument("--N", type=int, required=True)
+    p.add_argument("--K", type=int, required=True)
+    p.add_argument("--device-name", required=True)
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "backend-args":
+            backend, reason = recommended_fp8_gemm_backend(a.device_name, a.config_dir)
+            if a.explain:
+                print(f"fp8 gemm backend: {backend or 'SGLang default'} ({reason})", file=sys.stderr)
+            if backend:
+                print(f"--fp8-gemm-backend {backend}")
+        elif a.cmd == "where":
+            d = project_config_dir()
+            print(d if d is not None else "")
+        elif a.cmd == "lookup":
+            name = config_file_name(a.N, a.K, a.device_name)
+            p = project_config_path(name)
+            print(p if p else f"(not in project dir) {name}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
