@@ -65,6 +65,21 @@ def _e2m1_code(v):
 
 
 @triton.jit
+def _round_e4m3(v):
+    """Non-negative float32 (<= 448) -> nearest-even E4M3 value, as float32.
+
+    Done arithmetically (add/subtract a magic number at the E4M3 quantum of
+    the value's binade) so the result is exact; the Triton CPU interpreter's
+    own fp32 -> fp8e4nv cast gets binade carries wrong (126.1 -> 64).
+    """
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    e = tl.maximum(e, -6)
+    magic = ((e - 3 + 23 + 127 + 1) << 23).to(tl.float32, bitcast=True) * 0.75  # 1.5 * 2^(e-3+23)
+    r = (v + magic) - magic
+    return tl.minimum(r, 448.0)
+
+
+@triton.jit
 def _bcast8(s, R: tl.constexpr, G: tl.constexpr):
     """[R, G] -> [R, G*8]: every column repeated 8 times (one 16-block = 8 bytes)."""
     return tl.reshape(tl.broadcast_to(s[:, :, None], (R, G, 8)), (R, G * 8))
@@ -88,9 +103,8 @@ def _quant_tile(a_even, a_odd, gs, BM: tl.constexpr, BK: tl.constexpr):
     am_e = tl.max(tl.reshape(tl.abs(a_even), (BM, G, 8)), axis=2)
     am_o = tl.max(tl.reshape(tl.abs(a_odd), (BM, G, 8)), axis=2)
     bam = tl.maximum(am_e, am_o)
-    raw = tl.minimum(bam / (6.0 * gs[:, None]), 448.0)
-    bs8 = raw.to(tl.float8e4nv)
-    bsf = bs8.to(tl.float32)
+    bsf = _round_e4m3(tl.minimum(bam / (6.0 * gs[:, None]), 448.0))
+    bs8 = bsf.to(tl.float8e4nv)  # exact
     denom = _bcast8(bsf * gs[:, None], BM, G)
     safe = tl.where(denom > 0, denom, 1.0)
     ce = tl.where(denom > 0, _e2m1_code(a_even / safe), 0)

@@ -46,7 +46,8 @@ def quantize_rows_nvfp4(a: torch.Tensor) -> torch.Tensor:
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     q = torch.where(denom > 0, blocks / safe, torch.zeros_like(blocks))
     vals = e2m1_to_float(float_to_e2m1_rne(q))
-    return (vals * denom).reshape(R, Kd)
+    # (e2m1 * block scale) is exact; the row scale is applied last, like the kernel
+    return ((vals * bs.unsqueeze(-1)).reshape(R, Kd)) * gs[:, None]
 
 
 def dequant_expert(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, e: int):

@@ -1,0 +1,198 @@
+"""CPU tests of the Triton NVFP4 fused MoE (Triton interpreter, tiny shapes).
+
+Both kernel paths run here: ``bf16`` (weights upcast in-kernel) and ``fp4``
+(activations quantized to NVFP4 on the fly; the scaled dot is emulated
+exactly because the interpreter's dot_scaled reads E4M3 scales as E8M0).
+The native ``tl.dot_scaled`` variant and the full matrix run on the GPU
+(``tests/gpu/test_moe_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
+    pytest.skip("CPU MoE tests need TRITON_INTERPRET=1 (set before triton is imported)", allow_module_level=True)
+
+import triton  # noqa: E402
+
+from dsv4_sm120 import nvfp4  # noqa: E402
+from dsv4_sm120.moe import BACKEND_NAME, nvfp4_fused_moe  # noqa: E402
+from dsv4_sm120.moe import kernels as K  # noqa: E402
+from dsv4_sm120.moe.fused_moe import MoEInputError, nvfp4_fused_moe_impl  # noqa: E402
+from dsv4_sm120.moe.reference import moe_reference, quantize_rows_nvfp4, rel_err  # noqa: E402
+from dsv4_sm120.moe.testing import make_experts, random_routing  # noqa: E402
+
+H = 64
+TOL_BF16 = 1.5e-2   # bf16 path vs the exact float64 reference (bf16 h and output)
+TOL_FP4_KERNEL = 5e-2  # fp4 path vs the reference with the same activation quantization
+TOL_ACT_QUANT = 0.35  # NVFP4 activation quantization itself (two stages), random data
+
+_SEED = [1000]
+
+
+def _seed():
+    _SEED[0] += 1
+    return _SEED[0] + int.from_bytes(os.urandom(2), "little") * 7
+
+
+def _case(M, E, I, kind, limit, path, seed=None):
+    seed = _seed() if seed is None else seed
+    W = make_experts(E, H, I, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn((M, H), generator=g) * 2).to(torch.bfloat16)
+    if M > 2:
+        x[1] = 0  # an all-zero row (gs fallback on the fp4 path)
+        x[2, : H // 2] *= 1e-3  # a row with a large dynamic range
+    tw, ids = random_routing(M, E, 6, seed + 2, kind=kind)
+    out = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, path=path)
+    ref = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit)
+    refq = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, act_quant=True)
+    return out, ref, refq, (x, W, tw, ids)
+
+
+@pytest.mark.parametrize("path", ["bf16", "fp4"])
+@pytest.mark.parametrize(
+    "M,E,I,kind,limit",
+    [
+        (1, 8, 32, "random", 1.5),
+        (2, 8, 64, "dropped", None),
+        (7, 8, 32, "repeat", 1.5),
+        (7, 8, 32, "one", 1.5),
+        (5, 8, 64, "mixed", 1.0),
+        (33, 256, 32, "mixed", 1.5),
+    ],
+)
+def test_matches_float64_reference(M, E, I, kind, limit, path):
+    out, ref, refq, _ = _case(M, E, I, kind, limit, path)
+    assert out.shape == (M, H) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    act_q = rel_err(refq, ref)
+    if path == "bf16":
+        err = rel_err(out, ref)
+        assert err < TOL_BF16, f"bf16 path rel err {err:.3e} (activation-quant ref would be {act_q:.3e})"
+    else:
+        err_k = rel_err(out, refq)
+        err_t = rel_err(out, ref)
+        print(f"fp4 M={M} E={E} I={I} {kind}: kernel err {err_k:.3e}, act-quant err {act_q:.3e}, total {err_t:.3e}")
+        assert err_k < TOL_FP4_KERNEL, f"fp4 kernel err {err_k:.3e} vs act-quant reference"
+        assert act_q < TOL_ACT_QUANT
+        assert err_t < TOL_ACT_QUANT
+
+
+def test_reference_is_not_trivially_matched():
+    """The tolerance means something: a wrong clamp, swapped gate/up or a
+    dropped slot counted all fail it."""
+    M, E, I = 6, 8, 32
+    out, ref, _, (x, W, tw, ids) = _case(M, E, I, "dropped", 1.0, "bf16")
+    assert rel_err(out, ref) < TOL_BF16
+    no_clamp = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=None)
+    assert rel_err(no_clamp, ref) > 5 * TOL_BF16
+    W2 = dict(W)
+    W2["w13_scale_2"] = W["w13_scale_2"].flip(1).contiguous()
+    assert rel_err(moe_reference(x, **W2, topk_weights=tw, topk_ids=ids, swiglu_limit=1.0), ref) > 5 * TOL_BF16
+    ids_all = torch.where(ids < 0, torch.zeros_like(ids), ids)
+    assert rel_err(moe_reference(x, **W, topk_weights=tw, topk_ids=ids_all, swiglu_limit=1.0), ref) > 5 * TOL_BF16
+
+
+@pytest.mark.parametrize("path", ["bf16", "fp4"])
+def test_all_dropped_gives_exact_zeros(path):
+    M, E, I = 3, 8, 32
+    W = make_experts(E, H, I, _seed())
+    x = torch.randn((M, H)).to(torch.bfloat16)
+    ids = torch.full((M, 6), -1, dtype=torch.int32)
+    ids[1, 2] = E + 5  # out of range counts as dropped too
+    tw = torch.rand((M, 6))
+    out = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, path=path)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_slot_order_and_repeat_invariance():
+    M, E, I = 5, 8, 32
+    out, ref, _, (x, W, tw, ids) = _case(M, E, I, "dropped", 1.5, "bf16")
+    perm = torch.randperm(6)
+    out2 = nvfp4_fused_moe_impl(x, **W, topk_weights=tw[:, perm], topk_ids=ids[:, perm], swiglu_limit=1.5, path="bf16")
+    assert rel_err(out2, out.double()) < 1e-2
+    # deterministic: same inputs -> same bits
+    out3 = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path="bf16")
+    assert torch.equal(out3, out)
+
+
+def test_public_entry_point_and_int64_ids():
+    M, E, I = 2, 8, 32
+    W = make_experts(E, H, I, _seed())
+    x = torch.randn((M, H)).to(torch.bfloat16)
+    tw, ids = random_routing(M, E, 6, _seed(), kind="dropped")
+    out = nvfp4_fused_moe(x, W["w13"], W["w13_scale"], W["w13_scale_2"], W["w2"], W["w2_scale"],
+                          W["w2_scale_2"], tw, ids.long(), swiglu_limit=10.0)
+    ref = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=10.0)
+    assert rel_err(out, ref) < TOL_BF16
+    assert BACKEND_NAME == "dsv4_triton_nvfp4"
+
+
+@pytest.mark.parametrize("E,BM", [(8, 16), (256, 16), (5, 32)])
+def test_align_groups_every_valid_pair_once(E, BM):
+    M, k = 29, 6
+    g = torch.Generator().manual_seed(_seed())
+    ids = torch.randint(-1, E + 2, (M * k,), generator=g, dtype=torch.int32)
+    ids[:20] = E - 1  # one hot expert spanning several blocks
+    P = M * k
+    max_blocks = triton.cdiv(P, BM) + min(E, P)
+    sp = torch.full((max_blocks * BM,), -7, dtype=torch.int32)
+    be = torch.full((max_blocks,), -7, dtype=torch.int32)
+    e_pad = triton.next_power_of_2(E)
+    K._align_kernel[(1,)](ids, sp, be, P, E, max_blocks * BM, max_blocks, BM=BM, E_PAD=e_pad,
+                          CHUNK=max(16, min(128, 16384 // e_pad)), FILL=64, BCHUNK=16)
+    assert (sp != -7).all() and (be != -7).all()
+    valid = [i for i in range(P) if 0 <= ids[i] < E]
+    slots = sp.view(max_blocks, BM)
+    seen = []
+    for b in range(max_blocks):
+        e = int(be[b])
+        rows = [int(p) for p in slots[b] if int(p) < P]
+        if e < 0:
+            assert rows == []
+            continue
+        assert all(int(ids[p]) == e for p in rows), f"block {b} (expert {e}) holds {rows}"
+        seen += rows
+    assert sorted(seen) == valid
+    # blocks of one expert are contiguous, experts ascending
+    used = [int(e) for e in be if int(e) >= 0]
+    assert used == sorted(used)
+
+
+def test_quantize_rows_matches_shared_quantizer():
+    g = torch.Generator().manual_seed(_seed())
+    a = torch.randn((5, 64), generator=g) * torch.logspace(-3, 2, 5)[:, None]
+    a[3] = 0
+    q = quantize_rows_nvfp4(a)
+    for r in range(5):
+        amax = a[r].abs().max()
+        s2 = (amax / 2688.0) if amax > 0 else torch.tensor(1.0)
+        w, s, s2o = nvfp4.quantize_nvfp4(a[r : r + 1], scale_2=s2)
+        assert torch.equal(q[r : r + 1], nvfp4.dequant_nvfp4(w, s, s2o))
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (lambda a: a.update(x=a["x"].float()), "x must be bf16"),
+        (lambda a: a.update(w13=a["w13"][:, :, :-1].contiguous()), "w13 is"),
+        (lambda a: a.update(w13_scale=a["w13_scale"].float()), "w13_scale must be"),
+        (lambda a: a.update(w2_scale_2=a["w2_scale_2"][:-1]), "w2_scale_2 must be"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][:1]), "topk_ids must be"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:, :3]), "topk_weights must be"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(mutate, needle):
+    W = make_experts(8, H, 32, 3)
+    tw, ids = random_routing(2, 8, 6, 4)
+    args = dict(x=torch.randn((2, H)).to(torch.bfloat16), **W, topk_weights=tw, topk_ids=ids)
+    mutate(args)
+    with pytest.raises(MoEInputError, match=needle):
+        nvfp4_fused_moe(**args)
