@@ -46,7 +46,7 @@ lock-patches: ## rewrite patches/targets.lock after changing a patch
 	@$(PATCHING) lock
 
 test: ## the CPU test suite (creates/updates the cached test env, then pytest tests/)
-	@scripts/run_tests.sh -q
+	@scripts/run_tests.sh
 
 test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 	python3 -m pytest tests/gpu -q

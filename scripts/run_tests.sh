@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU test suite: brings the pinned test environment up to date (cached under
 # ${DSV4_CACHE:-~/.cache/dsv4_sm120}/test-venv, created on demand), then runs pytest on tests/.
-# Extra arguments go to pytest.  "No tests ran" (pytest exit 5) is a failure, on purpose.
+# Arguments go to pytest (default: `tests -q`).  "No tests ran" (pytest exit 5) is a failure, on purpose.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${DSV4_CACHE:-$HOME/.cache/dsv4_sm120}
@@ -11,7 +11,8 @@ t0=$(date +%s)
 cd "$here"
 export PYTHONPATH="$here/overlay${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
-"$venv/bin/python" -m pytest tests -p no:cacheprovider "$@"
+[ $# -gt 0 ] || set -- tests -q
+"$venv/bin/python" -m pytest -p no:cacheprovider "$@"
 rc=$?
 if [ $rc -eq 5 ]; then
   echo "[test] error: pytest collected no tests; treating as a failure"
