@@ -1,0 +1,359 @@
+"""Environment variables -> the deployment plan (what runs where, with which flags and environment).
+
+Every knob is an environment variable with a default (table in ``docs/serving.md``); the
+plan is pure data, so ``DRY_RUN=1`` prints exactly what a real start would run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from .envfiles import EnvFileError, load_env_dir
+
+DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-Flash"
+ROLES = ("prefill", "decode", "router")
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+# SGLang 0.5.23 FP8_GEMM_RUNNER_BACKEND_CHOICES (srt/arg_groups/choices.py)
+FP8_BACKENDS = ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_deepgemm",
+                "flashinfer_cutedsl", "cutlass", "triton", "aiter")
+
+# name: (default, help). Order = the order printed by --help and the dry run.
+VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
+    "VENV": (".venv", "environment whose python runs SGLang and the router (relative = to the repo)"),
+    "MODEL_PATH": (DEFAULT_MODEL, "checkpoint directory or Hugging Face id"),
+    "SERVED_MODEL_NAME": ("", "name clients use (default: SGLang's, the model path)"),
+    "PREFILL_GPUS": ("0,1,2,3", "GPU indices (nvidia-smi order) of the prefill server; TP = their count"),
+    "DECODE_GPUS": ("4,5,6,7", "GPU indices of the decode server; TP = their count"),
+    "PREFILL_HOST": ("127.0.0.1", "address the prefill server binds and the router/decode reach it at"),
+    "PREFILL_PORT": ("30100", "prefill HTTP port"),
+    "BOOTSTRAP_PORT": ("8998", "prefill's disaggregation bootstrap port (KV handshake)"),
+    "DECODE_HOST": ("127.0.0.1", "address the decode server binds and the router reaches it at"),
+    "DECODE_PORT": ("30200", "decode HTTP port"),
+    "ROUTER_HOST": ("127.0.0.1", "router bind address (0.0.0.0 to serve other machines)"),
+    "ROUTER_PORT": ("30000", "router port: the OpenAI-compatible endpoint clients use"),
+    "ROUTER_PROMETHEUS_PORT": ("29000", "router metrics port (must differ between two routers on one host)"),
+    "CONTEXT_LEN": ("65536", "--context-length of both servers"),
+    "MEM_FRACTION": ("0.85", "--mem-fraction-static of both servers"),
+    "PREFILL_MEM_FRACTION": ("", "override MEM_FRACTION for prefill"),
+    "DECODE_MEM_FRACTION": ("", "override MEM_FRACTION for decode"),
+    "MAX_RUNNING": ("16", "decode --max-running-requests; decode CUDA graphs cover batch sizes up to it"),
+    "PREFILL_MAX_RUNNING": ("", "prefill --max-running-requests (default: SGLang's)"),
+    "CHUNKED_PREFILL_SIZE": ("", "prefill --chunked-prefill-size (default: SGLang's)"),
+    "FP8_GEMM_BACKEND": ("auto", "auto = configs/fp8/summary.json decides, else SGLang's default; or a --fp8-gemm-backend value"),
+    "IB_DEVICE": ("", "--disaggregation-ib-device for both servers (multi-node RDMA NIC, e.g. mlx5_0)"),
+    "TRANSFER_BACKEND": ("nixl", "--disaggregation-transfer-backend"),
+    "SERVER_EXTRA_ARGS": ("", "extra SGLang flags for both servers (shell-quoted string)"),
+    "PREFILL_EXTRA_ARGS": ("", "extra SGLang flags for prefill"),
+    "DECODE_EXTRA_ARGS": ("", "extra SGLang flags for decode"),
+    "ROUTER_EXTRA_ARGS": ("", "extra sglang_router flags"),
+    "SPEC_NUM_STEPS": ("3", "MTP variant: --speculative-num-steps"),
+    "SPEC_EAGLE_TOPK": ("1", "MTP variant: --speculative-eagle-topk (only 1 is supported for DSv4)"),
+    "SPEC_NUM_DRAFT_TOKENS": ("4", "MTP variant: --speculative-num-draft-tokens"),
+    "NODE_ROLE": ("all", "what this host runs: all, or a comma list of prefill,decode,router (multi-node)"),
+    "LOG_DIR": ("logs", "parent of the run directories (relative = to the repo); LOG_DIR/latest -> newest run"),
+    "RUN_DIR": ("", "use this run directory instead of LOG_DIR/serve-<variant>-<time>"),
+    "HEALTH_TIMEOUT_S": ("1800", "seconds each part may take to become healthy"),
+    "STOP_GRACE_S": ("30", "seconds between SIGTERM and SIGKILL at teardown"),
+    "SUPERVISE_HEALTH_FAILS": ("0", "tear down after this many consecutive failed health checks (0 = only on exit)"),
+    "SUPERVISE_HEALTH_EVERY_S": ("30", "seconds between supervision health checks"),
+    "PREFLIGHT_SKIP": ("", "comma list of checks to skip: gpu,model,patches,nixl,ports,router"),
+    "DETACH": ("0", "1 = return once everything is healthy, supervision continues in the background"),
+    "DRY_RUN": ("0", "1 = print the commands and environment, start nothing"),
+    "DSV4_SERVE_STANDIN": ("0", "1 = stand-in HTTP servers instead of SGLang (rehearsal and tests; no GPU)"),
+    "NVIDIA_SMI": ("nvidia-smi", "nvidia-smi executable used by the GPU preflight"),
+}
+
+
+class ConfigError(Exception):
+    """A configuration mistake, reported as one line."""
+
+
+@dataclass
+class Proc:
+    role: str
+    argv: List[str]
+    env: Dict[str, str]
+    health_url: str
+    binds: List[Tuple[str, int, str]]        # (host, port, what)
+    gpus: List[int] = field(default_factory=list)
+    log: str = ""
+
+
+@dataclass
+class Plan:
+    variant: str
+    repo: str
+    python: str
+    run_dir: str
+    roles: List[str]
+    standin: bool
+    settings: Dict[str, str]
+    common_env: List[Tuple[str, str, str]]   # (key, value, source)
+    procs: List[Proc]
+    remote_health: Dict[str, str]            # role -> health URL of parts run on another host
+    urls: Dict[str, str]
+    fp8_reason: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        d = json.loads(text)
+        d["procs"] = [Proc(**p) for p in d["procs"]]
+        d["common_env"] = [tuple(x) for x in d["common_env"]]
+        for p in d["procs"]:
+            p.binds = [tuple(b) for b in p.binds]
+        return Plan(**d)
+
+
+def repo_root() -> Path:
+    env = os.environ.get("DSV4_REPO_ROOT")
+    return Path(env).resolve() if env else Path(__file__).resolve().parents[3]
+
+
+def settings_from_env(environ: Mapping[str, str]) -> Dict[str, str]:
+    return {k: environ.get(k, d or "") for k, (d, _) in VARIABLES.items()}
+
+
+def _int(s: Dict[str, str], key: str, lo: int = 0, hi: int = 1 << 30) -> int:
+    try:
+        v = int(s[key])
+    except ValueError:
+        raise ConfigError(f"{key}={s[key]!r} is not an integer")
+    if not lo <= v <= hi:
+        raise ConfigError(f"{key}={v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _float(s: Dict[str, str], key: str, lo: float, hi: float) -> float:
+    try:
+        v = float(s[key])
+    except ValueError:
+        raise ConfigError(f"{key}={s[key]!r} is not a number")
+    if not lo < v <= hi:
+        raise ConfigError(f"{key}={v} is out of range ({lo}, {hi}]")
+    return v
+
+
+def parse_gpus(key: str, text: str) -> List[int]:
+    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text or ""):
+        raise ConfigError(f"{key}={text!r}: expected a comma list of GPU indices, e.g. 0,1,2,3")
+    gpus = [int(x) for x in text.split(",")]
+    if len(set(gpus)) != len(gpus):
+        raise ConfigError(f"{key}={text!r} lists a GPU twice")
+    if len(gpus) not in (1, 2, 4, 8):
+        raise ConfigError(f"{key}={text!r}: TP size {len(gpus)} does not divide DeepSeek-V4's 64 heads evenly in SGLang (use 1, 2, 4 or 8 GPUs)")
+    return gpus
+
+
+def _split(key: str, text: str) -> List[str]:
+    try:
+        return shlex.split(text or "")
+    except ValueError as e:
+        raise ConfigError(f"{key}: cannot split {text!r}: {e}")
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def fp8_gemm_backend(setting: str, repo: Path) -> Tuple[Optional[str], str]:
+    """The --fp8-gemm-backend to pass (None = leave SGLang's default) and why.
+
+    Hook for the FP8 tuning work: with ``FP8_GEMM_BACKEND=auto`` the file
+    ``configs/fp8/summary.json`` decides when it exists and names a backend under the key
+    ``"fp8_gemm_backend"`` (e.g. ``"triton"`` once tuned Triton configs beat CUTLASS on
+    this GPU); otherwise the flag is not passed and SGLang's own ``auto`` applies.
+    """
+    setting = (setting or "auto").strip()
+    if setting != "auto":
+        if setting not in FP8_BACKENDS:
+            raise ConfigError(f"FP8_GEMM_BACKEND={setting!r}: expected one of {', '.join(FP8_BACKENDS)}")
+        return setting, "FP8_GEMM_BACKEND"
+    summary = repo / "configs" / "fp8" / "summary.json"
+    if not summary.is_file():
+        return None, "SGLang default (no configs/fp8/summary.json)"
+    try:
+        data = json.loads(summary.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{summary}: unreadable FP8 tuning summary ({e})")
+    choice = data.get("fp8_gemm_backend") if isinstance(data, dict) else None
+    if choice in (None, "auto"):
+        return None, f"SGLang default ({summary.name} recommends no override)"
+    if choice not in FP8_BACKENDS:
+        raise ConfigError(f"{summary}: fp8_gemm_backend={choice!r} is not one of {', '.join(FP8_BACKENDS)}")
+    return choice, f"configs/fp8/summary.json"
+
+
+def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[float] = None) -> Plan:
+    if variant not in ("base", "mtp"):
+        raise ConfigError(f"unknown variant {variant!r}")
+    s = settings_from_env(environ)
+    repo = repo_root()
+    standin = s["DSV4_SERVE_STANDIN"] not in ("", "0")
+
+    venv = Path(os.path.expanduser(s["VENV"]))
+    venv = venv if venv.is_absolute() else repo / venv
+    python = str(venv / "bin" / "python")
+
+    roles_txt = s["NODE_ROLE"].strip()
+    roles = list(ROLES) if roles_txt in ("all", "") else [r.strip() for r in roles_txt.split(",") if r.strip()]
+    for r in roles:
+        if r not in ROLES:
+            raise ConfigError(f"NODE_ROLE={roles_txt!r}: unknown role {r!r} (use all, or a comma list of {', '.join(ROLES)})")
+    roles = [r for r in ROLES if r in roles]
+
+    pg = parse_gpus("PREFILL_GPUS", s["PREFILL_GPUS"])
+    dg = parse_gpus("DECODE_GPUS", s["DECODE_GPUS"])
+    if "prefill" in roles and "decode" in roles and set(pg) & set(dg):
+        raise ConfigError(f"PREFILL_GPUS={s['PREFILL_GPUS']} and DECODE_GPUS={s['DECODE_GPUS']} share GPUs "
+                          f"{sorted(set(pg) & set(dg))} on this host")
+    ports = {k: _int(s, k, 1, 65535) for k in ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT",
+                                               "ROUTER_PROMETHEUS_PORT")}
+    ctx = _int(s, "CONTEXT_LEN", 256, 1 << 21)
+    mem = {r: _float(s, f"{r.upper()}_MEM_FRACTION" if s[f"{r.upper()}_MEM_FRACTION"] else "MEM_FRACTION", 0.0, 0.99)
+           for r in ("prefill", "decode")}
+    max_running = _int(s, "MAX_RUNNING", 1, 4096)
+    for k in ("HEALTH_TIMEOUT_S", "STOP_GRACE_S", "SUPERVISE_HEALTH_FAILS", "SUPERVISE_HEALTH_EVERY_S"):
+        _int(s, k, 0 if k == "SUPERVISE_HEALTH_FAILS" else 1)
+    spec = None
+    if variant == "mtp":
+        topk = _int(s, "SPEC_EAGLE_TOPK", 1, 64)
+        if topk != 1:
+            raise ConfigError(f"SPEC_EAGLE_TOPK={topk}: DeepSeek-V4 MTP in SGLang 0.5.23 supports topk 1 only")
+        steps = _int(s, "SPEC_NUM_STEPS", 1, 16)
+        draft = _int(s, "SPEC_NUM_DRAFT_TOKENS", 2, 64)
+        if draft != steps + 1:
+            raise ConfigError(f"SPEC_NUM_DRAFT_TOKENS={draft} with SPEC_NUM_STEPS={steps}: with topk 1 the draft "
+                              f"tokens are steps + 1 = {steps + 1}")
+        spec = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps),
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(draft)]
+    fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo)
+
+    # Run directory (not created here).
+    log_dir = Path(os.path.expanduser(s["LOG_DIR"]))
+    log_dir = log_dir if log_dir.is_absolute() else repo / log_dir
+    if s["RUN_DIR"]:
+        run_dir = Path(os.path.expanduser(s["RUN_DIR"]))
+        run_dir = run_dir if run_dir.is_absolute() else repo / run_dir
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
+        run_dir = log_dir / f"serve-{variant}-{stamp}-{os.getpid()}"
+
+    try:
+        common_env = load_env_dir(repo / "serve" / "env", environ)
+    except EnvFileError as e:
+        raise ConfigError(str(e))
+    for k in ("SGLANG_DSV4_SM120_ATTN_BACKEND", "SGLANG_SM120_FLASHMLA_BACKEND"):
+        if k in environ and k not in {c[0] for c in common_env}:
+            common_env.append((k, environ[k], "environment"))
+
+    ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
+    prefill_url = f"http://{_url_host(ph)}:{ports['PREFILL_PORT']}"
+    decode_url = f"http://{_url_host(dh)}:{ports['DECODE_PORT']}"
+    router_url = f"http://{_url_host(rh)}:{ports['ROUTER_PORT']}"
+    multi_node = not (ph in LOOPBACK and dh in LOOPBACK)
+
+    launcher = ["-m", "dsv4_sm120.serving.standin"] if standin else ["-m", "sglang.launch_server"]
+    common = ["--model-path", s["MODEL_PATH"], "--context-length", str(ctx),
+              "--disaggregation-transfer-backend", s["TRANSFER_BACKEND"]]
+    if s["SERVED_MODEL_NAME"]:
+        common += ["--served-model-name", s["SERVED_MODEL_NAME"]]
+    if fp8:
+        common += ["--fp8-gemm-backend", fp8]
+    if s["IB_DEVICE"]:
+        common += ["--disaggregation-ib-device", s["IB_DEVICE"]]
+    prof_dir = environ.get("SGLANG_TORCH_PROFILER_DIR") or str(run_dir / "profile")
+
+    procs: List[Proc] = []
+    if "prefill" in roles:
+        argv = [python, *launcher, *common, "--tp", str(len(pg)), "--host", ph, "--port", str(ports["PREFILL_PORT"]),
+                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["BOOTSTRAP_PORT"]),
+                "--mem-fraction-static", f"{mem['prefill']:g}"]
+        if s["PREFILL_MAX_RUNNING"]:
+            argv += ["--max-running-requests", str(_int(s, "PREFILL_MAX_RUNNING", 1))]
+        if s["CHUNKED_PREFILL_SIZE"]:
+            argv += ["--chunked-prefill-size", str(_int(s, "CHUNKED_PREFILL_SIZE", 1))]
+        argv += (spec or []) + _split("SERVER_EXTRA_ARGS", s["SERVER_EXTRA_ARGS"]) + \
+            _split("PREFILL_EXTRA_ARGS", s["PREFILL_EXTRA_ARGS"])
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, pg)), "SGLANG_TORCH_PROFILER_DIR": prof_dir}
+        if multi_node and ph not in ("0.0.0.0", "::"):
+            env["SGLANG_HOST_IP"] = ph
+        procs.append(Proc("prefill", argv, env, prefill_url + "/health",
+                          [(ph, ports["PREFILL_PORT"], "prefill HTTP"), (ph, ports["BOOTSTRAP_PORT"], "prefill bootstrap")], pg))
+    if "decode" in roles:
+        argv = [python, *launcher, *common, "--tp", str(len(dg)), "--host", dh, "--port", str(ports["DECODE_PORT"]),
+                "--disaggregation-mode", "decode", "--mem-fraction-static", f"{mem['decode']:g}",
+                "--max-running-requests", str(max_running), "--cuda-graph-max-bs-decode", str(max_running)]
+        argv += (spec or []) + _split("SERVER_EXTRA_ARGS", s["SERVER_EXTRA_ARGS"]) + \
+            _split("DECODE_EXTRA_ARGS", s["DECODE_EXTRA_ARGS"])
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, dg)), "SGLANG_TORCH_PROFILER_DIR": prof_dir}
+        if multi_node and dh not in ("0.0.0.0", "::"):
+            env["SGLANG_HOST_IP"] = dh
+        procs.append(Proc("decode", argv, env, decode_url + "/health",
+                          [(dh, ports["DECODE_PORT"], "decode HTTP")], dg))
+    if "router" in roles:
+        argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--prefill", prefill_url, str(ports["BOOTSTRAP_PORT"]), "--decode", decode_url,
+                "--host", rh, "--port", str(ports["ROUTER_PORT"]),
+                "--prometheus-host", rh, "--prometheus-port", str(ports["ROUTER_PROMETHEUS_PORT"]),
+                "--log-level", "info"] + _split("ROUTER_EXTRA_ARGS", s["ROUTER_EXTRA_ARGS"])
+        procs.append(Proc("router", argv, {}, router_url + "/health",
+                          [(rh, ports["ROUTER_PORT"], "router HTTP"),
+                           (rh, ports["ROUTER_PROMETHEUS_PORT"], "router metrics")]))
+    for p in procs:
+        p.log = str(run_dir / f"{p.role}.log")
+
+    # Two parts on one host must not share a port.
+    seen: Dict[Tuple[str, int], str] = {}
+    for p in procs:
+        for h, port, what in p.binds:
+            key = (_url_host(h), port)
+            if key in seen:
+                raise ConfigError(f"port {port} is configured twice on {h}: {seen[key]} and {what}")
+            seen[key] = what
+
+    remote = {}
+    if "router" in roles:
+        for r, url in (("prefill", prefill_url), ("decode", decode_url)):
+            if r not in roles:
+                remote[r] = url + "/health"
+
+    return Plan(variant=variant, repo=str(repo), python=python, run_dir=str(run_dir), roles=roles, standin=standin,
+                settings=s, common_env=common_env, procs=procs, remote_health=remote,
+                urls={"prefill": prefill_url, "decode": decode_url, "router": router_url}, fp8_reason=fp8_reason)
+
+
+def render_dry_run(plan: Plan) -> str:
+    """The plan as text: one setting / env var / command per line (commands shell-quoted)."""
+    out = [f"# dsv4_sm120 serve plan: variant={plan.variant} roles={','.join(plan.roles)}"
+           f"{' STANDIN' if plan.standin else ''} (dry run: nothing started, no preflight)"]
+    for k in VARIABLES:
+        if k in ("DRY_RUN",):
+            continue
+        out.append(f"setting {k}={plan.settings[k]}")
+    out.append(f"setting fp8_gemm_backend: {plan.fp8_reason}")
+    out.append(f"run_dir {plan.run_dir}")
+    for k, v, src in plan.common_env:
+        out.append(f"env {k}={v}  # {src}")
+    for p in plan.procs:
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items())
+        out.append(f"cmd {p.role}: {prefix + ' ' if prefix else ''}{shlex.join(p.argv)}")
+    for p in plan.procs:
+        out.append(f"health {p.role}: {p.health_url}")
+    for r, url in plan.remote_health.items():
+        out.append(f"health {r} (other host): {url}")
+    for p in plan.procs:
+        out.append(f"log {p.role}: {p.log}")
+    out.append(f"url router: {plan.urls['router']}")
+    return "\n".join(out)

@@ -1,0 +1,193 @@
+"""CLI behind ``serve/serve_dsv4_tp4.sh``, ``serve/serve_dsv4_mtp.sh`` and ``serve/stop.sh``.
+
+  python -m dsv4_sm120.serving.deploy start [--variant base|mtp] [--dry-run] [--detach]
+  python -m dsv4_sm120.serving.deploy stop [RUN_DIR]
+  python -m dsv4_sm120.serving.deploy vars          # the variables, defaults and meaning
+
+Configuration is by environment variables (``vars`` lists them; ``docs/serving.md``).
+Exit codes: 0 ok / stopped on request, 1 preflight or runtime failure (everything torn
+down), 2 configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from . import supervisor as sv
+from .config import VARIABLES, ConfigError, Plan, build_plan, render_dry_run, repo_root
+from .preflight import run_preflight
+
+
+def _say(msg: str) -> None:
+    sv.say(msg)
+
+
+def _log_dir(environ) -> Path:
+    d = Path(os.path.expanduser(environ.get("LOG_DIR") or VARIABLES["LOG_DIR"][0]))
+    return d if d.is_absolute() else repo_root() / d
+
+
+def _link_latest(plan: Plan) -> None:
+    latest = _log_dir(os.environ) / "latest"
+    latest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = latest.with_name(f".latest.{os.getpid()}")
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(plan.run_dir, tmp)
+        os.replace(tmp, latest)
+    except OSError as e:
+        _say(f"note: could not update {latest}: {e}")
+
+
+def print_header(plan: Plan) -> None:
+    _say(f"DeepSeek-V4-Flash PD deployment, variant {plan.variant}, roles {','.join(plan.roles)}"
+         f"{' (STAND-IN servers, no GPU)' if plan.standin else ''}")
+    for k in ("MODEL_PATH", "PREFILL_GPUS", "DECODE_GPUS", "CONTEXT_LEN", "MAX_RUNNING", "NODE_ROLE"):
+        _say(f"  {k}={plan.settings[k]}")
+    _say(f"  fp8 gemm backend: {plan.fp8_reason}")
+    _say("environment for both servers:")
+    for k, v, src in plan.common_env:
+        _say(f"  {k}={v}   ({src})")
+    for p in plan.procs:
+        _say(f"{p.role}: {' '.join(f'{k}={v}' for k, v in p.env.items())} {' '.join(p.argv)}")
+
+
+def cmd_start(a) -> int:
+    env = dict(os.environ)
+    if a.dry_run:
+        env["DRY_RUN"] = "1"
+    try:
+        plan = build_plan(env, a.variant)
+    except ConfigError as e:
+        print(f"[serve] configuration error: {e}", file=sys.stderr)
+        return 2
+    if env.get("DRY_RUN", "0") not in ("", "0"):
+        print(render_dry_run(plan))
+        return 0
+    detach = a.detach or env.get("DETACH", "0") not in ("", "0")
+    print_header(plan)
+    try:
+        failures = run_preflight(plan, say=lambda m: _say(m))
+    except ValueError as e:
+        print(f"[serve] configuration error: {e}", file=sys.stderr)
+        return 2
+    if failures:
+        for f in failures:
+            print(f"[serve] preflight: {f}", file=sys.stderr)
+        print(f"[serve] refused to start: {len(failures)} preflight failure(s); nothing was started", file=sys.stderr)
+        return 1
+    run_dir = Path(plan.run_dir)
+    if (run_dir / "state.json").exists():
+        st = sv.read_state(run_dir) or {}
+        if st.get("supervisor_pid") and sv.is_alive(st["supervisor_pid"], st.get("supervisor_start")):
+            print(f"[serve] refused: a deployment is running in {run_dir} (stop it with serve/stop.sh {run_dir})",
+                  file=sys.stderr)
+            return 1
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sv.atomic_write(run_dir / "plan.json", plan.to_json())
+    _link_latest(plan)
+    if not detach:
+        return sv.Supervisor(plan).run()
+    return _start_detached(plan)
+
+
+def _start_detached(plan: Plan) -> int:
+    run_dir = Path(plan.run_dir)
+    log = run_dir / "supervisor.log"
+    with open(log, "ab") as f:
+        child = subprocess.Popen([sys.executable, "-m", "dsv4_sm120.serving.deploy", "supervise", str(run_dir)],
+                                 stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                 start_new_session=True, env=dict(os.environ), cwd=str(run_dir))
+    _say(f"supervisor detached (pid {child.pid}), log {log}")
+    limit = float(plan.settings["HEALTH_TIMEOUT_S"]) * 2 + 120
+    t0 = time.monotonic()
+    pos = 0
+    while True:
+        time.sleep(0.2)
+        try:
+            with open(log, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos += len(chunk)
+            if chunk:
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+        except OSError:
+            pass
+        st = sv.read_state(run_dir) or {}
+        status = st.get("status")
+        if status == "ready":
+            return 0
+        if status in ("failed", "stopped") or child.poll() is not None:
+            child.wait()
+            if status != "ready":
+                print(f"[serve] startup failed ({st.get('message') or 'supervisor exited'}); see {log}", file=sys.stderr)
+                return 1
+        if time.monotonic() - t0 > limit:
+            print(f"[serve] supervisor did not report ready within {limit:g} s; stopping", file=sys.stderr)
+            sv.stop_run(run_dir, float(plan.settings["STOP_GRACE_S"]))
+            return 1
+
+
+def cmd_supervise(a) -> int:
+    run_dir = Path(a.run_dir)
+    try:
+        plan = Plan.from_json((run_dir / "plan.json").read_text())
+    except (OSError, ValueError, TypeError) as e:
+        print(f"[serve] cannot read {run_dir}/plan.json: {e}", file=sys.stderr)
+        return 2
+    return sv.Supervisor(plan).run()
+
+
+def cmd_stop(a) -> int:
+    if a.run_dir:
+        run_dir = Path(a.run_dir)
+    else:
+        latest = _log_dir(os.environ) / "latest"
+        if not latest.exists():
+            _say(f"no deployment recorded under {latest.parent} (nothing to stop)")
+            return 0
+        run_dir = latest.resolve()
+    grace = os.environ.get("STOP_GRACE_S", VARIABLES["STOP_GRACE_S"][0])
+    try:
+        g = float(grace)
+    except ValueError:
+        print(f"[serve] configuration error: STOP_GRACE_S={grace!r} is not a number", file=sys.stderr)
+        return 2
+    return sv.stop_run(run_dir, g)
+
+
+def cmd_vars(_a) -> int:
+    w = max(len(k) for k in VARIABLES)
+    for k, (d, h) in VARIABLES.items():
+        print(f"{k:<{w}}  default {d!r:<24} {h}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.serving.deploy",
+                                 description="PD-disaggregated DeepSeek-V4-Flash deployment (prefill TP + decode TP + router).",
+                                 epilog="Configured by environment variables: run the `vars` command to list them.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("start", help="preflight, start, wait for health, supervise")
+    p.add_argument("--variant", choices=("base", "mtp"), default="base", help="mtp = MTP speculative decoding")
+    p.add_argument("--dry-run", action="store_true", help="print commands and environment, start nothing (= DRY_RUN=1)")
+    p.add_argument("--detach", action="store_true", help="return once healthy; supervision continues (= DETACH=1)")
+    p = sub.add_parser("stop", help="stop a deployment (default: LOG_DIR/latest)")
+    p.add_argument("run_dir", nargs="?", default=None)
+    p = sub.add_parser("supervise", help=argparse.SUPPRESS)
+    p.add_argument("run_dir")
+    sub.add_parser("vars", help="list the configuration variables")
+    a = ap.parse_args(argv)
+    return {"start": cmd_start, "stop": cmd_stop, "supervise": cmd_supervise, "vars": cmd_vars}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Checks run before anything starts. Each failure is one line; any failure means exit non-zero.
+
+Checks (names usable in ``PREFLIGHT_SKIP``):
+  python   the environment's python exists (never skippable)
+  ports    every port this host will bind is free, no port configured twice
+  gpu      nvidia-smi sees the chosen GPUs, compute capability 12.x, enough free memory
+  model    MODEL_PATH is a readable checkpoint directory with config.json, or a Hugging Face id
+  patches  the environment's SGLang is patched with this repo's series (``dsv4_sm120.patching status``)
+  nixl     ``import nixl`` works with a UCX backend and moves DSv4 KV pages intact (``nixl_check``)
+  router   ``sglang_router`` is installed (when the router runs on this host)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .config import Plan
+
+CHECKS = ("ports", "gpu", "model", "patches", "nixl", "router")
+STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl")
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def skipped_checks(plan: Plan) -> List[str]:
+    txt = plan.settings.get("PREFLIGHT_SKIP", "")
+    if txt.strip():
+        names = [x.strip() for x in txt.split(",") if x.strip()]
+        bad = [n for n in names if n not in CHECKS]
+        if bad:
+            raise ValueError(f"PREFLIGHT_SKIP: unknown check(s) {', '.join(bad)} (known: {', '.join(CHECKS)})")
+        return names
+    return list(STANDIN_DEFAULT_SKIP) if plan.standin else []
+
+
+def overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Environment for running a ``dsv4_sm120`` module from this repo in the serving python."""
+    env = dict(base if base is not None else os.environ)
+    ov = str(Path(plan.repo) / "overlay")
+    env["PYTHONPATH"] = ov + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+# ---------------------------------------------------------------------------- ports
+
+def port_in_use(host: str, port: int) -> bool:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_ports(plan: Plan) -> List[str]:
+    out = []
+    for p in plan.procs:
+        for host, port, what in p.binds:
+            if port_in_use(host, port):
+                out.append(f"port {port} on {host} ({what}) is already in use: stop what holds it "
+                           f"(serve/stop.sh for an earlier deployment) or choose another port")
+    return out
+
+
+# ---------------------------------------------------------------------------- gpu
+
+def parse_nvidia_smi(text: str) -> Dict[int, dict]:
+    """Rows of ``index, name, compute_cap, memory.total, memory.free`` (MiB, csv, noheader, nounits)."""
+    gpus = {}
+    for line in text.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) < 5:
+            raise ValueError(f"unexpected nvidia-smi line: {line!r}")
+        idx, name, cc, total, free = parts[0], ", ".join(parts[1:-3]), parts[-3], parts[-2], parts[-1]
+        gpus[int(idx)] = {"name": name, "cc": cc, "total_mib": float(total), "free_mib": float(free)}
+    return gpus
+
+
+def check_gpus_table(gpus: Dict[int, dict], wanted: Sequence[Tuple[str, List[int], float]]) -> List[str]:
+    """``wanted``: (role, gpu indices, mem fraction). Pure function (tests feed it tables)."""
+    out = []
+    for role, idxs, frac in wanted:
+        for i in idxs:
+            g = gpus.get(i)
+            if g is None:
+                out.append(f"{role}: GPU {i} not found (nvidia-smi lists {len(gpus)} GPU(s): "
+                           f"{','.join(map(str, sorted(gpus))) or 'none'})")
+                continue
+            m = re.match(r"^(\d+)\.(\d+)$", g["cc"])
+            if not m or m.group(1) != "12":
+                out.append(f"{role}: GPU {i} ({g['name']}) has compute capability {g['cc']}, need 12.x (sm_120)")
+            need = frac * g["total_mib"]
+            if g["free_mib"] < need:
+                out.append(f"{role}: GPU {i} has {g['free_mib'] / 1024:.1f} GiB free of {g['total_mib'] / 1024:.1f} GiB; "
+                           f"mem fraction {frac:g} needs {need / 1024:.1f} GiB (another process is using it?)")
+    return out
+
+
+def check_gpu(plan: Plan) -> List[str]:
+    wanted = []
+    for p in plan.procs:
+        if p.role in ("prefill", "decode"):
+            key = f"{p.role.upper()}_MEM_FRACTION"
+            frac = float(plan.settings[key] or plan.settings["MEM_FRACTION"])
+            wanted.append((p.role, p.gpus, frac))
+    if not wanted:
+        return []
+    smi = plan.settings.get("NVIDIA_SMI") or "nvidia-smi"
+    try:
+        r = subprocess.run([smi, "--query-gpu=index,name,compute_cap,memory.total,memory.free",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        return [f"nvidia-smi not found ({smi}): no NVIDIA driver on this host?"]
+    except subprocess.TimeoutExpired:
+        return ["nvidia-smi did not answer within 30 s"]
+    if r.returncode != 0:
+        return [f"nvidia-smi failed (exit {r.returncode}): {(r.stderr or r.stdout).strip().splitlines()[-1:] or ''}"]
+    try:
+        gpus = parse_nvidia_smi(r.stdout)
+    except ValueError as e:
+        return [str(e)]
+    return check_gpus_table(gpus, wanted)
+
+
+# ---------------------------------------------------------------------------- model
+
+def check_model(plan: Plan) -> List[str]:
+    if not any(p.role in ("prefill", "decode") for p in plan.procs):
+        return []
+    mp = plan.settings["MODEL_PATH"]
+    path = Path(os.path.expanduser(mp))
+    if path.exists():
+        if not path.is_dir():
+            return [f"MODEL_PATH={mp} is not a directory"]
+        cfg = path / "config.json"
+        if not cfg.is_file() or not os.access(cfg, os.R_OK):
+            return [f"MODEL_PATH={mp} has no readable config.json"]
+        try:
+            data = json.loads(cfg.read_text())
+        except (OSError, ValueError) as e:
+            return [f"MODEL_PATH={mp}: config.json is not valid JSON ({e})"]
+        if not str(data.get("model_type", "")).startswith("deepseek_v4"):
+            return [f"MODEL_PATH={mp}: model_type is {data.get('model_type')!r}, expected deepseek_v4"]
+        if not any(path.glob("*.safetensors")) and not plan.standin:
+            return [f"MODEL_PATH={mp}: no *.safetensors weights in the directory"]
+        return []
+    if mp.startswith(("/", ".", "~")) or not HF_ID.match(mp):
+        return [f"MODEL_PATH={mp} does not exist and is not a Hugging Face id (org/name)"]
+    return []
+
+
+# ---------------------------------------------------------------------------- patches
+
+def interpret_patch_status(st: dict) -> List[str]:
+    if st.get("patched") and st.get("matches_repo"):
+        return []
+    root = st.get("sglang_root", "?")
+    if st.get("state") and st.get("state") != "applied":
+        return [f"SGLang at {root} is in patch state {st['state']!r}: run `make apply-patches` (it rolls back first)"]
+    if st.get("modified_files"):
+        return [f"SGLang at {root}: patched files were modified since apply: {', '.join(st['modified_files'][:5])}; "
+                f"run `make revert-patches && make apply-patches`"]
+    if not st.get("patched"):
+        return [f"SGLang at {root} is not patched: run `make apply-patches`"]
+    have = (st.get("series_hash") or "?")[:12]
+    want = (st.get("repo_series_hash") or "?")[:12]
+    return [f"SGLang at {root} is patched with series {have} but this repo's series is {want}: "
+            f"run `make revert-patches && make apply-patches`"]
+
+
+def check_patches(plan: Plan) -> List[str]:
+    if not any(p.role in ("prefill", "decode") for p in plan.procs):
+        return []
+    cmd = [plan.python, "-m", "dsv4_sm120.patching", "status", "--python", plan.python, "--json"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=overlay_env(plan), cwd=plan.repo)
+    except subprocess.TimeoutExpired:
+        return ["patch status check timed out after 120 s"]
+    try:
+        st = json.loads(r.stdout)
+    except ValueError:
+        msg = (r.stderr or r.stdout).strip().splitlines()
+        return [f"could not read the patch status: {msg[-1] if msg else 'exit ' + str(r.returncode)}"]
+    return interpret_patch_status(st)
+
+
+# ---------------------------------------------------------------------------- nixl, router
+
+def check_nixl(plan: Plan) -> List[str]:
+    if not any(p.role in ("prefill", "decode") for p in plan.procs):
+        return []
+    env = overlay_env(plan)
+    for k, v, _ in plan.common_env:
+        env.setdefault(k, v)
+    cmd = [plan.python, "-m", "dsv4_sm120.serving.nixl_check", "--json", "--timeout", "30"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=plan.repo)
+    except subprocess.TimeoutExpired:
+        return ["NIXL check timed out after 90 s"]
+    if r.returncode == 0:
+        return []
+    lines = [x for x in (r.stderr + r.stdout).strip().splitlines() if "nixl check" in x]
+    tail = (r.stderr or r.stdout).strip().splitlines()
+    return [lines[-1] if lines else f"NIXL check failed (exit {r.returncode}): {tail[-1] if tail else ''}"]
+
+
+def check_router(plan: Plan) -> List[str]:
+    if not any(p.role == "router" for p in plan.procs):
+        return []
+    code = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('sglang_router') else 3)"
+    r = subprocess.run([plan.python, "-c", code], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        return [f"sglang_router is not installed in {plan.python} (pip install sglang-router==0.3.2)"]
+    return []
+
+
+def check_python(plan: Plan) -> List[str]:
+    if not (os.path.isfile(plan.python) and os.access(plan.python, os.X_OK)):
+        return [f"no python at {plan.python}: run `make setup` or set VENV to the serving environment"]
+    if not plan.standin and any(p.role in ("prefill", "decode") for p in plan.procs):
+        code = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('sglang') else 3)"
+        r = subprocess.run([plan.python, "-c", code], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            return [f"sglang is not installed in {plan.python}: run `make setup`"]
+    return []
+
+
+RUNNERS: Dict[str, Callable[[Plan], List[str]]] = {
+    "ports": check_ports, "gpu": check_gpu, "model": check_model,
+    "patches": check_patches, "nixl": check_nixl, "router": check_router,
+}
+
+
+def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
+    """Run every check not skipped; return the failure lines (empty = go)."""
+    skip = skipped_checks(plan)
+    failures = check_python(plan)
+    if failures:
+        return failures  # nothing else can run without the environment
+    for name in CHECKS:
+        if name in skip:
+            say(f"preflight {name}: skipped")
+            continue
+        res = RUNNERS[name](plan)
+        say(f"preflight {name}: {'ok' if not res else 'FAILED'}")
+        failures += res
+    return failures

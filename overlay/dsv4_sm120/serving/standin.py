@@ -1,0 +1,170 @@
+"""A small HTTP server standing in for ``python -m sglang.launch_server`` (no GPU, no model).
+
+Selected by ``DSV4_SERVE_STANDIN=1`` in the serving scripts: it takes the same command line
+(only ``--host``, ``--port``, ``--disaggregation-mode``, ``--disaggregation-bootstrap-port``,
+``--model-path``, ``--served-model-name`` matter), binds the same ports (prefill also its
+bootstrap port), answers ``/health``, ``/health_generate``, ``/get_model_info``,
+``/server_info``, ``/v1/models``, ``/generate``, ``/v1/completions``, ``/v1/chat/completions``,
+``/start_profile``, ``/stop_profile``, and appends every request it receives (path + JSON body)
+to ``$DSV4_STANDIN_RECORD`` (JSONL) when set.
+
+Failure injection (for orchestration tests), each applying to the role named in
+``DSV4_STANDIN_ROLE`` (``prefill``/``decode``; empty = both):
+  DSV4_STANDIN_FAIL_AT_START=1      exit 3 before binding anything
+  DSV4_STANDIN_EXIT_AFTER_S=<s>     exit 4 after s seconds of serving
+  DSV4_STANDIN_STARTUP_S=<s>        answer /health with 503 for the first s seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import List, Optional
+
+_lock = threading.Lock()
+
+
+def _record(entry: dict) -> None:
+    path = os.environ.get("DSV4_STANDIN_RECORD")
+    if not path:
+        return
+    line = json.dumps(entry, sort_keys=True) + "\n"
+    with _lock, open(path, "a") as f:
+        f.write(line)
+        f.flush()
+
+
+def make_handler(role: str, model: str, served: str, ready_at: float, args: argparse.Namespace):
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *a):  # one line per request on stderr -> the role's log
+            sys.stderr.write(f"[standin {role}] {self.command} {self.path} -> {fmt % a}\n")
+
+        def _send(self, code: int, obj=None, ctype="application/json", raw: Optional[bytes] = None):
+            body = raw if raw is not None else json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(n) if n else b""
+            try:
+                return json.loads(raw) if raw else {}
+            except ValueError:
+                return {"_raw": raw.decode(errors="replace")}
+
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            _record({"role": role, "method": "GET", "path": path, "t": time.time()})
+            if path in ("/health", "/health_generate", "/ping"):
+                if time.time() < ready_at:
+                    return self._send(503, {"status": "starting"})
+                return self._send(200, raw=b"", ctype="text/plain")
+            if path in ("/get_model_info", "/model_info"):
+                return self._send(200, {"model_path": model, "tokenizer_path": model, "is_generation": True,
+                                        "preferred_sampling_params": None, "weight_version": "standin",
+                                        "has_image_understanding": False, "has_audio_understanding": False,
+                                        "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]})
+            if path in ("/server_info", "/get_server_info"):
+                return self._send(200, {"disaggregation_mode": role, "tp_size": args.tp,
+                                        "disaggregation_bootstrap_port": args.disaggregation_bootstrap_port,
+                                        "model_path": model, "standin": True, "internal_states": [{}]})
+            if path == "/v1/models":
+                return self._send(200, {"object": "list", "data": [{"id": served, "object": "model",
+                                                                    "owned_by": "standin", "root": model}]})
+            if path == "/get_load":
+                return self._send(200, [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
+            return self._send(404, {"error": f"standin: no GET {path}"})
+
+        def do_POST(self):
+            path = self.path.split("?")[0]
+            body = self._body()
+            _record({"role": role, "method": "POST", "path": path, "body": body, "t": time.time()})
+            if path in ("/start_profile", "/stop_profile", "/flush_cache"):
+                return self._send(200, raw=b"OK", ctype="text/plain")
+            if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
+                return self._send(404, {"error": f"standin: no POST {path}"})
+            text = "" if role == "prefill" else "standin decode output"
+            meta = {"id": str(body.get("bootstrap_room", "")), "finish_reason": {"type": "length", "length": 4},
+                    "prompt_tokens": 4, "completion_tokens": 0 if role == "prefill" else 4, "cached_tokens": 0,
+                    "e2e_latency": 0.001}
+            if path == "/generate":
+                obj = {"text": text, "output_ids": [] if role == "prefill" else [1, 2, 3, 4], "meta_info": meta}
+            elif path == "/v1/completions":
+                obj = {"id": "cmpl-standin", "object": "text_completion", "created": int(time.time()), "model": served,
+                       "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
+                       "usage": {"prompt_tokens": 4, "completion_tokens": meta["completion_tokens"],
+                                 "total_tokens": 4 + meta["completion_tokens"]}}
+            else:
+                obj = {"id": "chatcmpl-standin", "object": "chat.completion", "created": int(time.time()),
+                       "model": served, "choices": [{"index": 0, "finish_reason": "length",
+                                                     "message": {"role": "assistant", "content": text}}],
+                       "usage": {"prompt_tokens": 4, "completion_tokens": meta["completion_tokens"],
+                                 "total_tokens": 4 + meta["completion_tokens"]}}
+            if body.get("stream"):
+                data = f"data: {json.dumps(obj)}\n\ndata: [DONE]\n\n".encode()
+                return self._send(200, raw=data, ctype="text/event-stream")
+            return self._send(200, obj)
+
+    return H
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.serving.standin",
+                                 description="Stand-in for an SGLang server: answers health checks and records requests.")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--disaggregation-mode", default="null")
+    ap.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    ap.add_argument("--model-path", default="standin")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--tp", type=int, default=1)
+    args, _unknown = ap.parse_known_args(argv)
+    role = args.disaggregation_mode
+
+    target = os.environ.get("DSV4_STANDIN_ROLE", "")
+    mine = target in ("", role)
+    if mine and os.environ.get("DSV4_STANDIN_FAIL_AT_START") == "1":
+        print(f"[standin {role}] failing at start as asked (DSV4_STANDIN_FAIL_AT_START=1)", file=sys.stderr)
+        return 3
+    startup = float(os.environ.get("DSV4_STANDIN_STARTUP_S", "0") or 0) if mine else 0.0
+    exit_after = float(os.environ.get("DSV4_STANDIN_EXIT_AFTER_S", "0") or 0) if mine else 0.0
+
+    served = args.served_model_name or args.model_path
+    handler = make_handler(role, args.model_path, served, time.time() + startup, args)
+    servers = [ThreadingHTTPServer((args.host, args.port), handler)]
+    if role == "prefill":
+        servers.append(ThreadingHTTPServer((args.host, args.disaggregation_bootstrap_port), handler))
+    for s in servers:
+        s.daemon_threads = True
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    print(f"[standin {role}] serving on {args.host}:{args.port}"
+          f"{' + bootstrap ' + str(args.disaggregation_bootstrap_port) if role == 'prefill' else ''} (pid {os.getpid()})",
+          file=sys.stderr, flush=True)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    t0 = time.time()
+    while not stop.wait(0.05):
+        if exit_after and time.time() - t0 >= exit_after:
+            print(f"[standin {role}] exiting with code 4 after {exit_after:g} s as asked", file=sys.stderr, flush=True)
+            os._exit(4)
+    for s in servers:
+        s.shutdown()
+    print(f"[standin {role}] stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
