@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from dsv4_sm120.attention.cache import random_cache
+from dsv4_sm120.attention.cache import cache_view, random_cache
 
 
 @dataclass
@@ -63,24 +63,15 @@ def build(case: Case, device="cpu"):
         return cache, idx, lengths
 
     main, idx, lens = make(case.main_pages, case.main_page, case.K, case.lengths, case.all_invalid_rows)
-    kw = dict(k_cache=main.view.to(device), indices=idx.to(device))
+    kw = dict(k_cache=cache_view(main.raw.to(device), main.page_size), indices=idx.to(device))
     if lens is not None:
         kw["topk_length"] = lens.to(device)
     if case.extra is not None:
         ec, eidx, elens = make(case.extra_pages, case.extra_page, case.extra_K, case.lengths, case.all_invalid_rows)
-        kw["extra_k_cache"] = ec.view.to(device)
+        kw["extra_k_cache"] = cache_view(ec.raw.to(device), ec.page_size)
         kw["extra_indices_in_kvcache"] = eidx.to(device)
         if elens is not None:
             kw["extra_topk_length"] = elens.to(device)
-    # keep device views pointing at the full raw buffers
-    if device != "cpu":
-        kw["k_cache"] = main.raw.to(device)[:, : main.page_size * 584].view(torch.float8_e4m3fn).view(
-            main.raw.shape[0], main.page_size, 1, 584
-        )
-        if case.extra is not None:
-            kw["extra_k_cache"] = ec.raw.to(device)[:, : ec.page_size * 584].view(torch.float8_e4m3fn).view(
-                ec.raw.shape[0], ec.page_size, 1, 584
-            )
     if case.head_slice:
         full = torch.randn(T, 1, H + 5, 512, generator=g).to(torch.bfloat16).to(device)
         q = full[:, :, 2 : 2 + H, :]

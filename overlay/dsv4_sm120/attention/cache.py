@@ -138,3 +138,26 @@ def write_tokens(cache: PagedCache, slots: torch.Tensor, kv: torch.Tensor) -> No
         raw[pg, off * ROW_BYTES : (off + 1) * ROW_BYTES] = data[j].to(raw.device)
         sb = P * ROW_BYTES + off * SCALE_BYTES
         raw[pg, sb : sb + SCALE_BYTES] = scales[j].to(raw.device)
+
+
+def random_cache_device(
+    num_pages: int, page_size: int, device, *, generator: Optional[torch.Generator] = None
+) -> PagedCache:
+    """Like ``random_cache(mode="bytes")`` but generated on ``device`` (for large benchmark caches):
+    random finite e4m3 nope bytes, UE8M0 scales in [118, 127], N(0, 1) bf16 rope."""
+    pb = page_bytes(page_size)
+    g = generator
+    raw = torch.empty(num_pages, pb, dtype=torch.uint8, device=device)
+    data = raw[:, : page_size * ROW_BYTES].view(num_pages, page_size, ROW_BYTES)
+    nope = torch.randint(0, 256, (num_pages, page_size, NOPE_DIM), dtype=torch.uint8, device=device, generator=g)
+    nope = torch.where((nope & 0x7F) == 0x7F, nope ^ 1, nope)
+    data[:, :, :NOPE_DIM] = nope
+    rope = torch.randn(num_pages, page_size, ROPE_DIM, device=device, generator=g).to(torch.bfloat16)
+    data[:, :, NOPE_DIM:] = rope.view(torch.uint8)
+    sc = raw[:, page_size * ROW_BYTES : page_size * BYTES_PER_TOKEN].view(num_pages, page_size, SCALE_BYTES)
+    sc[:, :, :NUM_TILES] = torch.randint(
+        118, 128, (num_pages, page_size, NUM_TILES), dtype=torch.uint8, device=device, generator=g
+    )
+    sc[:, :, NUM_TILES] = 0xFF
+    raw[:, page_size * BYTES_PER_TOKEN :] = 0xFF
+    return PagedCache(raw, page_size)

@@ -296,10 +296,17 @@ def _is_sm120(device: torch.device) -> bool:
 
 
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """Grow-only fp32 workspace per device; slices of it are reused by every call."""
+    """fp32 workspace for the partial results.
+
+    Eager calls reuse one grow-only buffer per device. Under CUDA-graph capture the workspace is a
+    fresh allocation from the graph's memory pool instead: a graph must never point into the shared
+    eager buffer, which a later, larger eager call may replace (and free)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(numel, dtype=torch.float32, device=device)
     key = (str(device), 0)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
+        _WORKSPACE.pop(key, None)
         with torch.inference_mode(False):
             buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
         _WORKSPACE[key] = buf

@@ -45,22 +45,24 @@ def _bf16_bits_to_f64(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_tokens(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """float64 ``[n, 512]`` vectors of token ``slots`` (int, all >= 0) of a ``[N, P, 1, 584]`` view."""
+    """float64 ``[n, 512]`` vectors of token ``slots`` (int, all >= 0) of a ``[N, P, 1, 584]`` view.
+
+    Only the needed bytes are gathered (on the cache's device), then decoded on the CPU."""
     P = k_cache.shape[1]
     pb = k_cache.stride(0)
     n_pages = k_cache.shape[0]
-    raw = torch.as_strided(k_cache.view(torch.uint8), (n_pages, pb), (pb, 1)).cpu()
-    slots = slots.to(torch.long).cpu()
+    flat = torch.as_strided(k_cache.view(torch.uint8), (n_pages * pb,), (1,))
+    slots = slots.to(torch.long).to(flat.device).reshape(-1)
     page = slots // P
     off = slots % P
-    rows = raw[page]  # [n, pb]
-    ar = torch.arange(ROW_BYTES)
-    data = torch.gather(rows, 1, (off * ROW_BYTES)[:, None] + ar[None, :])
-    sc = torch.gather(rows, 1, (P * ROW_BYTES + off * 8)[:, None] + torch.arange(NUM_TILES)[None, :])
+    row0 = page * pb + off * ROW_BYTES
+    data = flat[row0[:, None] + torch.arange(ROW_BYTES, device=flat.device)[None, :]].cpu()
+    s0 = page * pb + P * ROW_BYTES + off * 8
+    sc = flat[s0[:, None] + torch.arange(NUM_TILES, device=flat.device)[None, :]].cpu()
     nope = _E4M3[data[:, :NOPE_DIM].to(torch.long)]
     scale = torch.pow(2.0, sc.to(torch.float64) - 127.0)
     nope = (nope.view(-1, NUM_TILES, TILE) * scale[:, :, None]).view(-1, NOPE_DIM)
-    rb = data[:, NOPE_DIM:].view(-1, ROPE_DIM, 2)
+    rb = data[:, NOPE_DIM:].reshape(-1, ROPE_DIM, 2)
     rope = _bf16_bits_to_f64(rb[..., 0], rb[..., 1])
     return torch.cat([nope, rope], dim=1)
 
