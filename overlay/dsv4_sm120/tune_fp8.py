@@ -208,7 +208,7 @@ def candidate_configs(M: int, N: int, K: int, *, sm90: bool, quick: bool, num_sm
                             ctas = -(-M // bm) * -(-N // bn)
                             splits = [1]
                             if M <= 256:
-                                splits += [s for s in ((2, 4) if quick else (2, 4, 8, 16))
+                                splits += [s for s in ((2, 4, 8) if quick else (2, 4, 8, 16))
                                            if s <= k_tiles and ctas * s <= 4 * num_sms]
                             swaps = [False, True] if M <= 64 else [False]
                             for sw in swaps:
@@ -219,6 +219,9 @@ def candidate_configs(M: int, N: int, K: int, *, sm90: bool, quick: bool, num_sm
                                     if sk > 1:
                                         c["SPLIT_K"] = sk
                                     out.append(c)
+    default = sglang_default_config()
+    if default not in out:   # never pick worse than SGLang's own choice (up to timing noise)
+        out.append(default)
     return out
 
 
