@@ -1,0 +1,327 @@
+"""Dry runs of serve/serve_dsv4_tp4.sh and serve/serve_dsv4_mtp.sh.
+
+The printed server commands are parsed by SGLang 0.5.23's own ``prepare_server_args`` and
+resolved (``resolve_once``) against a minimal DeepSeek-V4 config.json, so a renamed or
+removed flag (e.g. the bare ``--cuda-graph-max-bs``) fails here. The router command is
+parsed by sglang_router's own argument parser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SERVE = REPO / "serve"
+VENV = str(Path(sys.executable).parent.parent)
+
+
+def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), check=True):
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith(("PREFILL_", "DECODE_", "ROUTER_", "SPEC_", "NCCL_")) or k in
+                   ("MODEL_PATH", "NODE_ROLE", "DRY_RUN", "DETACH", "FP8_GEMM_BACKEND", "DSV4_SERVE_STANDIN",
+                    "RUN_DIR", "LOG_DIR", "MAX_RUNNING", "CONTEXT_LEN"))}
+    env["VENV"] = VENV
+    env["RUN_DIR"] = "/tmp/dsv4-dry-run-dir"
+    env.update(extra_env or {})
+    r = subprocess.run(["bash", str(SERVE / script), *args], capture_output=True, text=True, env=env, timeout=60)
+    if check:
+        assert r.returncode == 0, r.stderr + r.stdout
+    return r
+
+
+def commands(out: str) -> dict:
+    """role -> (env dict, argv) from the `cmd ROLE: ...` lines."""
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("cmd "):
+            role, _, rest = line[4:].partition(": ")
+            toks = shlex.split(rest)
+            env = {}
+            while "=" in toks[0] and not toks[0].startswith("/"):
+                k, _, v = toks.pop(0).partition("=")
+                env[k] = v
+            res[role] = (env, toks)
+    return res
+
+
+def server_argv(argv):
+    i = argv.index("sglang.launch_server")
+    assert argv[i - 1] == "-m"
+    return argv[i + 1:]
+
+
+def write_dsv4_config(d: Path) -> Path:
+    n = 43
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 4096,
+        "num_hidden_layers": n, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 448, "v_head_dim": 512, "q_lora_rank": 1024,
+        "o_lora_rank": 1024, "o_groups": 8, "kv_lora_rank": 512, "n_routed_experts": 256,
+        "num_experts_per_tok": 6, "n_shared_experts": 1, "moe_intermediate_size": 2048, "index_topk": 512,
+        "index_head_dim": 128, "index_n_heads": 64, "window_size": 128, "sliding_window": 128,
+        "vocab_size": 129280, "max_position_embeddings": 1048576, "num_nextn_predict_layers": 1,
+        "compress_ratios": [0 if i < 2 else (4 if i % 2 else 128) for i in range(n)] + [0],
+        "torch_dtype": "bfloat16", "rope_theta": 10000, "compress_rope_theta": 160000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+    }
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+# Runs in the test environment's python with the real sglang: parse each argv with
+# prepare_server_args; with "resolve", also resolve it on CPU against the config dir.
+VALIDATOR = textwrap.dedent(r"""
+    import json, sys, io, contextlib
+    from sglang.srt.server_args import prepare_server_args
+    jobs = json.load(sys.stdin)
+    out = []
+    for job in jobs:
+        argv = job["argv"]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                a = prepare_server_args(argv)
+        except SystemExit as e:
+            out.append({"ok": False, "stage": "parse", "error": err.getvalue()[-400:]})
+            continue
+        rec = {"ok": True, "tp": a.tp_size, "mode": a.disaggregation_mode,
+               "backend": a.disaggregation_transfer_backend}
+        if job.get("resolve"):
+            argv2 = list(argv)
+            argv2[argv2.index("--model-path") + 1] = job["resolve"]
+            b = prepare_server_args(argv2 + ["--device", "cpu"])
+            try:
+                b.resolve_once()
+            except Exception as e:
+                out.append({"ok": False, "stage": "resolve", "error": f"{type(e).__name__}: {e}"})
+                continue
+            d = b.resolved_dict()
+            rec.update(resolved=True, page_size=d["page_size"], kv_cache_dtype=str(d["kv_cache_dtype"]),
+                       max_running=d["max_running_requests"], context_length=d["context_length"],
+                       decode_graph_max_bs=d["cuda_graph_config"]["decode"]["max_bs"],
+                       decode_graph_backend=str(d["cuda_graph_config"]["decode"]["backend"]),
+                       spec=d["speculative_algorithm"], spec_steps=d["speculative_num_steps"],
+                       spec_topk=d["speculative_eagle_topk"], spec_draft=d["speculative_num_draft_tokens"],
+                       fp8=str(d.get("fp8_gemm_runner_backend")), mem=d["mem_fraction_static"])
+        out.append(rec)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def validate(jobs):
+    r = subprocess.run([sys.executable, "-c", VALIDATOR], input=json.dumps(jobs), capture_output=True, text=True,
+                       timeout=300, cwd="/tmp")
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, f"validator crashed (sglang missing from the test environment?)\n{r.stderr[-3000:]}"
+    return json.loads(line[-1][len("RESULT"):])
+
+
+ROUTER_VALIDATOR = textwrap.dedent(r"""
+    import json, sys
+    from sglang_router.launch_router import parse_router_args
+    args = parse_router_args(json.load(sys.stdin))
+    print("RESULT" + json.dumps({"pd": args.pd_disaggregation, "prefill": args.prefill_urls,
+                                 "decode": args.decode_urls, "port": args.port,
+                                 "prometheus_port": args.prometheus_port}))
+""")
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    base = dry_run("serve_dsv4_tp4.sh").stdout
+    mtp = dry_run("serve_dsv4_mtp.sh").stdout
+    mn_prefill = dry_run("serve_dsv4_tp4.sh", {"NODE_ROLE": "prefill", "PREFILL_HOST": "10.1.0.1",
+                                               "DECODE_HOST": "10.1.0.2", "PREFILL_GPUS": "0,1,2,3",
+                                               "IB_DEVICE": "mlx5_0"}).stdout
+    mn_decode = dry_run("serve_dsv4_mtp.sh", {"NODE_ROLE": "decode,router", "PREFILL_HOST": "10.1.0.1",
+                                              "DECODE_HOST": "10.1.0.2", "DECODE_GPUS": "0,1,2,3",
+                                              "ROUTER_HOST": "0.0.0.0", "IB_DEVICE": "mlx5_0"}).stdout
+    fp8 = dry_run("serve_dsv4_tp4.sh", {"FP8_GEMM_BACKEND": "triton", "MAX_RUNNING": "8",
+                                        "DECODE_EXTRA_ARGS": "--chunked-prefill-size 4096"}).stdout
+    return {"base": base, "mtp": mtp, "mn_prefill": mn_prefill, "mn_decode": mn_decode, "fp8": fp8}
+
+
+def test_dry_run_commands_parse_and_resolve_with_sglang(outputs, tmp_path):
+    cfg = str(write_dsv4_config(tmp_path / "dsv4"))
+    jobs, expect = [], []
+    for name in ("base", "mtp", "fp8"):
+        cmds = commands(outputs[name])
+        assert set(cmds) == {"prefill", "decode", "router"}, outputs[name]
+        for role in ("prefill", "decode"):
+            jobs.append({"argv": server_argv(cmds[role][1]), "resolve": cfg})
+            expect.append((name, role))
+    for name in ("mn_prefill", "mn_decode"):
+        for role, (_, argv) in commands(outputs[name]).items():
+            if role != "router":
+                jobs.append({"argv": server_argv(argv)})
+                expect.append((name, role))
+    # A removed flag must be caught by the same machinery (shows the check can fail).
+    bad = dry_run("serve_dsv4_tp4.sh", {"DECODE_EXTRA_ARGS": "--cuda-graph-max-bs 16"}).stdout
+    jobs.append({"argv": server_argv(commands(bad)["decode"][1])})
+    res = validate(jobs)
+    assert len(res) == len(jobs)
+    *good, neg = res
+    assert not neg["ok"] and neg["stage"] == "parse" and "cuda-graph-max-bs" in neg["error"], neg
+    assert sum(1 for r in good if r.get("resolved")) == 6, good
+    for (name, role), r in zip(expect, good):
+        assert r["ok"], (name, role, r)
+        assert r["tp"] == 4 and r["mode"] == role and r["backend"] == "nixl", (name, role, r)
+        if not r.get("resolved"):
+            continue
+        assert r["page_size"] == 256 and "fp8_e4m3" in r["kv_cache_dtype"], r
+        assert r["context_length"] == 65536 and abs(r["mem"] - 0.85) < 1e-9, r
+        if role == "decode":
+            want = 8 if name == "fp8" else 16
+            assert r["max_running"] == want, r
+            assert r["decode_graph_max_bs"] >= want and r["decode_graph_backend"] != "disabled", r
+        if name == "mtp":
+            assert (r["spec"], r["spec_steps"], r["spec_topk"], r["spec_draft"]) == ("EAGLE", 3, 1, 4), r
+        else:
+            assert r["spec"] is None, r
+        if name == "fp8":
+            assert r["fp8"] == "triton", r
+
+
+def test_router_command_parses_with_sglang_router(outputs):
+    for name in ("base", "mn_decode"):
+        argv = commands(outputs[name])["router"][1]
+        i = argv.index("sglang_router.launch_router")
+        r = subprocess.run([sys.executable, "-c", ROUTER_VALIDATOR], input=json.dumps(argv[i + 1:]),
+                           capture_output=True, text=True, timeout=120, cwd="/tmp")
+        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+        assert line, r.stderr[-2000:]
+        got = json.loads(line[-1][6:])
+        assert got["pd"] is True
+        if name == "base":
+            assert got["prefill"] == [["http://127.0.0.1:30100", 8998]] or \
+                got["prefill"] == [("http://127.0.0.1:30100", 8998)], got
+            assert got["decode"] == ["http://127.0.0.1:30200"] and got["port"] == 30000, got
+        else:
+            assert [list(x) for x in got["prefill"]] == [["http://10.1.0.1:30100", 8998]], got
+            assert got["decode"] == ["http://10.1.0.2:30200"], got
+
+
+def test_base_and_mtp_share_everything_but_speculation(outputs):
+    b, m = commands(outputs["base"]), commands(outputs["mtp"])
+    spec = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "4"]
+    for role in ("prefill", "decode"):
+        mb = m[role][1]
+        i = mb.index("--speculative-algorithm")
+        assert mb[i:i + len(spec)] == spec
+        assert mb[:i] + mb[i + len(spec):] == b[role][1], role
+        assert m[role][0] == b[role][0]
+    assert m["router"] == b["router"]
+    # the MTP script holds no launch logic of its own
+    text = (SERVE / "serve_dsv4_mtp.sh").read_text()
+    assert "serve_dsv4_tp4.sh" in text
+    assert "launch_server" not in text and "--disaggregation" not in text and "sglang_router" not in text
+
+
+def test_default_plan_matches_the_issue(outputs):
+    out = outputs["base"]
+    cmds = commands(out)
+    penv, pargv = cmds["prefill"]
+    denv, dargv = cmds["decode"]
+    assert penv["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and denv["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert pargv[0] == f"{VENV}/bin/python" and dargv[0] == f"{VENV}/bin/python"
+    assert pargv[pargv.index("--model-path") + 1] == "deepseek-ai/DeepSeek-V4-Flash"
+    assert "--cuda-graph-max-bs-decode" in dargv and "--cuda-graph-max-bs" not in dargv
+    assert pargv[pargv.index("--disaggregation-bootstrap-port") + 1] == "8998"
+    assert penv["SGLANG_TORCH_PROFILER_DIR"] == "/tmp/dsv4-dry-run-dir/profile"
+    for needle in ("env NCCL_PROTO=LL", "env NCCL_ALGO=Ring", "env SGLANG_DISAGGREGATION_NIXL_BACKEND=UCX",
+                   "env CUDA_DEVICE_ORDER=PCI_BUS_ID", "health router: http://127.0.0.1:30000/health",
+                   "log decode: /tmp/dsv4-dry-run-dir/decode.log"):
+        assert needle in out, needle
+    # nothing is single-host specific in a loopback plan
+    assert "SGLANG_HOST_IP" not in out
+
+
+def test_multi_node_plans(outputs):
+    p = commands(outputs["mn_prefill"])
+    assert set(p) == {"prefill"}
+    env, argv = p["prefill"]
+    assert env["SGLANG_HOST_IP"] == "10.1.0.1" and argv[argv.index("--host") + 1] == "10.1.0.1"
+    assert argv[argv.index("--disaggregation-ib-device") + 1] == "mlx5_0"
+    d = commands(outputs["mn_decode"])
+    assert set(d) == {"decode", "router"}
+    env, argv = d["decode"]
+    assert env["SGLANG_HOST_IP"] == "10.1.0.2" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    r = d["router"][1]
+    i = r.index("--prefill")
+    assert r[i + 1:i + 3] == ["http://10.1.0.1:30100", "8998"]
+    assert r[r.index("--decode") + 1] == "http://10.1.0.2:30200"
+    assert "health prefill (other host): http://10.1.0.1:30100/health" in outputs["mn_decode"]
+
+
+def test_dry_run_flag_equals_variable_and_needs_no_env():
+    a = dry_run("serve_dsv4_tp4.sh").stdout
+    b = dry_run("serve_dsv4_tp4.sh", {"DRY_RUN": "1"}, args=()).stdout
+    assert a == b
+    c = dry_run("serve_dsv4_mtp.sh", {"VENV": "/nonexistent-venv"})
+    assert "/nonexistent-venv/bin/python -m sglang.launch_server" in c.stdout
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"PREFILL_GPUS": "0,1,2"}, "PREFILL_GPUS"),
+    ({"DECODE_GPUS": "3,4,5,6"}, "share GPUs"),
+    ({"DECODE_PORT": "30100"}, "configured twice"),
+    ({"MAX_RUNNING": "lots"}, "MAX_RUNNING"),
+    ({"NODE_ROLE": "prefil"}, "unknown role"),
+    ({"FP8_GEMM_BACKEND": "fastest"}, "FP8_GEMM_BACKEND"),
+    ({"DECODE_EXTRA_ARGS": "--foo 'unterminated"}, "DECODE_EXTRA_ARGS"),
+])
+def test_config_errors_are_one_line(env, needle):
+    r = dry_run("serve_dsv4_tp4.sh", env, check=False)
+    assert r.returncode == 2, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_mtp_config_errors():
+    r = dry_run("serve_dsv4_mtp.sh", {"SPEC_EAGLE_TOPK": "2"}, check=False)
+    assert r.returncode == 2 and "topk 1" in r.stderr
+    r = dry_run("serve_dsv4_mtp.sh", {"SPEC_NUM_STEPS": "2", "SPEC_NUM_DRAFT_TOKENS": "4"}, check=False)
+    assert r.returncode == 2 and "steps + 1" in r.stderr
+    r = dry_run("serve_dsv4_mtp.sh", {"SPEC_NUM_STEPS": "2", "SPEC_NUM_DRAFT_TOKENS": "3"})
+    argv = commands(r.stdout)["decode"][1]
+    assert argv[argv.index("--speculative-num-steps") + 1] == "2"
+
+
+def test_caller_environment_wins_over_env_files():
+    out = dry_run("serve_dsv4_tp4.sh", {"NCCL_PROTO": "Simple", "SGLANG_DSV4_SM120_ATTN_BACKEND": "torch"}).stdout
+    assert "env NCCL_PROTO=Simple  # environment" in out
+    assert "env NCCL_ALGO=Ring  # 10-nccl.env" in out
+    assert "env SGLANG_DSV4_SM120_ATTN_BACKEND=torch  # environment" in out
+
+
+def test_fp8_backend_hook(tmp_path):
+    sys.path.insert(0, str(REPO / "overlay"))
+    from dsv4_sm120.serving.config import ConfigError, fp8_gemm_backend
+
+    assert fp8_gemm_backend("auto", tmp_path)[0] is None
+    (tmp_path / "configs" / "fp8").mkdir(parents=True)
+    summ = tmp_path / "configs" / "fp8" / "summary.json"
+    summ.write_text(json.dumps({"fp8_gemm_backend": "triton", "shapes": []}))
+    assert fp8_gemm_backend("auto", tmp_path)[0] == "triton"
+    assert fp8_gemm_backend("cutlass", tmp_path)[0] == "cutlass"   # explicit wins over the summary
+    summ.write_text(json.dumps({"fp8_gemm_backend": "auto"}))
+    assert fp8_gemm_backend("auto", tmp_path)[0] is None
+    summ.write_text(json.dumps({"fp8_gemm_backend": "warp-drive"}))
+    with pytest.raises(ConfigError):
+        fp8_gemm_backend("auto", tmp_path)
+    summ.write_text("{not json")
+    with pytest.raises(ConfigError):
+        fp8_gemm_backend("auto", tmp_path)
