@@ -13,10 +13,9 @@ here, through ``sglang.srt.dsv4_sm120_hook.import_overlay("moe_route")``:
   own Triton runner once :func:`triton_nvfp4_backend_available` says so.
 * :func:`draft_mxfp4_expert_method` from ``HybridFp8NvFp4Config.get_quant_method``
   for the MTP draft experts, which that format keeps in MXFP4. Stock 0.5.23 sends
-  them to ``Mxfp4FlashinferTrtllmMoEMethod`` (TRT-LLM, sm_100 only); on sm_90 and
-  sm_120 this picks ``Mxfp4FlashinferCutlassMoEMethod``, the class stock SGLang
-  itself uses for MXFP4 experts on those GPUs (MXFP8 activations x MXFP4 weights
-  on sm_120).
+  them to ``Mxfp4FlashinferTrtllmMoEMethod`` (TRT-LLM, sm_100 only); on sm_120
+  this picks ``Mxfp4FlashinferCutlassMoEMethod``, the class stock SGLang itself
+  uses for MXFP4 experts there (MXFP8 activations x MXFP4 weights).
 
 Both take plain values (no SGLang import), so they are testable on their own,
 and never raise: on doubt they return the stock choice.
@@ -103,24 +102,23 @@ def hybrid_nvfp4_moe_runner_backend(
     return TRITON_NVFP4_BACKEND if triton_nvfp4_backend_available() else SM120_NVFP4_BACKEND
 
 
-def draft_mxfp4_expert_method(*, is_sm120: bool, is_sm90: bool = False, is_hip: bool = False) -> str:
+def draft_mxfp4_expert_method(*, is_sm120: bool, is_hip: bool = False) -> str:
     """Which MXFP4 MoE method the MTP draft experts of a hybrid checkpoint get.
 
-    ``flashinfer_cutlass_mxfp4`` (``Mxfp4FlashinferCutlassMoEMethod``) on sm_120
-    and sm_90, where stock SGLang runs MXFP4 experts with that class;
-    ``flashinfer_trtllm_mxfp4`` (the stock ``Mxfp4FlashinferTrtllmMoEMethod``,
-    sm_100) elsewhere.
+    ``flashinfer_cutlass_mxfp4`` (``Mxfp4FlashinferCutlassMoEMethod``) on sm_120,
+    where stock SGLang runs MXFP4 experts with that class; elsewhere the stock
+    ``flashinfer_trtllm_mxfp4`` (``Mxfp4FlashinferTrtllmMoEMethod``, sm_100).
     """
-    if is_hip:
+    if is_hip or not is_sm120:
         return DRAFT_TRTLLM
-    return DRAFT_CUTLASS if (is_sm120 or is_sm90) else DRAFT_TRTLLM
+    return DRAFT_CUTLASS
 
 
-def describe(is_sm120: bool, is_sm90: bool = False) -> dict:
+def describe(is_sm120: bool) -> dict:
     """Both choices for a platform, for logs and ``--dry-run`` style reports."""
     return {
         "hybrid_nvfp4_moe_runner_backend": hybrid_nvfp4_moe_runner_backend(is_sm120=is_sm120),
-        "draft_mxfp4_expert_method": draft_mxfp4_expert_method(is_sm120=is_sm120, is_sm90=is_sm90),
+        "draft_mxfp4_expert_method": draft_mxfp4_expert_method(is_sm120=is_sm120),
         "triton_nvfp4_backend_available": triton_nvfp4_backend_available(),
         "env": os.environ.get(ENV_BACKEND),
     }
