@@ -93,7 +93,9 @@ def test_reference_is_not_trivially_matched():
     assert rel_err(out, ref) < TOL_BF16
     no_clamp = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=None)
     assert rel_err(no_clamp, ref) > 5 * TOL_BF16
-    W2 = dict(W)
+    W2 = dict(W)  # gate and up halves swapped
+    W2["w13"] = torch.cat([W["w13"][:, I:], W["w13"][:, :I]], dim=1)
+    W2["w13_scale"] = torch.cat([W["w13_scale"][:, I:], W["w13_scale"][:, :I]], dim=1)
     W2["w13_scale_2"] = W["w13_scale_2"].flip(1).contiguous()
     assert rel_err(moe_reference(x, **W2, topk_weights=tw, topk_ids=ids, swiglu_limit=1.0), ref) > 5 * TOL_BF16
     ids_all = torch.where(ids < 0, torch.zeros_like(ids), ids)

@@ -8,28 +8,29 @@ from typing import Dict
 import torch
 
 
-def random_e4m3_scales(shape, gen: torch.Generator, device, lo: float = -3.0, hi: float = 3.0) -> torch.Tensor:
-    """Positive E4M3 block scales ~ 2^U(lo, hi) (with random mantissas)."""
-    u = torch.rand(shape, generator=gen) * (hi - lo) + lo
-    return torch.exp2(u).to(torch.float8_e4m3fn).to(device)
+def random_e4m3_scales(shape, gen: torch.Generator, lo: float = -3.0, hi: float = 3.0) -> torch.Tensor:
+    """Positive E4M3 block scales ~ 2^U(lo, hi) (with random mantissas), on ``gen``'s device."""
+    u = torch.rand(shape, generator=gen, device=gen.device) * (hi - lo) + lo
+    return torch.exp2(u).to(torch.float8_e4m3fn)
 
 
 def make_experts(E: int, H: int, I: int, seed: int, device="cpu") -> Dict[str, torch.Tensor]:
     """Random NVFP4 experts in the loader layout, scaled so that gate/up
     outputs have std ~1.5 and the final output std ~1 for unit-normal x.
     Gate and up use different global scales (catches mixed-up halves)."""
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
-    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8)
-    w13_scale = random_e4m3_scales((E, 2 * I, H // 16), g, device)
-    w2_scale = random_e4m3_scales((E, H, I // 16), g, device)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8, device=device)
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8, device=device)
+    w13_scale = random_e4m3_scales((E, 2 * I, H // 16), g)
+    w2_scale = random_e4m3_scales((E, H, I // 16), g)
     # rms(e2m1) ~ 3.1, rms(2^U(-3,3)) ~ 2.6
     base13 = 1.5 / (3.1 * 2.6 * math.sqrt(H))
     base2 = 1.0 / (3.1 * 2.6 * math.sqrt(I) * 1.5)
-    w13_scale_2 = (base13 * (0.75 + 0.5 * torch.rand((E, 2), generator=g))).float()
-    w2_scale_2 = (base2 * (0.75 + 0.5 * torch.rand((E,), generator=g))).float()
-    return dict(w13=w13.to(device), w13_scale=w13_scale, w13_scale_2=w13_scale_2.to(device),
-                w2=w2.to(device), w2_scale=w2_scale, w2_scale_2=w2_scale_2.to(device))
+    w13_scale_2 = (base13 * (0.75 + 0.5 * torch.rand((E, 2), generator=g, device=device))).float()
+    w2_scale_2 = (base2 * (0.75 + 0.5 * torch.rand((E,), generator=g, device=device))).float()
+    return dict(w13=w13, w13_scale=w13_scale, w13_scale_2=w13_scale_2,
+                w2=w2, w2_scale=w2_scale, w2_scale_2=w2_scale_2)
 
 
 def random_routing(M: int, E: int, k: int, seed: int, device="cpu", kind: str = "random"):
