@@ -51,6 +51,9 @@ def overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, 
 def port_in_use(host: str, port: int) -> bool:
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(fam, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR as the servers use it (uvicorn, the router): only a live listener or
+        # bound socket counts as busy, not TIME_WAIT leftovers of an earlier deployment.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -13,6 +13,7 @@ Failure injection (for orchestration tests), each applying to the role named in
   DSV4_STANDIN_FAIL_AT_START=1      exit 3 before binding anything
   DSV4_STANDIN_EXIT_AFTER_S=<s>     exit 4 after s seconds of serving
   DSV4_STANDIN_STARTUP_S=<s>        answer /health with 503 for the first s seconds
+  DSV4_STANDIN_EXIT_WHEN_FILE=<path> exit 4 as soon as <path> exists
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 3
     startup = float(os.environ.get("DSV4_STANDIN_STARTUP_S", "0") or 0) if mine else 0.0
     exit_after = float(os.environ.get("DSV4_STANDIN_EXIT_AFTER_S", "0") or 0) if mine else 0.0
+    exit_file = os.environ.get("DSV4_STANDIN_EXIT_WHEN_FILE", "") if mine else ""
 
     served = args.served_model_name or args.model_path
     handler = make_handler(role, args.model_path, served, time.time() + startup, args)
@@ -159,6 +161,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     while not stop.wait(0.05):
         if exit_after and time.time() - t0 >= exit_after:
             print(f"[standin {role}] exiting with code 4 after {exit_after:g} s as asked", file=sys.stderr, flush=True)
+            os._exit(4)
+        if exit_file and os.path.exists(exit_file):
+            print(f"[standin {role}] exiting with code 4: {exit_file} exists", file=sys.stderr, flush=True)
             os._exit(4)
     for s in servers:
         s.shutdown()

@@ -1,0 +1,222 @@
+"""Orchestration of serve/serve_dsv4_tp4.sh with stand-in servers (DSV4_SERVE_STANDIN=1) and the real router.
+
+All-or-nothing start, teardown when a part dies at start or later (non-zero exit), a busy
+port refused before anything starts, stop.sh leaving no process behind. Loopback only;
+every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SERVE = REPO / "serve"
+VENV = str(Path(sys.executable).parent.parent)
+
+
+def free_ports(n):
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def env(tmp_path):
+    pp, bp, dp, rp, mp = free_ports(5)
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_STANDIN_", "PREFILL_", "DECODE_", "ROUTER_"))}
+    e.update({
+        "VENV": VENV, "DSV4_SERVE_STANDIN": "1", "LOG_DIR": str(tmp_path / "logs"),
+        "PREFILL_PORT": str(pp), "BOOTSTRAP_PORT": str(bp), "DECODE_PORT": str(dp),
+        "ROUTER_PORT": str(rp), "ROUTER_PROMETHEUS_PORT": str(mp),
+        "STOP_GRACE_S": "5", "HEALTH_TIMEOUT_S": "90", "DSV4_SERVE_POLL_S": "0.2",
+        "DSV4_STANDIN_RECORD": str(tmp_path / "requests.jsonl"),
+    })
+    for k in ("DRY_RUN", "DETACH", "RUN_DIR", "NODE_ROLE", "PREFLIGHT_SKIP"):
+        e.pop(k, None)
+    return e
+
+
+def state(env):
+    latest = Path(env["LOG_DIR"]) / "latest"
+    return json.loads((latest / "state.json").read_text())
+
+
+def start_time(pid):
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2:].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def tree(pid):
+    """pid and its live descendants, with start times."""
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                raw = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            kids.setdefault(int(raw[raw.rfind(")") + 2:].split()[1]), []).append(int(d))
+    out, todo = [pid], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return {p: start_time(p) for p in out if start_time(p)}
+
+
+def all_run_processes(st):
+    procs = {}
+    procs.update(tree(st["supervisor_pid"]))
+    for p in st["procs"]:
+        procs.update(tree(p["pid"]))
+    return procs
+
+
+def wait_gone(procs, timeout=20.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        alive = {p: s for p, s in procs.items() if start_time(p) == s}
+        if not alive:
+            return {}
+        time.sleep(0.1)
+    return alive
+
+
+def port_free(port):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is not "in use"
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def run_script(env, script="serve_dsv4_tp4.sh", extra=None, timeout=120):
+    e = dict(env, **(extra or {}))
+    return subprocess.run(["bash", str(SERVE / script)], capture_output=True, text=True, env=e, timeout=timeout)
+
+
+def test_detached_start_serves_then_stop_leaves_nothing(env):
+    r = run_script(env, extra={"DETACH": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "READY" in r.stdout
+    st = state(env)
+    try:
+        assert st["status"] == "ready" and [p["role"] for p in st["procs"]] == ["prefill", "decode", "router"]
+        procs = all_run_processes(st)
+        assert len(procs) >= 4
+        # the router answers, through both stand-ins
+        req = urllib.request.Request(f"http://127.0.0.1:{env['ROUTER_PORT']}/generate",
+                                     data=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 4}}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert json.loads(resp.read())["text"] == "standin decode output"
+        # the env files reached the servers (printed at start too)
+        assert "NCCL_PROTO=LL" in r.stdout
+    finally:
+        s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
+    assert s.returncode == 0, s.stdout + s.stderr
+    left = wait_gone(procs, 5)
+    assert not left, f"processes left behind: {left}"
+    for k in ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT"):
+        assert port_free(int(env[k])), k
+    assert state(env)["status"] == "stopped"
+    again = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=30)
+    assert again.returncode == 0 and "nothing running" in again.stdout
+
+
+def test_child_dying_at_start_tears_everything_down(env):
+    r = run_script(env, extra={"DSV4_STANDIN_ROLE": "decode", "DSV4_STANDIN_FAIL_AT_START": "1"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "decode exited with code 3 during startup" in r.stdout
+    assert "failing at start as asked" in r.stdout          # the decode log's tail is shown
+    st = state(env)
+    assert st["status"] == "failed"
+    assert [p["role"] for p in st["procs"]] == ["prefill", "decode"]   # router never started
+    for p in st["procs"]:
+        assert start_time(p["pid"]) != p["start"] or start_time(p["pid"]) is None, p
+    assert port_free(int(env["PREFILL_PORT"])) and port_free(int(env["BOOTSTRAP_PORT"]))
+
+
+def test_child_dying_later_tears_everything_down(env, tmp_path):
+    trigger = tmp_path / "die-now"
+    e = dict(env, DSV4_STANDIN_ROLE="prefill", DSV4_STANDIN_EXIT_WHEN_FILE=str(trigger))
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT, env=e)
+    try:
+        t0 = time.monotonic()
+        st = None
+        while time.monotonic() - t0 < 90:
+            try:
+                st = state(env)
+                if st["status"] == "ready":
+                    break
+            except (OSError, ValueError):
+                pass
+            assert proc.poll() is None, (tmp_path / "out.txt").read_text()
+            time.sleep(0.2)
+        assert st and st["status"] == "ready", (tmp_path / "out.txt").read_text()
+        procs = all_run_processes(st)
+        trigger.touch()
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "out.txt").read_text()
+    assert rc == 1, text
+    assert "prefill (pid" in text and "exited with code 4" in text, text
+    assert "tearing down router, decode" in text
+    left = wait_gone(procs, 10)
+    assert not left, f"processes left behind: {left}"
+    assert state(env)["status"] == "failed"
+
+
+def test_busy_port_is_refused_before_anything_starts(env):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", int(env["DECODE_PORT"])))
+    holder.listen(1)
+    try:
+        r = run_script(env, timeout=60)
+    finally:
+        holder.close()
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = [x for x in r.stderr.splitlines() if "preflight:" in x]
+    assert len(lines) == 1 and f"port {env['DECODE_PORT']} on 127.0.0.1 (decode HTTP) is already in use" in lines[0]
+    assert "nothing was started" in r.stderr and "Traceback" not in r.stderr
+    assert not Path(env["LOG_DIR"]).exists() or not any(Path(env["LOG_DIR"]).glob("serve-*"))
+    assert not Path(env["DSV4_STANDIN_RECORD"]).exists()    # no stand-in ever ran
+    assert "started" not in r.stdout
+
+
+def test_killed_supervisor_leaves_no_orphans_and_stop_cleans_up(env):
+    r = run_script(env, extra={"DETACH": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = state(env)
+    procs = all_run_processes(st)
+    os.kill(st["supervisor_pid"], signal.SIGKILL)
+    # parts die with their supervisor (PDEATHSIG); stop.sh then finds nothing or finishes the job
+    s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
+    assert s.returncode == 0, s.stdout + s.stderr
+    left = wait_gone(procs, 10)
+    assert not left, f"processes left behind: {left}"
