@@ -307,21 +307,29 @@ def test_caller_environment_wins_over_env_files():
     assert "env SGLANG_DSV4_SM120_ATTN_BACKEND=torch  # environment" in out
 
 
-def test_fp8_backend_hook(tmp_path):
+def test_fp8_backend_hook(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "overlay"))
     from dsv4_sm120.serving.config import ConfigError, fp8_gemm_backend
 
-    assert fp8_gemm_backend("auto", tmp_path)[0] is None
-    (tmp_path / "configs" / "fp8").mkdir(parents=True)
-    summ = tmp_path / "configs" / "fp8" / "summary.json"
-    summ.write_text(json.dumps({"fp8_gemm_backend": "triton", "shapes": []}))
-    assert fp8_gemm_backend("auto", tmp_path)[0] == "triton"
-    assert fp8_gemm_backend("cutlass", tmp_path)[0] == "cutlass"   # explicit wins over the summary
-    summ.write_text(json.dumps({"fp8_gemm_backend": "auto"}))
-    assert fp8_gemm_backend("auto", tmp_path)[0] is None
-    summ.write_text(json.dumps({"fp8_gemm_backend": "warp-drive"}))
+    monkeypatch.delenv("DSV4_FP8_GEMM_BACKEND", raising=False)
+    dev = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    assert fp8_gemm_backend("auto", tmp_path, dev)[0] is None          # no summary
+    assert fp8_gemm_backend("auto", tmp_path, None)[0] is None         # no GPU
+    d = tmp_path / "configs" / "fp8"
+    d.mkdir(parents=True)
+    summ = d / "summary_NVIDIA_RTX_PRO_6000_Blackwell_Server_Edition.json"
+    summ.write_text(json.dumps({"shapes": {"N=1,K=1": {"complete": True}},
+                                "decision": {"recommended_backend": "triton", "reason": "tuned wins"}}))
+    b, why = fp8_gemm_backend("auto", tmp_path, dev)
+    assert b == "triton" and "tuned wins" in why
+    assert fp8_gemm_backend("auto", tmp_path, "NVIDIA H200")[0] is None   # other GPU: its own summary
+    assert fp8_gemm_backend("cutlass", tmp_path, dev)[0] == "cutlass"     # explicit wins over the summary
+    summ.write_text(json.dumps({"shapes": {"N=1,K=1": {"complete": False}},
+                                "decision": {"recommended_backend": "triton", "reason": "x"}}))
+    assert fp8_gemm_backend("auto", tmp_path, dev)[0] is None             # incomplete tuning
+    summ.write_text(json.dumps({"shapes": {}, "decision": {"recommended_backend": None, "reason": "cutlass wins"}}))
+    assert fp8_gemm_backend("auto", tmp_path, dev)[0] is None
     with pytest.raises(ConfigError):
-        fp8_gemm_backend("auto", tmp_path)
-    summ.write_text("{not json")
-    with pytest.raises(ConfigError):
-        fp8_gemm_backend("auto", tmp_path)
+        fp8_gemm_backend("warp-drive", tmp_path, dev)
+    monkeypatch.setenv("DSV4_FP8_GEMM_BACKEND", "triton")
+    assert fp8_gemm_backend("auto", tmp_path, None)[0] == "triton"

@@ -46,7 +46,7 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "MAX_RUNNING": ("16", "decode --max-running-requests; decode CUDA graphs cover batch sizes up to it"),
     "PREFILL_MAX_RUNNING": ("", "prefill --max-running-requests (default: SGLang's)"),
     "CHUNKED_PREFILL_SIZE": ("", "prefill --chunked-prefill-size (default: SGLang's)"),
-    "FP8_GEMM_BACKEND": ("auto", "auto = configs/fp8/summary.json decides, else SGLang's default; or a --fp8-gemm-backend value"),
+    "FP8_GEMM_BACKEND": ("auto", "auto = the FP8 tuner's configs/fp8/summary_<gpu>.json decides, else SGLang's default; or a --fp8-gemm-backend value"),
     "IB_DEVICE": ("", "--disaggregation-ib-device for both servers (multi-node RDMA NIC, e.g. mlx5_0)"),
     "TRANSFER_BACKEND": ("nixl", "--disaggregation-transfer-backend"),
     "SERVER_EXTRA_ARGS": ("", "extra SGLang flags for both servers (shell-quoted string)"),
@@ -167,32 +167,43 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def fp8_gemm_backend(setting: str, repo: Path) -> Tuple[Optional[str], str]:
+def gpu_name(smi: str, index: int) -> Optional[str]:
+    """nvidia-smi's name of GPU ``index`` (None when there is no nvidia-smi / no such GPU)."""
+    import subprocess
+
+    try:
+        r = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader", "-i", str(index)],
+                           capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    name = r.stdout.strip().splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else ""
+    return name or None
+
+
+def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tuple[Optional[str], str]:
     """The --fp8-gemm-backend to pass (None = leave SGLang's default) and why.
 
-    Hook for the FP8 tuning work: with ``FP8_GEMM_BACKEND=auto`` the file
-    ``configs/fp8/summary.json`` decides when it exists and names a backend under the key
-    ``"fp8_gemm_backend"`` (e.g. ``"triton"`` once tuned Triton configs beat CUTLASS on
-    this GPU); otherwise the flag is not passed and SGLang's own ``auto`` applies.
+    ``FP8_GEMM_BACKEND`` other than ``auto`` is passed as is. With ``auto`` the FP8 tuner's
+    summary for the serving GPU (``configs/fp8/summary_<device>.json``, read through
+    :func:`dsv4_sm120.fp8_configs.recommended_fp8_gemm_backend`, which also honours
+    ``DSV4_FP8_GEMM_BACKEND``) decides; without a GPU name or a summary SGLang's default stays.
     """
     setting = (setting or "auto").strip()
     if setting != "auto":
         if setting not in FP8_BACKENDS:
             raise ConfigError(f"FP8_GEMM_BACKEND={setting!r}: expected one of {', '.join(FP8_BACKENDS)}")
-        return setting, "FP8_GEMM_BACKEND"
-    summary = repo / "configs" / "fp8" / "summary.json"
-    if not summary.is_file():
-        return None, "SGLang default (no configs/fp8/summary.json)"
+        return setting, f"FP8_GEMM_BACKEND={setting}"
+    from dsv4_sm120.fp8_configs import ENV_BACKEND, recommended_fp8_gemm_backend
+
+    if device_name is None and not os.environ.get(ENV_BACKEND, "").strip():
+        return None, "SGLang default (no GPU name from nvidia-smi, so no tuning summary applies)"
     try:
-        data = json.loads(summary.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{summary}: unreadable FP8 tuning summary ({e})")
-    choice = data.get("fp8_gemm_backend") if isinstance(data, dict) else None
-    if choice in (None, "auto"):
-        return None, f"SGLang default ({summary.name} recommends no override)"
-    if choice not in FP8_BACKENDS:
-        raise ConfigError(f"{summary}: fp8_gemm_backend={choice!r} is not one of {', '.join(FP8_BACKENDS)}")
-    return choice, f"configs/fp8/summary.json"
+        choice, why = recommended_fp8_gemm_backend(device_name or "unknown", repo / "configs" / "fp8")
+    except ValueError as e:
+        raise ConfigError(str(e))
+    if choice is not None and choice not in FP8_BACKENDS:
+        raise ConfigError(f"FP8 backend {choice!r} ({why}) is not one of {', '.join(FP8_BACKENDS)}")
+    return choice, (f"{choice}: {why}" if choice else f"SGLang default: {why}")
 
 
 def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[float] = None) -> Plan:
@@ -238,7 +249,10 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
                               f"tokens are steps + 1 = {steps + 1}")
         spec = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps),
                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(draft)]
-    fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo)
+    dev = None
+    if s["FP8_GEMM_BACKEND"].strip() in ("auto", "") and ("decode" in roles or "prefill" in roles):
+        dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0])
+    fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo, dev)
 
     # Run directory (not created here).
     log_dir = Path(os.path.expanduser(s["LOG_DIR"]))

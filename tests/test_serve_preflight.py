@@ -1,0 +1,156 @@
+"""Preflight checks of the serving scripts: one clear line per failure, on real inputs where possible
+(a fake nvidia-smi, real model directories, the real patch-status command, the real NIXL check)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "overlay"))
+from dsv4_sm120.serving import preflight as pf  # noqa: E402
+from dsv4_sm120.serving.config import build_plan  # noqa: E402
+from dsv4_sm120.serving.envfiles import EnvFileError, load_env_dir, parse_env_text  # noqa: E402
+
+VENV = str(Path(sys.executable).parent.parent)
+
+SMI_8 = "\n".join(f"{i}, NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 97887, {97000 - i}" for i in range(8))
+
+
+def plan_for(**kv):
+    env = {"VENV": VENV, "RUN_DIR": "/tmp/dsv4-preflight-run", "NVIDIA_SMI": "/nonexistent/nvidia-smi"}
+    env.update(kv)
+    return build_plan(env, "base")
+
+
+def fake_smi(tmp_path, text, rc=0):
+    p = tmp_path / "nvidia-smi"
+    p.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}\nEOF\nexit {rc}\n")
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    return str(p)
+
+
+def test_parse_nvidia_smi_and_gpu_table():
+    gpus = pf.parse_nvidia_smi(SMI_8)
+    assert len(gpus) == 8 and gpus[3]["cc"] == "12.0" and gpus[3]["free_mib"] == 96997
+    assert gpus[0]["name"] == "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    ok = pf.check_gpus_table(gpus, [("prefill", [0, 1, 2, 3], 0.85), ("decode", [4, 5, 6, 7], 0.85)])
+    assert ok == []
+    h200 = pf.parse_nvidia_smi("0, NVIDIA H200, 9.0, 143771, 143000")
+    out = pf.check_gpus_table(h200, [("decode", [0, 1], 0.85)])
+    assert len(out) == 2
+    assert "compute capability 9.0, need 12.x" in out[0] and "GPU 1 not found" in out[1]
+    busy = pf.parse_nvidia_smi("0, NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 97887, 20000")
+    out = pf.check_gpus_table(busy, [("prefill", [0], 0.85)])
+    assert len(out) == 1 and "19.5 GiB free" in out[0] and "needs 81.3 GiB" in out[0]
+    with pytest.raises(ValueError):
+        pf.parse_nvidia_smi("garbage")
+
+
+def test_gpu_check_runs_nvidia_smi(tmp_path):
+    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, SMI_8))
+    assert pf.check_gpu(p) == []
+    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, SMI_8.replace("12.0", "8.9")))
+    assert len(pf.check_gpu(p)) == 8
+    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, "NVIDIA-SMI has failed", rc=9))
+    out = pf.check_gpu(p)
+    assert len(out) == 1 and "exit 9" in out[0]
+    out = pf.check_gpu(plan_for())
+    assert len(out) == 1 and "nvidia-smi not found" in out[0]
+    assert pf.check_gpu(plan_for(NODE_ROLE="router")) == []   # no GPUs needed on a router-only host
+
+
+def test_model_check(tmp_path):
+    assert pf.check_model(plan_for()) == []                          # the default HF id
+    out = pf.check_model(plan_for(MODEL_PATH=str(tmp_path / "missing")))
+    assert len(out) == 1 and "does not exist" in out[0]
+    out = pf.check_model(plan_for(MODEL_PATH="not an id"))
+    assert len(out) == 1 and "not a Hugging Face id" in out[0]
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    assert "no readable config.json" in pf.check_model(plan_for(MODEL_PATH=str(d)))[0]
+    (d / "config.json").write_text("{oops")
+    assert "not valid JSON" in pf.check_model(plan_for(MODEL_PATH=str(d)))[0]
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "expected deepseek_v4" in pf.check_model(plan_for(MODEL_PATH=str(d)))[0]
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    assert "no *.safetensors" in pf.check_model(plan_for(MODEL_PATH=str(d)))[0]
+    (d / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 8)
+    assert pf.check_model(plan_for(MODEL_PATH=str(d))) == []
+
+
+def test_patch_status_interpretation():
+    good = {"sglang_root": "/x", "patched": True, "matches_repo": True, "state": "applied",
+            "series_hash": "a" * 64, "repo_series_hash": "a" * 64, "modified_files": []}
+    assert pf.interpret_patch_status(good) == []
+    out = pf.interpret_patch_status(dict(good, patched=False, matches_repo=False, state=None))
+    assert out == ["SGLang at /x is not patched: run `make apply-patches`"]
+    out = pf.interpret_patch_status(dict(good, matches_repo=False, series_hash="b" * 64))
+    assert "series bbbbbbbbbbbb but this repo's series is aaaaaaaaaaaa" in out[0]
+    out = pf.interpret_patch_status(dict(good, patched=False, matches_repo=False, state="applying"))
+    assert "state 'applying'" in out[0]
+    out = pf.interpret_patch_status(dict(good, patched=False, matches_repo=False, modified_files=["srt/a.py"]))
+    assert "modified since apply: srt/a.py" in out[0]
+
+
+def test_patch_check_asks_the_real_tree(patched_sglang_site, monkeypatch):
+    # the test environment's own SGLang is pristine: refused with the fix in the line
+    monkeypatch.delenv("SGLANG_ROOT", raising=False)
+    out = pf.check_patches(plan_for())
+    assert len(out) == 1 and "is not patched: run `make apply-patches`" in out[0], out
+    # a tree patched with this repo's series passes (SGLANG_ROOT points patching at it)
+    monkeypatch.setenv("SGLANG_ROOT", str(patched_sglang_site / "sglang"))
+    assert pf.check_patches(plan_for()) == []
+
+
+def test_nixl_check_through_preflight():
+    assert pf.check_nixl(plan_for()) == []
+    out = pf.check_nixl(build_plan({"VENV": VENV, "RUN_DIR": "/tmp/x", "NVIDIA_SMI": "/nonexistent",
+                                    "SGLANG_DISAGGREGATION_NIXL_BACKEND": "NOSUCH"}))
+    assert len(out) == 1 and "no NOSUCH backend plugin" in out[0], out
+
+
+def test_router_and_python_checks():
+    assert pf.check_router(plan_for()) == []
+    assert pf.check_python(plan_for()) == []
+    out = pf.check_python(plan_for(VENV="/nonexistent-venv"))
+    assert out == ["no python at /nonexistent-venv/bin/python: run `make setup` or set VENV to the serving environment"]
+
+
+def test_preflight_skip_and_standin_defaults():
+    assert pf.skipped_checks(plan_for()) == []
+    assert pf.skipped_checks(plan_for(DSV4_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl"]
+    assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpu, nixl")) == ["gpu", "nixl"]
+    with pytest.raises(ValueError):
+        pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpus"))
+
+
+def test_run_preflight_collects_one_line_per_failure(tmp_path):
+    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, SMI_8.replace("12.0", "9.0")), PREFLIGHT_SKIP="patches,nixl",
+                 MODEL_PATH=str(tmp_path / "nope"))
+    said = []
+    out = pf.run_preflight(p, say=said.append)
+    assert len(out) == 9 and sum("compute capability 9.0" in x for x in out) == 8
+    assert any("does not exist" in x for x in out)
+    assert "preflight patches: skipped" in said and "preflight gpu: FAILED" in said
+
+
+def test_env_files(tmp_path):
+    assert parse_env_text("# c\nA=1\nexport B='two words'\nC=x # note\n\n") == \
+        [("A", "1"), ("B", "two words"), ("C", "x")]
+    for bad in ("NOEQUALS", "1A=2", "A=$HOME", "A=`id`"):
+        with pytest.raises(EnvFileError):
+            parse_env_text(bad)
+    (tmp_path / "10-a.env").write_text("X=1\nY=1\n")
+    (tmp_path / "20-b.env").write_text("Y=2\n")
+    got = load_env_dir(tmp_path, {"X": "from-caller"})
+    assert got == [("X", "from-caller", "environment"), ("Y", "2", "20-b.env")]
+    # the shipped files parse and hold the settings the issue asks for
+    shipped = dict((k, v) for k, v, _ in load_env_dir(REPO / "serve" / "env", {}))
+    assert shipped["NCCL_PROTO"] == "LL" and shipped["NCCL_ALGO"] == "Ring"
+    assert shipped["SGLANG_DISAGGREGATION_NIXL_BACKEND"] == "UCX"
