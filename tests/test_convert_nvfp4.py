@@ -516,3 +516,46 @@ def test_uint8_experts_no_index_and_f32_scales(tmp_path):
         s = torch.log2(t[f"{pre}.scale"]).round().to(torch.int64) + 127
         assert torch.equal(ref_nv(b[f"{pre}.weight"], b[f"{pre}.weight_scale"], b[f"{pre}.weight_scale_2"]),
                            ref_mx(t[f"{pre}.weight"], s.to(torch.uint8)))
+
+
+SGLANG_DETECT = r"""
+import json, logging, sys
+logging.disable(logging.WARNING)
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.configs.deepseek_v4 import try_detect_fp4_experts
+from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
+out = {}
+for tag, path in (("src", sys.argv[1]), ("dst", sys.argv[2])):
+    mc = ModelConfig(path, trust_remote_code=False)
+    out[tag] = {"nvfp4_moe_meta": mc.nvfp4_moe_meta, "is_fp4_experts": mc.is_fp4_experts,
+                "probe": try_detect_fp4_experts(path), "quant_method": mc.hf_quant_config.get("quant_method")}
+    if mc.nvfp4_moe_meta:
+        # the exclusion list exactly as the loader builds it (loader.py, hybrid NVFP4 branch)
+        cfg = ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=mc.nvfp4_moe_meta["group_size"],
+                                exclude_modules=list(mc.nvfp4_moe_meta["exclude_modules"]) + ["model.decoder.*", "stages.*"],
+                                packed_modules_mapping={})
+        out[tag]["excluded"] = {p: cfg.is_layer_excluded(p) for p in
+                                ["model.layers.0.mlp.experts", "model.layers.42.mlp.experts", "model.decoder.mlp.experts"]}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_sglang_0523_detects_hybrid_nvfp4(converted):
+    """SGLang 0.5.23's own (unpatched) config detection on SRC and on the converter's output."""
+    src, dst, _ = converted
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", SGLANG_DETECT, str(src), str(dst)], capture_output=True, text=True,
+                       env=env, timeout=300, cwd="/tmp")
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    if not lines and "No module named 'sglang'" in r.stderr:
+        pytest.skip("sglang not installed in this environment")
+    assert lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+    assert out["src"]["nvfp4_moe_meta"] is None and out["src"]["is_fp4_experts"] is True
+    d = out["dst"]
+    assert d["nvfp4_moe_meta"] == {"group_size": 16, "exclude_modules": C.NVFP4_IGNORE}
+    assert d["quant_method"] == "fp8"
+    # routed experts still probe as packed FP4 (U8), so the MTP experts load as MXFP4
+    assert d["is_fp4_experts"] is True and d["probe"] is True
+    assert d["excluded"] == {"model.layers.0.mlp.experts": False, "model.layers.42.mlp.experts": False,
+                             "model.decoder.mlp.experts": True}
