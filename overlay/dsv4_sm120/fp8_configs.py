@@ -244,7 +244,7 @@ def recommended_fp8_gemm_backend(device_name: Optional[str] = None,
     reason = decision.get("reason") or "no reason recorded"
     if backend == "triton":
         missing = [s for s in summary.get("shapes", {}).values() if not s.get("complete")]
-        if missing:
+        if missing or summary.get("pending_shapes"):
             return None, "tuning summary is incomplete (rerun `make tune-fp8` to finish it)"
         return "triton", reason
     return None, reason

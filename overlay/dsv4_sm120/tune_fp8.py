@@ -550,6 +550,8 @@ class Tuner:
         summary["last_run"] = {"wall_s": round(self.clock() - self.t_start, 1), "timed_candidates": self.timed,
                                "precompile": getattr(b, "precompile_stats", None)}
         summary["tuning_elapsed_s"] = round(sum(s.get("elapsed_s", 0) for s in summary["shapes"].values()), 1)
+        summary["pending_shapes"] = [sh.key for sh in self.shapes
+                                     if not summary["shapes"].get(sh.key, {}).get("complete")]
         summary["comparison"] = compare_rows(summary)
         summary["decision"] = decide_backend(summary)
         return summary
@@ -590,6 +592,7 @@ def decide_backend(summary: dict) -> dict:
     db = summary.get("default_backend") or {}
     c = summary.get("comparison") or {}
     incomplete = [k for k, s in summary.get("shapes", {}).items() if not s.get("complete")]
+    incomplete += list(summary.get("pending_shapes") or [])
     if db.get("name") == "triton":
         return {"recommended_backend": None,
                 "reason": "SGLang's default FP8 GEMM backend on this device is already Triton; "
@@ -597,13 +600,14 @@ def decide_backend(summary: dict) -> dict:
     if not db.get("available"):
         return {"recommended_backend": None,
                 "reason": f"default backend ({db.get('name') or 'unknown'}) was not timed: {db.get('reason')}"}
+    if incomplete:
+        return {"recommended_backend": None, "reason": f"tuning incomplete ({', '.join(sorted(set(incomplete)))})"}
     dec, pre = c.get("tuned_vs_default_backend_geomean_m_le_64"), c.get("tuned_vs_default_backend_geomean_m_ge_256")
     if dec is None:
         return {"recommended_backend": None, "reason": "no default-backend timings recorded"}
-    ok = dec >= 1.05 and (pre is None or pre >= 0.8) and not incomplete
+    ok = dec >= 1.05 and (pre is None or pre >= 0.8)
     reason = (f"tuned Triton vs {db.get('name')}: geomean speedup {dec:.3f}x at M<={DECODE_MAX_M}, "
-              f"{'n/a' if pre is None else f'{pre:.3f}x'} at M>={PREFILL_MIN_M} "
-              f"(rule: >=1.05x and >=0.8x{', all shapes complete' if incomplete else ''})")
+              f"{'n/a' if pre is None else f'{pre:.3f}x'} at M>={PREFILL_MIN_M} (rule: >=1.05x and >=0.8x)")
     return {"recommended_backend": "triton" if ok else None, "reason": reason}
 
 
@@ -773,6 +777,14 @@ def load_kernel(source: str, wheel: Optional[Path], workdir: Path):
         except Exception as e:
             if source == "installed":
                 raise UsageError(f"cannot import {KERNEL_MODULE}: {type(e).__name__}: {e}") from None
+    if source == "installed-file":
+        spec = importlib.util.find_spec("sglang")
+        if spec is None or not spec.origin:
+            raise UsageError("--kernel-source installed-file: sglang is not installed")
+        path = Path(spec.origin).parent / "kernels" / "ops" / "gemm" / "fp8_kernel.py"
+        if not path.is_file():
+            raise UsageError(f"--kernel-source installed-file: {path} missing")
+        return load_kernel_from_file(path), None, f"installed {path.name} only", path
     wheel = wheel or default_wheel()
     if wheel is None:
         raise UsageError("SGLang is not importable here and no --sglang-wheel was given "
@@ -1145,9 +1157,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-budget", type=float, help="stop cleanly after this many seconds (rerun to resume)")
     ap.add_argument("--jobs", type=int, default=-1,
                     help="processes compiling candidates ahead of timing (default: CPU count, max 16; 0: off)")
-    ap.add_argument("--kernel-source", choices=("auto", "installed", "wheel"), default="auto",
-                    help="SGLang's kernel from the installed sglang, or from the pinned wheel (auto: installed if "
-                         "importable)")
+    ap.add_argument("--kernel-source", choices=("auto", "installed", "installed-file", "wheel"), default="auto",
+                    help="SGLang's kernel from the installed sglang, its fp8_kernel.py alone (installed-file), or "
+                         "from the pinned wheel (auto: installed if importable, else the wheel)")
     ap.add_argument("--sglang-wheel", type=Path, help="the pinned sglang wheel (for --kernel-source wheel/auto)")
     ap.add_argument("--no-default-backend", action="store_true", help="do not time SGLang's default backend")
     ap.add_argument("--sm90", choices=("auto", "yes", "no"), default="auto",
@@ -1174,7 +1186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a.dry_run:
             return dry_run(a, shapes, ms, Path(out))
         jobs = a.jobs if a.jobs >= 0 else min(16, os.cpu_count() or 1)
-        bench = GpuBench(source=a.kernel_source if a.kernel_source != "wheel" else "wheel",
+        bench = GpuBench(source=a.kernel_source,
                          wheel=a.sglang_wheel, seed=a.seed, time_default_backend=not a.no_default_backend,
                          device=a.device)
         print(f"device {bench.device_name_raw} ({bench.versions['capability']}, {bench.num_sms} SMs); "
