@@ -219,9 +219,15 @@ def test_cli_help_dry_run_and_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def interp_bench():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"   # read when a kernel is first launched
-    return tf.GpuBench(source="installed-file", device="cpu", seed=random.randrange(1 << 30))
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"   # read when SGLang's kernel module is loaded (decorated)
+    try:
+        yield tf.GpuBench(source="installed-file", device="cpu", seed=random.randrange(1 << 30))
+    finally:
+        if prev is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
 
 
 def test_real_kernel_check_rejects_wrong_and_unwritten_output(interp_bench):
