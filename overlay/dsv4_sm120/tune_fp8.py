@@ -453,6 +453,9 @@ class Tuner:
 
     def _tune_shape(self, sh: Shape, summary: dict, bar) -> bool:
         fp = self.fingerprint(sh)
+        old = summary["shapes"].get(sh.key)
+        if old and old.get("complete"):   # being retuned: its old record no longer counts as done
+            old["complete"] = False
         rows = self._load_partial(sh)
         t0 = self.clock()
         prev_elapsed = float((_read_json(self.partial_path(sh)) or {}).get("elapsed_s", 0.0)) if rows else 0.0
