@@ -57,8 +57,8 @@ bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU)
 bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU)
 	python3 bench/bench_moe.py
 
-tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU; writes configs/fp8/
-	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(ARGS)
+tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARGS=... for more); writes configs/fp8/
+	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(or $(ARGS),--quick)
 
 convert-nvfp4: ## convert an MXFP4 checkpoint: make convert-nvfp4 SRC=... DST=...
 	@if [ -z "$(SRC)" ] || [ -z "$(DST)" ]; then echo "usage: make convert-nvfp4 SRC=<mxfp4 checkpoint dir> DST=<output dir> [ARGS=--verify]"; exit 2; fi
