@@ -112,10 +112,38 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
                                                      "message": {"role": "assistant", "content": text}}],
                        "usage": {"prompt_tokens": 4, "completion_tokens": meta["completion_tokens"],
                                  "total_tokens": 4 + meta["completion_tokens"]}}
+            if body.get("stream") and path == "/generate" and role == "decode":
+                return self._stream_generate(body, meta)
             if body.get("stream"):
                 data = f"data: {json.dumps(obj)}\n\ndata: [DONE]\n\n".encode()
                 return self._send(200, raw=data, ctype="text/event-stream")
             return self._send(200, obj)
+
+        def _stream_generate(self, body, meta):
+            """Decode side, streaming: one SSE chunk per token, DSV4_STANDIN_TOKEN_S apart (default 2 ms)."""
+            n = int((body.get("sampling_params") or {}).get("max_new_tokens") or 16)
+            n = max(1, min(n, 4096))
+            gap = float(os.environ.get("DSV4_STANDIN_TOKEN_S", "0.002") or 0)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def chunk(b: bytes) -> None:
+                self.wfile.write(f"{len(b):x}\r\n".encode() + b + b"\r\n")
+                self.wfile.flush()
+
+            text = ""
+            for i in range(1, n + 1):
+                if gap:
+                    time.sleep(gap)
+                text += " t"
+                m = dict(meta, completion_tokens=i,
+                         finish_reason={"type": "length", "length": n} if i == n else None)
+                chunk(f"data: {json.dumps({'text': text, 'output_ids': [i], 'meta_info': m})}\n\n".encode())
+            chunk(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
 
     return H
 
