@@ -60,8 +60,16 @@ def triton_nvfp4_backend_available() -> bool:
     (e.g. "the backend name is registered and dsv4_sm120.moe imports"). While it
     returns True, :func:`hybrid_nvfp4_moe_runner_backend` picks
     ``dsv4_triton_nvfp4`` on sm_120 by default.
+
+    (Issue 5, patch 0005: true when SGLang knows the backend name, i.e. patch
+    0005 is applied and the overlay's MoE package and Triton import; see
+    :func:`dsv4_sm120.moe.sglang_runner.backend_available`.)
     """
-    return False
+    try:
+        from dsv4_sm120.moe.sglang_runner import backend_available
+    except Exception:  # noqa: BLE001
+        return False
+    return backend_available()
 
 
 def _env_choice() -> str:
