@@ -88,6 +88,9 @@ def _dsv4_split_kernel(
     BLOCK_N: tl.constexpr,
     FP8_QK: tl.constexpr,
     INTERP: tl.constexpr,
+    QK_SWAP: tl.constexpr,
+    Q_RELOAD: tl.constexpr,
+    DEQ_BF16: tl.constexpr,
 ):
     t = tl.program_id(0)
     s = tl.program_id(1)
@@ -168,8 +171,13 @@ def _dsv4_split_kernel(
         sc_ptr = cache + (page * PB + P * 576 + off * 8)[:, None] + tiles[None, :]
         sc_b = tl.load(sc_ptr, mask=valid[:, None] & (tiles[None, :] < 7), other=127)
         scale = tl.exp2(sc_b.to(tl.float32) - 127.0)
-        nope_f = nope_b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
-        kv = tl.reshape(nope_f, [BLOCK_N, 512]).to(tl.bfloat16)
+        if DEQ_BF16 and not INTERP:  # (the interpreter mis-converts fp8 -> bf16)
+            # power-of-two scales: the bf16 product is exact (no fp32 tile in registers)
+            nope_h = nope_b.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale.to(tl.bfloat16)[:, :, None]
+            kv = tl.reshape(nope_h, [BLOCK_N, 512])
+        else:
+            nope_f = nope_b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+            kv = tl.reshape(nope_f, [BLOCK_N, 512]).to(tl.bfloat16)
         rope = tl.load(
             cache_bf16 + (page * PB2 + off * 288 + 224)[:, None] + offs_r[None, :],
             mask=valid[:, None],
@@ -191,8 +199,21 @@ def _dsv4_split_kernel(
             )
             qk = tl.dot_scaled(q8, q_sc, "e4m3", tl.trans(k8), ks, "e4m3")
         else:
-            qk = tl.dot(q_nope_op, tl.trans(kv_op))
-        qk = qk + tl.dot(q_rope_op, tl.trans(rope_op))
+            if Q_RELOAD:
+                # re-read q (L1-resident) each block so its MMA operand is not pinned in registers
+                qn = tl.load(q_row + offs_d[None, :], mask=hmask[:, None] & (offs_d[None, :] < 448), other=0.0)
+                if INTERP:
+                    qn = qn.to(tl.float32)
+            else:
+                qn = q_nope_op
+            if QK_SWAP:
+                qk = tl.trans(tl.dot(kv_op, tl.trans(qn)))
+            else:
+                qk = tl.dot(qn, tl.trans(kv_op))
+        if QK_SWAP:
+            qk = qk + tl.trans(tl.dot(rope_op, tl.trans(q_rope_op)))
+        else:
+            qk = qk + tl.dot(q_rope_op, tl.trans(rope_op))
         qk = qk * sm_scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -229,38 +250,48 @@ def _dsv4_combine_kernel(
     HP,
     HAS_SINK: tl.constexpr,
     BLOCK_HC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
+    # grid (T, cdiv(H, BLOCK_HC), 512 // BLOCK_D); the S partials are read BLOCK_S at a time
     t = tl.program_id(0)
     hb = tl.program_id(1)
+    db = tl.program_id(2)
     t64 = t.to(tl.int64)
     offs_h = hb * BLOCK_HC + tl.arange(0, BLOCK_HC)
     hmask = offs_h < H
-    offs_d = tl.arange(0, 512)
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, BLOCK_S)
     m_max = tl.full([BLOCK_HC], float("-inf"), tl.float32)
-    for s in range(0, S):
-        m = tl.load(m_ws + (t64 * S + s) * HP + offs_h, mask=hmask, other=float("-inf"))
-        m_max = tl.maximum(m_max, m)
+    for s0 in range(0, S, BLOCK_S):
+        ss = s0 + offs_s
+        mk = (ss[:, None] < S) & hmask[None, :]
+        m = tl.load(m_ws + (t64 * S + ss[:, None]) * HP + offs_h[None, :], mask=mk, other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m, axis=0))
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_tot = tl.zeros([BLOCK_HC], tl.float32)
-    acc = tl.zeros([BLOCK_HC, 512], tl.float32)
-    for s in range(0, S):
-        base = (t64 * S + s) * HP + offs_h
-        m = tl.load(m_ws + base, mask=hmask, other=float("-inf"))
-        l = tl.load(l_ws + base, mask=hmask, other=0.0)
-        w = tl.exp2(m - m_use)
-        l_tot += l * w
-        a = tl.load(acc_ws + base[:, None] * 512 + offs_d[None, :], mask=hmask[:, None], other=0.0)
-        acc += a * w[:, None]
+    acc = tl.zeros([BLOCK_HC, BLOCK_D], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        ss = s0 + offs_s
+        mk = (ss[:, None] < S) & hmask[None, :]
+        base = (t64 * S + ss[:, None]) * HP + offs_h[None, :]  # [BS, BH]
+        m = tl.load(m_ws + base, mask=mk, other=float("-inf"))
+        l = tl.load(l_ws + base, mask=mk, other=0.0)
+        w = tl.exp2(m - m_use[None, :])  # [BS, BH]
+        l_tot += tl.sum(l * w, axis=0)
+        a = tl.load(acc_ws + base[:, :, None] * 512 + offs_d[None, None, :], mask=mk[:, :, None], other=0.0)
+        acc += tl.sum(a * w[:, :, None], axis=0)
     denom = l_tot
     if HAS_SINK:
         sink = tl.load(sink_ptr + offs_h, mask=hmask, other=float("-inf")).to(tl.float32)
         denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
     lonely = l_tot == 0.0
     out = tl.where(lonely[:, None], 0.0, acc / tl.where(lonely, 1.0, denom)[:, None])
-    lse = tl.where(lonely, float("-inf"), (m_use + tl.log2(tl.where(lonely, 1.0, l_tot))) * 0.6931471805599453)
-    orow = (t64 * H + offs_h)
+    orow = t64 * H + offs_h
     tl.store(out_ptr + orow[:, None] * 512 + offs_d[None, :], out.to(tl.bfloat16), mask=hmask[:, None])
-    tl.store(lse_ptr + orow, lse, mask=hmask)
+    if db == 0:
+        lse = tl.where(lonely, float("-inf"), (m_use + tl.log2(tl.where(lonely, 1.0, l_tot))) * 0.6931471805599453)
+        tl.store(lse_ptr + orow, lse, mask=hmask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,9 +421,11 @@ def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, w
 
 def _default_config(H: int, device: torch.device, fp8: bool):
     if _interpreting():
-        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0)
+        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
+                    DEQ_BF16=0, BLOCK_D=128, BLOCK_S=4, BLOCK_HC=16, combine_warps=4)
     bh = min(64, _pow2_at_least(H, 16))
-    cfg = dict(BLOCK_H=bh, BLOCK_N=32, num_warps=4 if bh <= 16 else 8, num_stages=2, waves=2.0)
+    cfg = dict(BLOCK_H=bh, BLOCK_N=32, num_warps=4 if bh <= 16 else 8, num_stages=1, waves=2.0, QK_SWAP=0,
+               Q_RELOAD=0, DEQ_BF16=0, BLOCK_D=64, BLOCK_S=8, BLOCK_HC=16, combine_warps=4)
     return cfg
 
 
@@ -515,11 +548,14 @@ def sparse_mla_decode(
         BLOCK_N=BN,
         FP8_QK=fp8,
         INTERP=interp,
+        QK_SWAP=bool(cfg["QK_SWAP"]),
+        Q_RELOAD=bool(cfg["Q_RELOAD"]),
+        DEQ_BF16=bool(cfg["DEQ_BF16"]),
         num_warps=int(cfg["num_warps"]),
         num_stages=int(cfg["num_stages"]),
     )
-    BHC = 16 if not interp else 16
-    _dsv4_combine_kernel[(T, triton.cdiv(H, BHC))](
+    BHC, BD = int(cfg["BLOCK_HC"]), int(cfg["BLOCK_D"])
+    _dsv4_combine_kernel[(T, triton.cdiv(H, BHC), 512 // BD)](
         acc_ws,
         m_ws,
         l_ws,
@@ -531,6 +567,8 @@ def sparse_mla_decode(
         HP,
         HAS_SINK=attn_sink is not None,
         BLOCK_HC=BHC,
-        num_warps=4,
+        BLOCK_D=BD,
+        BLOCK_S=int(cfg["BLOCK_S"]),
+        num_warps=int(cfg["combine_warps"]),
     )
     return out, lse

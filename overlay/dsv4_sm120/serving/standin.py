@@ -14,6 +14,8 @@ Failure injection (for orchestration tests), each applying to the role named in
   DSV4_STANDIN_EXIT_AFTER_S=<s>     exit 4 after s seconds of serving
   DSV4_STANDIN_STARTUP_S=<s>        answer /health with 503 for the first s seconds
   DSV4_STANDIN_EXIT_WHEN_FILE=<path> exit 4 as soon as <path> exists
+  DSV4_STANDIN_TRACE_TP=<n>         on /start_profile, write n synthetic per-rank trace files (rehearses
+                                    the capture plumbing of bench/profile_capture.py; not measurements)
 """
 
 from __future__ import annotations
@@ -39,6 +41,34 @@ def _record(entry: dict) -> None:
     with _lock, open(path, "a") as f:
         f.write(line)
         f.flush()
+
+
+def _write_synthetic_traces(body: dict, tp: int) -> None:
+    """Rehearsal of SGLang's profiler output: ``<profile_id>-TP-<r>.trace.json.gz`` per rank, written
+    after a short delay into the requested ``output_dir`` (else ``SGLANG_TORCH_PROFILER_DIR``). The
+    kernels are a fixed synthetic decode step (names only; these are not measurements)."""
+    import gzip
+
+    out = body.get("output_dir") or os.environ.get("SGLANG_TORCH_PROFILER_DIR") or "."
+    pid = body.get("profile_id") or str(int(time.time()))
+    steps = int(body.get("num_steps") or 5)
+    step = [("_dsv4_split_kernel", 30.0), ("_dsv4_combine_kernel", 4.0), ("_gemm1_kernel", 25.0),
+            ("_gemm2_kernel", 15.0), ("_w8a8_block_fp8_matmul", 12.0),
+            ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 9.0), ("FusedAddRMSNormKernel", 2.0)]
+    time.sleep(0.5)
+    os.makedirs(out, exist_ok=True)
+    for r in range(tp):
+        ev, t = [], 0.0
+        for _ in range(steps):
+            for name, dur in step:
+                ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur, "pid": r, "tid": 7})
+                t += dur + 1.0
+        prefix = (body.get("profile_prefix") + "-") if body.get("profile_prefix") else ""
+        final = os.path.join(out, f"{prefix}{pid}-TP-{r}.trace.json.gz")
+        tmp = final + ".part"
+        with open(tmp, "wb") as f:
+            f.write(gzip.compress(json.dumps({"traceEvents": ev}).encode()))
+        os.replace(tmp, final)
 
 
 def make_handler(role: str, model: str, served: str, ready_at: float, args: argparse.Namespace):
@@ -91,7 +121,12 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
             path = self.path.split("?")[0]
             body = self._body()
             _record({"role": role, "method": "POST", "path": path, "body": body, "t": time.time()})
-            if path in ("/start_profile", "/stop_profile", "/flush_cache"):
+            if path == "/start_profile":
+                tp = int(os.environ.get("DSV4_STANDIN_TRACE_TP", "0") or 0)
+                if tp:
+                    threading.Thread(target=_write_synthetic_traces, args=(body, tp), daemon=True).start()
+                return self._send(200, raw=b"Start profiling.\n", ctype="text/plain")
+            if path in ("/stop_profile", "/flush_cache"):
                 return self._send(200, raw=b"OK", ctype="text/plain")
             if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
                 return self._send(404, {"error": f"standin: no POST {path}"})
