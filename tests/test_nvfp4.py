@@ -71,6 +71,15 @@ def test_pack_unpack_low_nibble_is_even_index():
     assert torch.equal(F.unpack_e2m1(w.view(torch.int8)), F.unpack_e2m1(w))
     with pytest.raises(ValueError):
         F.pack_e2m1(torch.zeros(3, dtype=torch.uint8))
+    # the byte-table lookup agrees with unpack + value table for every byte
+    allb = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    ref = torch.tensor([[_e2m1_ref(int(b) & 15) if i % 2 == 0 else _e2m1_ref(int(b) >> 4)
+                         for b in row for i in (0, 1)] for row in allb], dtype=torch.float64)
+    for dt in (torch.float32, torch.float64):
+        got = F.packed_e2m1_to_float(allb, dt)
+        assert got.dtype == dt and torch.equal(got.double(), ref)
+        assert torch.equal(torch.signbit(got), torch.signbit(ref))
+    assert torch.equal(F.e2m1_to_float(F.unpack_e2m1(allb)).double(), ref)
 
 
 def test_rne_encoder_against_brute_force():

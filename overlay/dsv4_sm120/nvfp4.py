@@ -55,6 +55,7 @@ __all__ = [
     "unpack_e2m1",
     "pack_e2m1",
     "e2m1_to_float",
+    "packed_e2m1_to_float",
     "float_to_e2m1_rne",
     "e8m0_exponent",
     "dequant_mxfp4",
@@ -122,6 +123,27 @@ def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
     return E2M1_VALUES.to(codes.device)[codes.long()]
 
 
+_PAIR_LUTS: dict = {}
+
+
+def _pair_lut(dtype: torch.dtype, device) -> torch.Tensor:
+    """``[256, 2]`` table: byte -> (value of low nibble, value of high nibble)."""
+    key = (dtype, str(device))
+    lut = _PAIR_LUTS.get(key)
+    if lut is None:
+        v = E2M1_VALUES.to(dtype)
+        lut = torch.stack((v.repeat(16), v.repeat_interleave(16)), dim=-1).to(device)
+        _PAIR_LUTS[key] = lut
+    return lut
+
+
+def packed_e2m1_to_float(w_u8: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed bytes ``[..., K/2]`` -> values ``[..., K]`` (one table lookup per byte;
+    same result as ``e2m1_to_float(unpack_e2m1(w))``)."""
+    w = _as_u8(w_u8, "packed_e2m1_to_float")
+    return _pair_lut(dtype, w.device)[w.long()].reshape(*w.shape[:-1], w.shape[-1] * 2)
+
+
 def float_to_e2m1_rne(x: torch.Tensor) -> torch.Tensor:
     """Round float values to e2m1 codes, round-to-nearest-even, saturating.
 
@@ -174,7 +196,7 @@ def dequant_mxfp4(
     whole E8M0 range). Scale 2^-127 values are exact float32 subnormals.
     """
     k = _check_blocks(w_u8, scale_e8m0_u8, MXFP4_BLOCK, "dequant_mxfp4")
-    vals = e2m1_to_float(unpack_e2m1(w_u8)).to(out_dtype)
+    vals = packed_e2m1_to_float(w_u8, out_dtype)
     exps = e8m0_exponent(scale_e8m0_u8)
     mult = torch.ldexp(torch.ones_like(exps, dtype=out_dtype), exps)
     out = vals.reshape(*vals.shape[:-1], k // MXFP4_BLOCK, MXFP4_BLOCK) * mult.unsqueeze(-1)
@@ -199,7 +221,7 @@ def dequant_nvfp4(
     if scale_e4m3.dtype != torch.float8_e4m3fn:
         raise TypeError(f"dequant_nvfp4: scale must be float8_e4m3fn, got {scale_e4m3.dtype}")
     k = _check_blocks(w_u8, scale_e4m3, NVFP4_BLOCK, "dequant_nvfp4")
-    vals = e2m1_to_float(unpack_e2m1(w_u8)).to(out_dtype)
+    vals = packed_e2m1_to_float(w_u8, out_dtype)
     bs = scale_e4m3.to(out_dtype)
     out = vals.reshape(*vals.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK) * bs.unsqueeze(-1)
     out = out.reshape(vals.shape)
