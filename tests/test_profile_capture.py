@@ -1,0 +1,82 @@
+"""bench/profile_capture.py end to end against stand-in servers behind the real router: the load runs
+through the real sglang.benchmark.serving, /start_profile reaches the decode server with a body that
+SGLang 0.5.23's ProfileReq accepts, the per-rank trace files (synthetic, written by the stand-in) are
+awaited and summarised."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_serve_measure import make_tokenizer  # noqa: E402
+from test_serve_orchestration import SERVE, env, free_ports  # noqa: E402,F401
+
+REPO = Path(__file__).resolve().parents[1]
+CAPTURE = REPO / "bench" / "profile_capture.py"
+
+
+def test_refuses_without_a_deployment(tmp_path):
+    (p1, p2) = free_ports(2)
+    r = subprocess.run([sys.executable, str(CAPTURE), "--router", f"http://127.0.0.1:{p1}",
+                        "--decode-url", f"http://127.0.0.1:{p2}", "--trace-dir", str(tmp_path), "--decode-tp", "4"],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, LOG_DIR=str(tmp_path)))
+    assert r.returncode == 2 and "no healthy router" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, str(CAPTURE)], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, LOG_DIR=str(tmp_path / "none")))
+    assert r.returncode == 2 and "no deployment found" in r.stderr
+
+
+def test_capture_and_summarise_against_standins(env, tmp_path):
+    tok = make_tokenizer(tmp_path / "tok")
+    (tok / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    r = subprocess.run(["bash", str(SERVE / "serve_dsv4_tp4.sh")], capture_output=True, text=True,
+                       env=dict(env, DETACH="1", MODEL_PATH=str(tok), DSV4_STANDIN_TRACE_TP="4"), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "prof"
+    try:
+        c = subprocess.run([sys.executable, str(CAPTURE), "--concurrency", "2", "--input-len", "16",
+                            "--output-len", "64", "--num-steps", "3", "--warmup-s", "1", "--timeout", "60",
+                            "--python", sys.executable, "--out-dir", str(out)],
+                           capture_output=True, text=True, timeout=200,
+                           env=dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    finally:
+        s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
+    assert s.returncode == 0
+    assert c.returncode == 0, c.stdout + c.stderr
+    cap = json.loads((out / "capture.json").read_text())
+    assert len(cap["traces"]) == 4 and all(f"{cap['profile_id']}-TP-{r}" in t for r, t in enumerate(cap["traces"]))
+    run_dir = Path(env["LOG_DIR"]) / "latest"
+    assert all(Path(t).parent == (run_dir / "profile").resolve() for t in cap["traces"])
+    summ = json.loads((out / "summary.json").read_text())
+    # stand-in step: MoE 40 us, sparse attention 34, dense GEMM 12, communication 9, other 2 (x 3 steps x 4 ranks)
+    got = {g["group"]: round(g["us"], 6) for g in summ["groups"]}
+    assert got == {"MoE": 480.0, "sparse attention": 408.0, "dense GEMM": 144.0, "communication": 108.0,
+                   "norm/rope/other": 24.0}
+    assert summ["bottleneck_kind"] == "MoE"
+    assert "largest remaining bottleneck: MoE" in c.stdout
+    # the request the decode server got is a valid SGLang 0.5.23 ProfileReq
+    rec = [json.loads(x) for x in Path(env["DSV4_STANDIN_RECORD"]).read_text().splitlines()]
+    prof = [e for e in rec if e["path"] == "/start_profile"]
+    assert len(prof) == 1 and prof[0]["role"] == "decode"
+    check = textwrap.dedent("""
+        import json, sys, msgspec
+        from pydantic import TypeAdapter
+        from sglang.srt.managers.io_struct import ProfileReq
+        body = json.load(sys.stdin)
+        # FastAPI validates the body this way and silently drops unknown keys: reject those here
+        unknown = set(body) - {f.name for f in msgspec.structs.fields(ProfileReq)}
+        assert not unknown, f"not ProfileReq fields: {unknown}"
+        r = TypeAdapter(ProfileReq).validate_python(body)
+        print(json.dumps({"dir": r.output_dir, "steps": r.num_steps, "acts": r.activities, "id": r.profile_id}))
+    """)
+    v = subprocess.run([sys.executable, "-c", check], input=json.dumps(prof[0]["body"]), capture_output=True,
+                       text=True, timeout=120, cwd="/tmp")
+    assert v.returncode == 0, v.stderr[-2000:]
+    got = json.loads(v.stdout.strip().splitlines()[-1])
+    assert Path(prof[0]["body"]["output_dir"]) == (run_dir / "profile").resolve()
+    assert got == {"dir": prof[0]["body"]["output_dir"], "steps": 3, "acts": ["GPU", "CPU"], "id": cap["profile_id"]}
