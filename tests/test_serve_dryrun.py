@@ -333,3 +333,12 @@ def test_fp8_backend_hook(tmp_path, monkeypatch):
         fp8_gemm_backend("warp-drive", tmp_path, dev)
     monkeypatch.setenv("DSV4_FP8_GEMM_BACKEND", "triton")
     assert fp8_gemm_backend("auto", tmp_path, None)[0] == "triton"
+
+
+def test_docs_list_every_variable():
+    sys.path.insert(0, str(REPO / "overlay"))
+    from dsv4_sm120.serving.config import VARIABLES
+
+    doc = (REPO / "docs" / "serving.md").read_text()
+    missing = [k for k in VARIABLES if f"`{k}`" not in doc]
+    assert not missing, f"docs/serving.md does not document {missing}"
