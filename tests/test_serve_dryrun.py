@@ -131,10 +131,12 @@ def validate(jobs):
 ROUTER_VALIDATOR = textwrap.dedent(r"""
     import json, sys
     from sglang_router.launch_router import parse_router_args
-    args = parse_router_args(json.load(sys.stdin))
-    print("RESULT" + json.dumps({"pd": args.pd_disaggregation, "prefill": args.prefill_urls,
-                                 "decode": args.decode_urls, "port": args.port,
-                                 "prometheus_port": args.prometheus_port}))
+    out = []
+    for argv in json.load(sys.stdin):
+        args = parse_router_args(argv)
+        out.append({"pd": args.pd_disaggregation, "prefill": [list(x) for x in args.prefill_urls],
+                    "decode": args.decode_urls, "port": args.port, "prometheus_port": args.prometheus_port})
+    print("RESULT" + json.dumps(out))
 """)
 
 
@@ -195,22 +197,21 @@ def test_dry_run_commands_parse_and_resolve_with_sglang(outputs, tmp_path):
 
 
 def test_router_command_parses_with_sglang_router(outputs):
+    argvs = []
     for name in ("base", "mn_decode"):
         argv = commands(outputs[name])["router"][1]
-        i = argv.index("sglang_router.launch_router")
-        r = subprocess.run([sys.executable, "-c", ROUTER_VALIDATOR], input=json.dumps(argv[i + 1:]),
-                           capture_output=True, text=True, timeout=120, cwd="/tmp")
-        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
-        assert line, r.stderr[-2000:]
-        got = json.loads(line[-1][6:])
-        assert got["pd"] is True
-        if name == "base":
-            assert got["prefill"] == [["http://127.0.0.1:30100", 8998]] or \
-                got["prefill"] == [("http://127.0.0.1:30100", 8998)], got
-            assert got["decode"] == ["http://127.0.0.1:30200"] and got["port"] == 30000, got
-        else:
-            assert [list(x) for x in got["prefill"]] == [["http://10.1.0.1:30100", 8998]], got
-            assert got["decode"] == ["http://10.1.0.2:30200"], got
+        argvs.append(argv[argv.index("sglang_router.launch_router") + 1:])
+    r = subprocess.run([sys.executable, "-c", ROUTER_VALIDATOR], input=json.dumps(argvs),
+                       capture_output=True, text=True, timeout=120, cwd="/tmp")
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, r.stderr[-2000:]
+    base, mn = json.loads(line[-1][6:])
+    assert base["pd"] is True and mn["pd"] is True
+    assert base["prefill"] == [["http://127.0.0.1:30100", 8998]], base
+    assert base["decode"] == ["http://127.0.0.1:30200"] and base["port"] == 30000, base
+    assert base["prometheus_port"] == 29000
+    assert mn["prefill"] == [["http://10.1.0.1:30100", 8998]], mn
+    assert mn["decode"] == ["http://10.1.0.2:30200"], mn
 
 
 def test_base_and_mtp_share_everything_but_speculation(outputs):

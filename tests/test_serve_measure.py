@@ -71,7 +71,7 @@ def test_measure_end_to_end_through_router_and_standins(env, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "results"
     try:
-        m = subprocess.run([sys.executable, str(MEASURE), "--concurrency", "1,4", "--input-len", "16",
+        m = subprocess.run([sys.executable, str(MEASURE), "--concurrency", "3", "--input-len", "16",
                             "--output-len", "6", "--prompts-per-level", "2", "--min-prompts", "4",
                             "--python", sys.executable, "--out-dir", str(out), "--label", "standin"],
                            capture_output=True, text=True, timeout=240,
@@ -84,8 +84,8 @@ def test_measure_end_to_end_through_router_and_standins(env, tmp_path):
     assert res["model"] == str(tok)                          # taken from the running deployment
     assert res["deployment"]["standin"] is True and res["deployment"]["variant"] == "base"
     assert res["router"] == f"http://127.0.0.1:{env['ROUTER_PORT']}"
-    assert [r["concurrency"] for r in res["runs"]] == [1, 4]
-    for run, n in zip(res["runs"], (4, 8)):
+    assert [r["concurrency"] for r in res["runs"]] == [3]      # one level keeps the test short; the loop is plain
+    for run, n in zip(res["runs"], (6,)):
         assert "error" not in run, run
         mm = run["metrics"]
         assert run["num_prompts"] == n and mm["completed"] == n
@@ -94,5 +94,5 @@ def test_measure_end_to_end_through_router_and_standins(env, tmp_path):
         assert "--max-concurrency" in run["command"] and run["command"][run["command"].index("--max-concurrency") + 1] == str(run["concurrency"])
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.txt").read_text()
-    assert "TTFT p99 ms" in table and len(table.strip().splitlines()) == 4
+    assert "TTFT p99 ms" in table and len(table.strip().splitlines()) == 3
     assert "tok/s/user" in m.stdout
