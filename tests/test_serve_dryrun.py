@@ -1,7 +1,7 @@
 """Dry runs of serve/serve_dsv4_tp4.sh and serve/serve_dsv4_mtp.sh.
 
 The printed server commands are parsed by SGLang 0.5.23's own ``prepare_server_args`` and
-resolved (``resolve_once``) against a minimal DeepSeek-V4 config.json, so a renamed or
+resolved (``resolve_once``, ``--device cuda``: resolution needs no GPU) against a minimal DeepSeek-V4 config.json, so a renamed or
 removed flag (e.g. the bare ``--cuda-graph-max-bs``) fails here. The router command is
 parsed by sglang_router's own argument parser.
 """
@@ -101,7 +101,8 @@ VALIDATOR = textwrap.dedent(r"""
         if job.get("resolve"):
             argv2 = list(argv)
             argv2[argv2.index("--model-path") + 1] = job["resolve"]
-            b = prepare_server_args(argv2 + ["--device", "cpu"])
+            # --device cuda resolves without a GPU here and takes the CUDA branches (graph sizes etc.)
+            b = prepare_server_args(argv2 + ["--device", "cuda"])
             try:
                 b.resolve_once()
             except Exception as e:
@@ -111,6 +112,7 @@ VALIDATOR = textwrap.dedent(r"""
             rec.update(resolved=True, page_size=d["page_size"], kv_cache_dtype=str(d["kv_cache_dtype"]),
                        max_running=d["max_running_requests"], context_length=d["context_length"],
                        decode_graph_max_bs=d["cuda_graph_config"]["decode"]["max_bs"],
+                       decode_graph_bs=d["cuda_graph_config"]["decode"]["bs"],
                        decode_graph_backend=str(d["cuda_graph_config"]["decode"]["backend"]),
                        spec=d["speculative_algorithm"], spec_steps=d["speculative_num_steps"],
                        spec_topk=d["speculative_eagle_topk"], spec_draft=d["speculative_num_draft_tokens"],
@@ -187,7 +189,8 @@ def test_dry_run_commands_parse_and_resolve_with_sglang(outputs, tmp_path):
         if role == "decode":
             want = 8 if name == "fp8" else 16
             assert r["max_running"] == want, r
-            assert r["decode_graph_max_bs"] >= want and r["decode_graph_backend"] != "disabled", r
+            assert r["decode_graph_max_bs"] == want and max(r["decode_graph_bs"]) == want, r
+            assert 1 in r["decode_graph_bs"] and r["decode_graph_backend"] != "disabled", r
         if name == "mtp":
             assert (r["spec"], r["spec_steps"], r["spec_topk"], r["spec_draft"]) == ("EAGLE", 3, 1, 4), r
         else:
