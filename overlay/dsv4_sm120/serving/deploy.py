@@ -94,8 +94,14 @@ def cmd_start(a) -> int:
     sv.atomic_write(run_dir / "plan.json", plan.to_json())
     _link_latest(plan)
     if not detach:
+        sv.LOG_FILE = str(run_dir / "supervisor.log")
         return sv.Supervisor(plan).run()
-    return _start_detached(plan)
+    try:
+        return _start_detached(plan)
+    except KeyboardInterrupt:
+        print("[serve] interrupted while starting: stopping the deployment", file=sys.stderr)
+        sv.stop_run(run_dir, float(plan.settings["STOP_GRACE_S"]))
+        return 130
 
 
 def _start_detached(plan: Plan) -> int:

@@ -29,8 +29,18 @@ from .config import Plan
 POLL_S = float(os.environ.get("DSV4_SERVE_POLL_S", "1.0"))
 
 
+LOG_FILE: Optional[str] = None   # foreground runs also keep their messages in RUN_DIR/supervisor.log
+
+
 def say(msg: str) -> None:
-    print(f"[serve] {msg}", flush=True)
+    line = f"[serve] {msg}"
+    print(line, flush=True)
+    if LOG_FILE:
+        try:
+            with open(LOG_FILE, "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        except OSError:
+            pass
 
 
 def atomic_write(path: Path, text: str) -> None:
