@@ -161,7 +161,9 @@ def test_child_dying_at_start_tears_everything_down(env):
 
 def test_child_dying_later_tears_everything_down(env, tmp_path):
     trigger = tmp_path / "die-now"
-    e = dict(env, DSV4_STANDIN_ROLE="prefill", DSV4_STANDIN_EXIT_WHEN_FILE=str(trigger))
+    helper_pidfile = tmp_path / "helper.pid"
+    e = dict(env, DSV4_STANDIN_ROLE="prefill", DSV4_STANDIN_EXIT_WHEN_FILE=str(trigger),
+             DSV4_STANDIN_CHILD_PIDFILE=str(helper_pidfile))
     out = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT, env=e)
     try:
@@ -178,6 +180,8 @@ def test_child_dying_later_tears_everything_down(env, tmp_path):
             time.sleep(0.2)
         assert st and st["status"] == "ready", (tmp_path / "out.txt").read_text()
         procs = all_run_processes(st)
+        helper = int(helper_pidfile.read_text())
+        assert helper in procs                      # a worker-like helper in the prefill's process group
         trigger.touch()
         rc = proc.wait(timeout=60)
     finally:
@@ -188,7 +192,7 @@ def test_child_dying_later_tears_everything_down(env, tmp_path):
     assert "prefill (pid" in text and "exited with code 4" in text, text
     assert "tearing down router, decode" in text
     left = wait_gone(procs, 10)
-    assert not left, f"processes left behind: {left}"
+    assert not left, f"processes left behind: {left}"   # includes the helper the dead prefill left behind
     assert state(env)["status"] == "failed"
 
 

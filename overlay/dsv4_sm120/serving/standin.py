@@ -14,6 +14,8 @@ Failure injection (for orchestration tests), each applying to the role named in
   DSV4_STANDIN_EXIT_AFTER_S=<s>     exit 4 after s seconds of serving
   DSV4_STANDIN_STARTUP_S=<s>        answer /health with 503 for the first s seconds
   DSV4_STANDIN_EXIT_WHEN_FILE=<path> exit 4 as soon as <path> exists
+  DSV4_STANDIN_CHILD_PIDFILE=<path> start a `sleep 300` helper in our process group, its pid in <path>
+                                    (it outlives a crashed stand-in: teardown must find it by group)
   DSV4_STANDIN_TRACE_TP=<n>         on /start_profile, write n synthetic per-rank trace files (rehearses
                                     the capture plumbing of bench/profile_capture.py; not measurements)
 """
@@ -204,6 +206,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     startup = float(os.environ.get("DSV4_STANDIN_STARTUP_S", "0") or 0) if mine else 0.0
     exit_after = float(os.environ.get("DSV4_STANDIN_EXIT_AFTER_S", "0") or 0) if mine else 0.0
     exit_file = os.environ.get("DSV4_STANDIN_EXIT_WHEN_FILE", "") if mine else ""
+
+    child_pidfile = os.environ.get("DSV4_STANDIN_CHILD_PIDFILE", "") if mine else ""
+    if child_pidfile:  # a helper process in our group that outlives us if we die (like a worker subprocess)
+        import subprocess
+        helper = subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL)
+        with open(child_pidfile, "w") as f:
+            f.write(str(helper.pid))
 
     served = args.served_model_name or args.model_path
     handler = make_handler(role, args.model_path, served, time.time() + startup, args)

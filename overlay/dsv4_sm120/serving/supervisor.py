@@ -138,13 +138,19 @@ def tail(path: str, n: int = 30) -> str:
     return "\n".join("    " + x for x in lines[-n:])
 
 
-def kill_tree(targets: List[Tuple[int, Optional[str]]], grace_s: float, log: Callable[[str], None] = say) -> bool:
-    """SIGTERM each (pid, start) with its process group and descendants; SIGKILL what is left after grace_s.
+def kill_tree(targets: List[Tuple], grace_s: float, log: Callable[[str], None] = say) -> bool:
+    """SIGTERM each target with its process group and descendants; SIGKILL what is left after grace_s.
 
+    A target is ``(pid, start)`` or ``(pid, start, pgid)``; with a recorded pgid the group's members
+    are stopped even when the target itself already exited (its children were re-parented).
     Returns True when nothing is left alive."""
     victims: Dict[int, Optional[str]] = {}
     groups = set()
-    for pid, start in targets:
+    for t in targets:
+        pid, start = t[0], t[1]
+        pgid = t[2] if len(t) > 2 else None
+        if pgid:
+            groups.add(pgid)
         if not is_alive(pid, start):
             continue
         victims[pid] = start
@@ -190,6 +196,19 @@ def kill_tree(targets: List[Tuple[int, Optional[str]]], grace_s: float, log: Cal
             log(f"{len(left)} process(es) still alive {grace_s:g} s after SIGTERM: SIGKILL {left[:8]}")
     _reap()
     return not any(is_alive(p, s) for p, s in victims.items())
+
+
+def group_members(pgid: int) -> List[int]:
+    """Live processes whose process group is pgid."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.getpgid(int(d)) == pgid and is_alive(int(d)):
+                    out.append(int(d))
+            except OSError:
+                pass
+    return out
 
 
 def _reap() -> None:
@@ -315,7 +334,7 @@ class Supervisor:
         if not self.children:
             return
         say(f"tearing down {', '.join(reversed(list(self.children)))}")
-        targets = [(c.pid, self.starts.get(r)) for r, c in reversed(list(self.children.items()))]
+        targets = [(c.pid, self.starts.get(r), c.pid) for r, c in reversed(list(self.children.items()))]
         clean = kill_tree(targets, self.grace)
         for c in self.children.values():
             try:
@@ -398,8 +417,8 @@ def stop_run(run_dir: Path, grace_s: float) -> int:
         say(f"no deployment state in {run_dir} (nothing to stop)")
         return 0
     sup, sup_start = st.get("supervisor_pid"), st.get("supervisor_start")
-    parts = [(p["pid"], p.get("start")) for p in st.get("procs", [])]
-    alive_parts = [p for p in parts if is_alive(*p)]
+    parts = [(p["pid"], p.get("start"), p.get("pgid")) for p in st.get("procs", [])]
+    alive_parts = [p for p in parts if is_alive(p[0], p[1]) or (p[2] and group_members(p[2]))]
     if sup and is_alive(sup, sup_start):
         say(f"stopping the deployment in {run_dir} (supervisor pid {sup})")
         os.kill(sup, signal.SIGTERM)
@@ -412,7 +431,7 @@ def stop_run(run_dir: Path, grace_s: float) -> int:
     elif not alive_parts:
         say(f"nothing running in {run_dir} (last status: {st.get('status')})")
         return 0
-    left = [p for p in parts if is_alive(*p)]
+    left = [p for p in parts if is_alive(p[0], p[1]) or (p[2] and group_members(p[2]))]
     if left:
         say(f"{len(left)} part(s) still running: stopping them directly")
     ok = kill_tree(left, grace_s)
