@@ -1,7 +1,7 @@
-"""bench/profile_capture.py end to end against stand-in servers behind the real router: the load runs
-through the real sglang.benchmark.serving, /start_profile reaches the decode server with a body that
-SGLang 0.5.23's ProfileReq accepts, the per-rank trace files (synthetic, written by the stand-in) are
-awaited and summarised."""
+"""bench/profile_capture.py. End to end (in tests/test_serve_measure.py, sharing one stand-in deployment
+with the measure test): the load runs through the real sglang.benchmark.serving and the real router,
+/start_profile reaches the decode server with a body that SGLang 0.5.23's ProfileReq accepts, the
+per-rank trace files (synthetic, written by the stand-in) are awaited and summarised."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_serve_measure import make_tokenizer  # noqa: E402
-from test_serve_orchestration import SERVE, env, free_ports  # noqa: E402,F401
+from test_serve_orchestration import free_ports  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTURE = REPO / "bench" / "profile_capture.py"
@@ -31,23 +32,9 @@ def test_refuses_without_a_deployment(tmp_path):
     assert r.returncode == 2 and "no deployment found" in r.stderr
 
 
-def test_capture_and_summarise_against_standins(env, tmp_path):
-    tok = make_tokenizer(tmp_path / "tok")
-    (tok / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    r = subprocess.run(["bash", str(SERVE / "serve_dsv4_tp4.sh")], capture_output=True, text=True,
-                       env=dict(env, DETACH="1", MODEL_PATH=str(tok), DSV4_STANDIN_TRACE_TP="4"), timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = tmp_path / "prof"
-    try:
-        c = subprocess.run([sys.executable, str(CAPTURE), "--concurrency", "2", "--input-len", "16",
-                            "--output-len", "64", "--num-steps", "3", "--warmup-s", "1", "--timeout", "60",
-                            "--python", sys.executable, "--out-dir", str(out)],
-                           capture_output=True, text=True, timeout=200,
-                           env=dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
-    finally:
-        s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
-    assert s.returncode == 0
-    assert c.returncode == 0, c.stdout + c.stderr
+def check_capture(env, out: Path, stdout: str) -> None:
+    """Assertions on a finished capture against the stand-in deployment (DSV4_STANDIN_TRACE_TP=4).
+    Called from tests/test_serve_measure.py, which runs measure and profile on one deployment."""
     cap = json.loads((out / "capture.json").read_text())
     assert len(cap["traces"]) == 4 and all(f"{cap['profile_id']}-TP-{r}" in t for r, t in enumerate(cap["traces"]))
     run_dir = Path(env["LOG_DIR"]) / "latest"
@@ -58,7 +45,7 @@ def test_capture_and_summarise_against_standins(env, tmp_path):
     assert got == {"MoE": 480.0, "sparse attention": 408.0, "dense GEMM": 144.0, "communication": 108.0,
                    "norm/rope/other": 24.0}
     assert summ["bottleneck_kind"] == "MoE"
-    assert "largest remaining bottleneck: MoE" in c.stdout
+    assert "largest remaining bottleneck: MoE" in stdout
     # the request the decode server got is a valid SGLang 0.5.23 ProfileReq
     rec = [json.loads(x) for x in Path(env["DSV4_STANDIN_RECORD"]).read_text().splitlines()]
     prof = [e for e in rec if e["path"] == "/start_profile"]
@@ -80,3 +67,19 @@ def test_capture_and_summarise_against_standins(env, tmp_path):
     got = json.loads(v.stdout.strip().splitlines()[-1])
     assert Path(prof[0]["body"]["output_dir"]) == (run_dir / "profile").resolve()
     assert got == {"dir": prof[0]["body"]["output_dir"], "steps": 3, "acts": ["GPU", "CPU"], "id": cap["profile_id"]}
+
+
+def test_wait_for_traces(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import profile_capture as pc
+
+    (tmp_path / "other-TP-0.trace.json.gz").write_bytes(b"x")          # another profile: ignored
+    (tmp_path / "pid7-TP-0.trace.json.gz.part").write_bytes(b"x")      # still being written: ignored
+    with pytest.raises(pc.CaptureError, match="0 of 2 trace file"):
+        pc.wait_for_traces(tmp_path, "pid7", 2, 1.0)
+    (tmp_path / "pid7-TP-0.trace.json.gz").write_bytes(b"x")
+    (tmp_path / "pid7-TP-1.trace.json.gz").write_bytes(b"y")
+    got = pc.wait_for_traces(tmp_path, "pid7", 2, 10.0)
+    assert [p.name for p in got] == ["pid7-TP-0.trace.json.gz", "pid7-TP-1.trace.json.gz"]
+    body = pc.start_profile_body("/d", 5, "pid7")
+    assert body["num_steps"] == 5 and body["activities"] == ["GPU", "CPU"] and body["output_dir"] == "/d"

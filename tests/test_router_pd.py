@@ -1,7 +1,7 @@
-"""The real sglang-router (0.3.2) in PD mode, started by the serving script exactly as in production,
-in front of two stand-in workers: each request reaches both the prefill and the decode worker with
-the same bootstrap host/port/room, the prefill's bootstrap port is the configured one, and the
-client gets the decode worker's answer."""
+"""The real sglang-router (0.3.2) in PD mode, started by the serving script exactly as in production
+(DETACH=1), in front of two stand-in workers: each request reaches both the prefill and the decode
+worker with the same bootstrap host/port/room, the prefill's bootstrap port is the configured one, and
+the client gets the decode worker's answer. Then serve/stop.sh leaves no process and no bound port."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_serve_orchestration import SERVE, env, free_ports, state  # noqa: E402,F401  (fixture reuse)
+from test_serve_orchestration import (SERVE, all_run_processes, env, free_ports, port_free,  # noqa: E402,F401
+                                      state, wait_gone)
 
 
 def post(url, body, timeout=30):
@@ -31,6 +32,11 @@ def test_router_pd_forwards_bootstrap_fields_to_both_workers(env):
     r = subprocess.run(["bash", str(SERVE / "serve_dsv4_tp4.sh")], capture_output=True, text=True,
                        env=dict(env, DETACH="1"), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "READY" in r.stdout and "NCCL_PROTO=LL" in r.stdout      # env files printed at start
+    st = state(env)
+    assert st["status"] == "ready" and [p["role"] for p in st["procs"]] == ["prefill", "decode", "router"]
+    procs = all_run_processes(st)
+    assert len(procs) >= 4
     try:
         base = f"http://127.0.0.1:{env['ROUTER_PORT']}"
         rec = Path(env["DSV4_STANDIN_RECORD"])
@@ -61,3 +67,9 @@ def test_router_pd_forwards_bootstrap_fields_to_both_workers(env):
         s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
         assert s.returncode == 0, s.stdout + s.stderr
     assert state(env)["status"] == "stopped"
+    left = wait_gone(procs, 5)
+    assert not left, f"stop.sh left processes behind: {left}"
+    for k in ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT"):
+        assert port_free(int(env[k])), k
+    again = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=30)
+    assert again.returncode == 0 and "nothing running" in again.stdout

@@ -1,6 +1,7 @@
 """bench/measure.py: refuses without a healthy router; end to end through the real
 ``sglang.benchmark.serving`` and the real router in front of stand-in servers (which stream one
-token per chunk), with a small local tokenizer (no download)."""
+token per chunk), with a small local tokenizer (no download). The same deployment then serves the
+bench/profile_capture.py end-to-end check (assertions in tests/test_profile_capture.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_profile_capture import check_capture  # noqa: E402
 from test_serve_orchestration import SERVE, env, free_ports  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURE = REPO / "bench" / "measure.py"
+CAPTURE = REPO / "bench" / "profile_capture.py"
 sys.path.insert(0, str(REPO / "bench"))
 import measure  # noqa: E402
 
@@ -63,11 +66,11 @@ def test_parse_bench_output(tmp_path):
     assert "   8     4      100.0        50.0" in t and "FAIL  boom" in t
 
 
-def test_measure_end_to_end_through_router_and_standins(env, tmp_path):
+def test_measure_and_profile_end_to_end_through_router_and_standins(env, tmp_path):
     tok = make_tokenizer(tmp_path / "tok")
     (tok / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))   # passes the model preflight
     r = subprocess.run(["bash", str(SERVE / "serve_dsv4_tp4.sh")], capture_output=True, text=True,
-                       env=dict(env, DETACH="1", MODEL_PATH=str(tok)), timeout=120)
+                       env=dict(env, DETACH="1", MODEL_PATH=str(tok), DSV4_STANDIN_TRACE_TP="4"), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "results"
     try:
@@ -75,6 +78,12 @@ def test_measure_end_to_end_through_router_and_standins(env, tmp_path):
                             "--output-len", "6", "--prompts-per-level", "2", "--min-prompts", "4",
                             "--python", sys.executable, "--out-dir", str(out), "--label", "standin"],
                            capture_output=True, text=True, timeout=240,
+                           env=dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+        prof = tmp_path / "prof"
+        c = subprocess.run([sys.executable, str(CAPTURE), "--concurrency", "2", "--input-len", "16",
+                            "--output-len", "64", "--num-steps", "3", "--warmup-s", "1", "--timeout", "60",
+                            "--python", sys.executable, "--out-dir", str(prof)],
+                           capture_output=True, text=True, timeout=200,
                            env=dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
     finally:
         s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
@@ -96,3 +105,5 @@ def test_measure_end_to_end_through_router_and_standins(env, tmp_path):
     table = (out / "table.txt").read_text()
     assert "TTFT p99 ms" in table and len(table.strip().splitlines()) == 3
     assert "tok/s/user" in m.stdout
+    assert c.returncode == 0, c.stdout + c.stderr
+    check_capture(env, prof, c.stdout)

@@ -11,6 +11,7 @@ tests/gpu/test_moe_gpu.py -s``; set ``MOE_GPU_REPORT=path`` to write a CSV.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -19,14 +20,18 @@ import torch
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs a CUDA GPU (and no TRITON_INTERPRET)", allow_module_level=True)
 
-from dsv4_sm120.moe.fused_moe import nvfp4_fused_moe_impl  # noqa: E402
+from dsv4_sm120.moe.fused_moe import choose_config, nvfp4_fused_moe_impl  # noqa: E402
 from dsv4_sm120.moe.reference import moe_reference, rel_err  # noqa: E402
 from dsv4_sm120.moe.testing import make_experts, random_routing  # noqa: E402
 
 H = 4096
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 TOL_BF16 = 1.5e-2
-TOL_FP4_KERNEL = 5e-2
+# fp4 path vs the float64 reference with the same activation quantization: the kernel's
+# fp32-accumulated SwiGLU output is rounded to bf16 and re-quantized to NVFP4, and at K = 4096
+# fp32-vs-float64 differences move ~1% of values across e2m1 rounding boundaries (measured
+# 3-6e-2 on the H200; the activation quantization itself is ~0.17). CPU tests (K = 64) hold 5e-2.
+TOL_FP4_KERNEL = 8e-2
 TOL_ACT_QUANT = 0.35
 DEV = torch.device("cuda")
 CAP = torch.cuda.get_device_capability()
@@ -57,14 +62,17 @@ CASES += [(64, 256, 512, "random"), (257, 256, 512, "dropped"), (64, 8, 512, "re
 
 
 @pytest.mark.parametrize("M,E,I,kind", CASES)
-@pytest.mark.parametrize("mode", ["bf16", "fp4-native", "fp4-emulated"])
+@pytest.mark.parametrize("mode", ["bf16-deq0", "bf16-deq1", "bf16-deq2", "fp4-native", "fp4-emulated"])
 def test_matrix(M, E, I, kind, mode):
     x, W, tw, ids, ref, refq = _data(M, E, I, kind)
-    path = "bf16" if mode == "bf16" else "fp4"
+    path = "bf16" if mode.startswith("bf16") else "fp4"
     sd = "emulated" if mode == "fp4-emulated" else "native"
+    cfg = None
+    if path == "bf16":
+        cfg = dataclasses.replace(choose_config(M, 6, E, H, I, path), deq=int(mode[-1]))
     try:
         out = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=LIMIT, path=path,
-                                   scaled_dot=sd)
+                                   scaled_dot=sd, config=cfg)
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001
         if mode == "fp4-native" and CAP[0] not in (10, 12):

@@ -56,7 +56,7 @@ def print_header(plan: Plan) -> None:
     for k, v, src in plan.common_env:
         _say(f"  {k}={v}   ({src})")
     for p in plan.procs:
-        _say(f"{p.role}: {' '.join(f'{k}={v}' for k, v in p.env.items())} {' '.join(p.argv)}")
+        _say(f"{p.role}: " + " ".join([f"{k}={v}" for k, v in p.env.items()] + p.argv))
 
 
 def cmd_start(a) -> int:
