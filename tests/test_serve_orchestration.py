@@ -185,15 +185,68 @@ def test_busy_port_is_refused_before_anything_starts(env):
     assert "started" not in r.stdout
 
 
-def test_killed_supervisor_leaves_no_orphans_and_stop_cleans_up(env):
-    # servers only (NODE_ROLE): PDEATHSIG is what is tested here, the router start would only add time
-    r = run_script(env, extra={"DETACH": "1", "NODE_ROLE": "prefill,decode"})
-    assert r.returncode == 0, r.stdout + r.stderr
-    st = state(env)
-    procs = all_run_processes(st)
-    os.kill(st["supervisor_pid"], signal.SIGKILL)
-    # parts die with their supervisor (PDEATHSIG); stop.sh then finds nothing or finishes the job
-    s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
-    assert s.returncode == 0, s.stdout + s.stderr
-    left = wait_gone(procs, 10)
-    assert not left, f"processes left behind: {left}"
+def test_split_hosts_router_waits_for_remote_parts_and_killed_supervisor_leaves_no_orphans(env, tmp_path):
+    """Multi-node on loopback: "host A" runs prefill+decode, "host B" (own LOG_DIR) only the router,
+    which waits for A's parts, then serves through them. Killing A's supervisor (SIGKILL) takes its
+    parts down (PDEATHSIG); stop.sh on both hosts leaves nothing."""
+    env_b = dict(env, LOG_DIR=str(tmp_path / "host-b-logs"), NODE_ROLE="router", DETACH="1")
+    # host B first: its router must wait until host A's servers answer
+    b = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env_b)
+    try:
+        a = run_script(env, extra={"DETACH": "1", "NODE_ROLE": "prefill,decode",
+                                   "DSV4_STANDIN_STARTUP_S": "2"})
+        assert a.returncode == 0, a.stdout + a.stderr
+        out_b, _ = b.communicate(timeout=120)
+        assert b.returncode == 0, out_b
+        assert "prefill healthy" in out_b and "decode healthy" in out_b and "router healthy" in out_b, out_b
+        st_a, st_b = state(env), state(env_b)
+        assert [p["role"] for p in st_a["procs"]] == ["prefill", "decode"]
+        assert [p["role"] for p in st_b["procs"]] == ["router"]
+        req = urllib.request.Request(f"http://127.0.0.1:{env['ROUTER_PORT']}/generate",
+                                     data=json.dumps({"text": "split", "sampling_params": {"max_new_tokens": 3}}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert json.loads(resp.read())["text"] == "standin decode output"
+        procs_a = all_run_processes(st_a)
+        procs_b = all_run_processes(st_b)
+        os.kill(st_a["supervisor_pid"], signal.SIGKILL)
+        left = wait_gone({p: s for p, s in procs_a.items() if p != st_a["supervisor_pid"]}, 10)
+        assert not left, f"parts outlived their killed supervisor: {left}"
+    finally:
+        if b.poll() is None:
+            b.kill()
+        sa = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
+        sb = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env_b, timeout=90)
+    assert sa.returncode == 0 and sb.returncode == 0, sa.stdout + sb.stdout
+    assert not wait_gone(procs_b, 10)
+
+
+def test_failed_health_checks_tear_down(env, tmp_path):
+    """SUPERVISE_HEALTH_FAILS: a server that stops answering /health (hung, not dead) is torn down."""
+    flag = tmp_path / "unhealthy"
+    e = dict(env, NODE_ROLE="prefill,decode", SUPERVISE_HEALTH_FAILS="2", SUPERVISE_HEALTH_EVERY_S="1",
+             DSV4_STANDIN_ROLE="decode", DSV4_STANDIN_UNHEALTHY_WHEN_FILE=str(flag))
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT, env=e)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            try:
+                if state(env)["status"] == "ready":
+                    break
+            except (OSError, ValueError):
+                pass
+            assert proc.poll() is None, (tmp_path / "out.txt").read_text()
+            time.sleep(0.2)
+        procs = all_run_processes(state(env))
+        time.sleep(2.5)
+        assert proc.poll() is None           # healthy: supervision keeps it running
+        flag.touch()
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "out.txt").read_text()
+    assert rc == 1 and "decode failed 2 health checks in a row" in text, text
+    assert not wait_gone(procs, 10)

@@ -14,6 +14,7 @@ Failure injection (for orchestration tests), each applying to the role named in
   DSV4_STANDIN_EXIT_AFTER_S=<s>     exit 4 after s seconds of serving
   DSV4_STANDIN_STARTUP_S=<s>        answer /health with 503 for the first s seconds
   DSV4_STANDIN_EXIT_WHEN_FILE=<path> exit 4 as soon as <path> exists
+  DSV4_STANDIN_UNHEALTHY_WHEN_FILE=<path> answer /health with 503 while <path> exists (a hung server)
   DSV4_STANDIN_CHILD_PIDFILE=<path> start a `sleep 300` helper in our process group, its pid in <path>
                                     (it outlives a crashed stand-in: teardown must find it by group)
   DSV4_STANDIN_TRACE_TP=<n>         on /start_profile, write n synthetic per-rank trace files (rehearses
@@ -73,7 +74,8 @@ def _write_synthetic_traces(body: dict, tp: int) -> None:
         os.replace(tmp, final)
 
 
-def make_handler(role: str, model: str, served: str, ready_at: float, args: argparse.Namespace):
+def make_handler(role: str, model: str, served: str, ready_at: float, args: argparse.Namespace,
+                 unhealthy_file: str = ""):
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -102,6 +104,8 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
             if path in ("/health", "/health_generate", "/ping"):
                 if time.time() < ready_at:
                     return self._send(503, {"status": "starting"})
+                if unhealthy_file and os.path.exists(unhealthy_file):
+                    return self._send(503, {"status": "unhealthy (standin, as asked)"})
                 return self._send(200, raw=b"", ctype="text/plain")
             if path in ("/get_model_info", "/model_info"):
                 return self._send(200, {"model_path": model, "tokenizer_path": model, "is_generation": True,
@@ -215,7 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             f.write(str(helper.pid))
 
     served = args.served_model_name or args.model_path
-    handler = make_handler(role, args.model_path, served, time.time() + startup, args)
+    unhealthy = os.environ.get("DSV4_STANDIN_UNHEALTHY_WHEN_FILE", "") if mine else ""
+    handler = make_handler(role, args.model_path, served, time.time() + startup, args, unhealthy)
     servers = [ThreadingHTTPServer((args.host, args.port), handler)]
     if role == "prefill":
         servers.append(ThreadingHTTPServer((args.host, args.disaggregation_bootstrap_port), handler))
