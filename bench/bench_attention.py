@@ -232,7 +232,11 @@ def main(argv=None):
                     for item in v.split(","):
                         if "=" in item:
                             k_, val = item.split("=")
-                            ov[k_.strip()] = float(val) if k_.strip() == "waves" else int(val)
+                            k_, val = k_.strip(), val.strip()
+                            try:
+                                ov[k_] = float(val) if k_ == "waves" else int(val)
+                            except ValueError:
+                                ov[k_] = val
                     name = f"ours-{mode}" + (f"[{v}]" if v else "")
 
                     def f(i, mode=mode, ov=ov):

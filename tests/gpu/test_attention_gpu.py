@@ -127,6 +127,18 @@ def test_cuda_graph_replay_with_changing_indices(mode):
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_flat_variant(mode):
+    from dsv4_sm120.attention import kernel as K
+
+    K.CONFIG_OVERRIDE.update(impl="flat")
+    try:
+        check(build(Case(T=17, H=16, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
+                         lengths="random", seed=950), device="cuda"), mode)
+    finally:
+        K.CONFIG_OVERRIDE.clear()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
 @pytest.mark.parametrize("case", matrix())
 def test_matrix(case, mode):
     check(build(case, device="cuda"), mode)

@@ -238,6 +238,209 @@ def _dsv4_split_kernel(
 
 
 @triton.jit
+def _k_tile(cache, row, valid, t: tl.constexpr, lanes):
+    # raw e4m3 bytes of nope tile t of BLOCK_N tokens: [BLOCK_N, 64] uint8
+    return tl.load(cache + row[:, None] + t * 64 + lanes[None, :], mask=valid[:, None], other=0)
+
+
+@triton.jit
+def _k_tile_again(cache, row, valid, t: tl.constexpr, lanes):
+    # the same bytes re-read for PV (an L1 hit): a different cache modifier keeps the compiler from
+    # merging it with the QK read, so the seven tiles are not all live across the softmax
+    return tl.load(cache + row[:, None] + t * 64 + lanes[None, :], mask=valid[:, None], other=0,
+                   cache_modifier=".ca")
+
+
+@triton.jit
+def _k_scale(cache, sbase, valid, t: tl.constexpr):
+    # UE8M0 byte of nope tile t: [BLOCK_N] uint8 (127 = 1.0 for masked tokens)
+    return tl.load(cache + sbase + t, mask=valid, other=127)
+
+
+@triton.jit
+def _qk_tile(q_row, hmask, k8, ksc, t: tl.constexpr, lanes, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+             FP8_QK: tl.constexpr, INTERP: tl.constexpr):
+    # q_h . k_n over nope tile t, K scale included: [BLOCK_H, BLOCK_N] fp32
+    # volatile: keep the compiler from hoisting the seven q tiles out of the candidate loop, where
+    # they would pin 16x512 bf16 per warp (128 registers per thread) for the whole loop
+    qt = tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0, volatile=True)
+    if FP8_QK:
+        qf = tl.reshape(qt.to(tl.float32), [BLOCK_H, 2, 32])
+        amax = tl.max(tl.abs(qf), axis=2)
+        qexp = tl.ceil(tl.log2(tl.maximum(amax, 1e-30) / 448.0))
+        qexp = tl.minimum(tl.maximum(qexp, -126.0), 127.0)
+        qs = qf * tl.exp2(-qexp)[:, :, None]
+        if INTERP:
+            qs = _round_to_e4m3_grid(qs)
+        q8 = tl.reshape(qs.to(tl.float8e4nv), [BLOCK_H, 64])
+        q_sc = (qexp + 127.0).to(tl.uint8)
+        k_sc = tl.broadcast_to(ksc[:, None], [BLOCK_N, 2])
+        return tl.dot_scaled(q8, q_sc, "e4m3", tl.trans(k8.to(tl.float8e4nv, bitcast=True)), k_sc, "e4m3")
+    else:
+        if INTERP:
+            kt = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            qk = tl.dot(qt.to(tl.float32), tl.trans(kt))
+        else:
+            kt = k8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            qk = tl.dot(qt, tl.trans(kt))
+        return qk * tl.exp2(ksc.to(tl.float32) - 127.0)[None, :]
+
+
+@triton.jit
+def _pv_tile(acc, p, k8, ksc, INTERP: tl.constexpr):
+    # acc_t += (p * scale_t) @ e4m3 values of tile t; the power-of-two tile scale rides on p
+    pv = (p * tl.exp2(ksc.to(tl.float32) - 127.0)[None, :]).to(tl.bfloat16)
+    if INTERP:
+        return acc + tl.dot(pv.to(tl.float32), k8.to(tl.float8e4nv, bitcast=True).to(tl.float32))
+    return acc + tl.dot(pv, k8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16))
+
+
+@triton.jit
+def _tiled_body(
+    q_ptr, stride_qt, stride_qh, t, s, g,
+    cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    # One (row, split, head-group) of one cache. Called once per cache from the kernel so each
+    # call site keeps the argument alignment facts (16-byte aligned pages and rows) that let the
+    # gathers use 16-byte vector loads.
+    t64 = t.to(tl.int64)
+    idx_row = idx_ptr + t64 * idx_st
+    end = tl.minimum(start + chunk, K)
+    if HAS_LEN:
+        end = tl.minimum(end, tl.load(len_ptr + t))
+    cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
+    PB64 = PB.to(tl.int64)
+    PB2_64 = PB2.to(tl.int64)
+
+    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    lanes = tl.arange(0, 64)
+    q_row = q_ptr + t64 * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
+    q_rope = tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0)
+    if INTERP:
+        q_rope = q_rope.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc4 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc5 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        cand = n0 + offs_n
+        inb = cand < end
+        idx = tl.load(idx_row + cand, mask=inb, other=-1)
+        valid = inb & (idx >= 0)
+        idx32 = tl.maximum(idx, 0)
+        page32 = idx32 // P  # 32-bit division (slot ids fit in int32); 64-bit byte offsets after
+        off = (idx32 - page32 * P).to(tl.int64)
+        page = page32.to(tl.int64)
+        row = page * PB64 + off * 576
+        sbase = page * PB64 + P * 576 + off * 8
+        rope = tl.load(cache_bf16 + (page * PB2_64 + off * 288 + 224)[:, None] + lanes[None, :],
+                       mask=valid[:, None], other=0.0)
+        if INTERP:
+            rope = rope.to(tl.float32)
+        k0 = _k_tile(cache, row, valid, 0, lanes)
+        k1 = _k_tile(cache, row, valid, 1, lanes)
+        k2 = _k_tile(cache, row, valid, 2, lanes)
+        k3 = _k_tile(cache, row, valid, 3, lanes)
+        k4 = _k_tile(cache, row, valid, 4, lanes)
+        k5 = _k_tile(cache, row, valid, 5, lanes)
+        k6 = _k_tile(cache, row, valid, 6, lanes)
+        c0 = _k_scale(cache, sbase, valid, 0)
+        c1 = _k_scale(cache, sbase, valid, 1)
+        c2 = _k_scale(cache, sbase, valid, 2)
+        c3 = _k_scale(cache, sbase, valid, 3)
+        c4 = _k_scale(cache, sbase, valid, 4)
+        c5 = _k_scale(cache, sbase, valid, 5)
+        c6 = _k_scale(cache, sbase, valid, 6)
+        qk = tl.dot(q_rope, tl.trans(rope))
+        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk = qk * sm_scale_log2
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        a2 = alpha[:, None]
+        if INTERP:
+            acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16).to(tl.float32), rope)
+        else:
+            acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16), rope)
+        acc0 = _pv_tile(acc0 * a2, p, _k_tile_again(cache, row, valid, 0, lanes), c0, INTERP)
+        acc1 = _pv_tile(acc1 * a2, p, _k_tile_again(cache, row, valid, 1, lanes), c1, INTERP)
+        acc2 = _pv_tile(acc2 * a2, p, _k_tile_again(cache, row, valid, 2, lanes), c2, INTERP)
+        acc3 = _pv_tile(acc3 * a2, p, _k_tile_again(cache, row, valid, 3, lanes), c3, INTERP)
+        acc4 = _pv_tile(acc4 * a2, p, _k_tile_again(cache, row, valid, 4, lanes), c4, INTERP)
+        acc5 = _pv_tile(acc5 * a2, p, _k_tile_again(cache, row, valid, 5, lanes), c5, INTERP)
+        acc6 = _pv_tile(acc6 * a2, p, _k_tile_again(cache, row, valid, 6, lanes), c6, INTERP)
+        m_i = m_new
+
+    base = (t64 * S + s) * HP + offs_h
+    optr = acc_ws + base[:, None] * 512 + lanes[None, :]
+    hm = hmask[:, None]
+    tl.store(optr, acc0, mask=hm)
+    tl.store(optr + 64, acc1, mask=hm)
+    tl.store(optr + 128, acc2, mask=hm)
+    tl.store(optr + 192, acc3, mask=hm)
+    tl.store(optr + 256, acc4, mask=hm)
+    tl.store(optr + 320, acc5, mask=hm)
+    tl.store(optr + 384, acc6, mask=hm)
+    tl.store(optr + 448, acc_r, mask=hm)
+    tl.store(m_ws + base, m_i, mask=hmask)
+    tl.store(l_ws + base, l_i, mask=hmask)
+
+
+@triton.jit
+def _dsv4_split_kernel_tiled(
+    q_ptr, stride_qt, stride_qh,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Same contract as _dsv4_split_kernel, but the nope part is processed in its seven 64-wide
+    tiles: K/V tiles stay e4m3 bytes, converted straight to MMA operands, the UE8M0 scale is
+    applied to the [heads, candidates] products (QK) and to P (PV), and seven [BLOCK_H, 64]
+    accumulators replace the [BLOCK_H, 512] one."""
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    is_extra = False
+    if HAS_EXTRA:
+        is_extra = s >= main_nsplit
+    if is_extra:
+        _tiled_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                    extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
+                    extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
+                    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+    else:
+        _tiled_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                    main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
+                    main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
+                    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+
+
+@triton.jit
 def _dsv4_combine_kernel(
     acc_ws,
     m_ws,
@@ -421,10 +624,10 @@ def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, w
 
 def _default_config(H: int, device: torch.device, fp8: bool):
     if _interpreting():
-        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
+        return dict(impl="tiled", BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
                     DEQ_BF16=0, BLOCK_D=128, BLOCK_S=4, BLOCK_HC=16, combine_warps=4)
     bh = min(64, _pow2_at_least(H, 16))
-    cfg = dict(BLOCK_H=bh, BLOCK_N=32, num_warps=4 if bh <= 16 else 8, num_stages=1, waves=2.0, QK_SWAP=0,
+    cfg = dict(impl="tiled", BLOCK_H=bh, BLOCK_N=32, num_warps=4 if bh <= 16 else 8, num_stages=1, waves=2.0, QK_SWAP=0,
                Q_RELOAD=0, DEQ_BF16=0, BLOCK_D=64, BLOCK_S=8, BLOCK_HC=16, combine_warps=4)
     return cfg
 
@@ -511,49 +714,25 @@ def sparse_mla_decode(
     m_ws = ws[nrow * 512 : nrow * 513]
     l_ws = ws[nrow * 513 : nrow * 514]
     interp = _interpreting()
-    _dsv4_split_kernel[(T, S, HG)](
-        q,
-        q.stride(0),
-        q.stride(2),
-        main_u8,
-        idx1,
-        idx1.stride(0),
-        len1 if len1 is not None else idx1,
-        K1,
-        P1,
-        PB1,
-        PB1 // 2,
-        s1,
-        c1,
-        extra_u8,
-        idx2,
-        idx2.stride(0),
-        len2 if len2 is not None else idx2,
-        K2,
-        P2,
-        PB2,
-        PB2 // 2,
-        c2,
-        acc_ws,
-        m_ws,
-        l_ws,
-        H,
-        S,
-        HP,
-        float(softmax_scale) * LOG2E,
-        HAS_MAIN_LEN=len1 is not None,
-        HAS_EXTRA=has_extra and K2 > 0,
-        HAS_EXTRA_LEN=len2 is not None,
-        BLOCK_H=BH,
-        BLOCK_N=BN,
-        FP8_QK=fp8,
-        INTERP=interp,
-        QK_SWAP=bool(cfg["QK_SWAP"]),
-        Q_RELOAD=bool(cfg["Q_RELOAD"]),
-        DEQ_BF16=bool(cfg["DEQ_BF16"]),
-        num_warps=int(cfg["num_warps"]),
-        num_stages=int(cfg["num_stages"]),
+    common = (
+        q, q.stride(0), q.stride(2),
+        main_u8, idx1, idx1.stride(0), len1 if len1 is not None else idx1, K1, P1, PB1, PB1 // 2, s1, c1,
+        extra_u8, idx2, idx2.stride(0), len2 if len2 is not None else idx2, K2, P2, PB2, PB2 // 2, c2,
+        acc_ws, m_ws, l_ws, H, S, HP, float(softmax_scale) * LOG2E,
     )
+    flags = dict(
+        HAS_MAIN_LEN=len1 is not None, HAS_EXTRA=has_extra and K2 > 0, HAS_EXTRA_LEN=len2 is not None,
+        BLOCK_H=BH, BLOCK_N=BN, FP8_QK=fp8, INTERP=interp,
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+    )
+    if cfg.get("maxnreg"):
+        flags["maxnreg"] = int(cfg["maxnreg"])
+    if cfg["impl"] == "tiled":
+        _dsv4_split_kernel_tiled[(T, S, HG)](*common, **flags)
+    else:
+        _dsv4_split_kernel[(T, S, HG)](
+            *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
+            **flags)
     BHC, BD = int(cfg["BLOCK_HC"]), int(cfg["BLOCK_D"])
     _dsv4_combine_kernel[(T, triton.cdiv(H, BHC), 512 // BD)](
         acc_ws,
