@@ -30,7 +30,7 @@ from dsv4_sm120.moe.testing import make_experts, random_routing  # noqa: E402
 
 H = 64
 TOL_BF16 = 1.5e-2   # bf16 path vs the exact float64 reference (bf16 h and output)
-TOL_FP4_KERNEL = 5e-2  # fp4 path vs the reference with the same activation quantization
+TOL_FP4_KERNEL = 3e-2  # fp4 path vs the reference with the same activation quantization
 TOL_ACT_QUANT = 0.35  # NVFP4 activation quantization itself (two stages), random data
 
 _SEED = [1000]

@@ -20,6 +20,8 @@ from . import kernels as K
 
 PATH_ENV = "DSV4_SM120_MOE_PATH"  # auto | fp4 | bf16 (force a path; tests / debugging)
 SCALED_DOT_ENV = "DSV4_SM120_MOE_SCALED_DOT"  # native | emulated (fp4 path only)
+DEQ_ENV = "DSV4_SM120_MOE_DEQ"  # 0 | 1 | 2: weight decode of the bf16 path (kernels._dequant_w)
+DEFAULT_DEQ = 0
 
 
 class MoEInputError(ValueError):
@@ -49,8 +51,12 @@ def default_scaled_dot(device: torch.device) -> str:
         return forced
     if forced:
         raise MoEInputError(f"{SCALED_DOT_ENV}={forced!r}: expected native or emulated")
-    # the interpreter's dot_scaled reads every scale as E8M0: emulate there
-    return "emulated" if (_interpreting() or device.type != "cuda") else "native"
+    # the interpreter's dot_scaled reads every scale as E8M0, and Triton 3.6 cannot
+    # lower E4M3-scaled (nvfp4) dot_scaled on GPUs without FP4 MMA: emulate there
+    if _interpreting() or device.type != "cuda":
+        return "emulated"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "native" if major in (10, 12) else "emulated"
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class Config:
     warps1: int
     warps2: int
     stages: int
+    deq: int = DEFAULT_DEQ
 
 
 def _pick_bk(K: int, want: int) -> int:
@@ -72,10 +79,22 @@ def _pick_bk(K: int, want: int) -> int:
     return bk
 
 
+def default_deq() -> int:
+    v = os.environ.get(DEQ_ENV, "").strip()
+    if not v:
+        return 0 if _interpreting() else DEFAULT_DEQ
+    if v not in ("0", "1", "2"):
+        raise MoEInputError(f"{DEQ_ENV}={v!r}: expected 0, 1 or 2")
+    if v == "2" and _interpreting():
+        raise MoEInputError(f"{DEQ_ENV}=2 (inline PTX) cannot run under TRITON_INTERPRET")
+    return int(v)
+
+
 def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str) -> Config:
     """Tile sizes chosen by the number of (token, slot) pairs per expert."""
+    deq = default_deq()
     if _interpreting():
-        return Config(16, 16, _pick_bk(H, 32), 16, _pick_bk(I, 32), 4, 4, 1)
+        return Config(16, 16, _pick_bk(H, 32), 16, _pick_bk(I, 32), 4, 4, 1, deq)
     P = M * topk
     per_expert = P / max(1, min(E, P))
     if per_expert <= 16:  # decode: weight-bandwidth bound, many narrow programs
@@ -87,7 +106,7 @@ def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str) -> Confi
     else:  # prefill
         BM, BN1, BN2, w1, w2 = 64, 64, 128, 8, 8
         BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
-    return Config(BM, BN1, BK1, BN2, BK2, w1, w2, 3)
+    return Config(BM, BN1, BK1, BN2, BK2, w1, w2, 3, deq)
 
 
 def _check(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids):
@@ -174,15 +193,15 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         float(swiglu_limit) if has_limit else 0.0,
         HAS_LIMIT=has_limit, BM=BM, BN=cfg.BN1, BK=cfg.BK1, PATH_FP4=fp4, NATIVE=native,
-        INTERP=interp, num_warps=cfg.warps1, num_stages=cfg.stages)
+        INTERP=interp, DEQ=cfg.deq, num_warps=cfg.warps1, num_stages=cfg.stages)
     K._gemm2_kernel[(max_blocks, triton.cdiv(H, cfg.BN2))](
         h, w2, w2_scale, w2_scale_2.contiguous(), sorted_pair, block_expert, tw, y,
         P, H, I,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp,
+        BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp, DEQ=cfg.deq,
         num_warps=cfg.warps2, num_stages=cfg.stages)
     rb = min(1024, triton.next_power_of_2(H))
-    K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb)
+    K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb, INTERP=interp)
     return out
 
 

@@ -80,6 +80,18 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _to_bf16(x, INTERP: tl.constexpr):
+    """float32 -> bfloat16, round to nearest even (the CPU interpreter's own cast
+    truncates, so round the bits explicitly there)."""
+    if INTERP:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _bcast8(s, R: tl.constexpr, G: tl.constexpr):
     """[R, G] -> [R, G*8]: every column repeated 8 times (one 16-block = 8 bytes)."""
     return tl.reshape(tl.broadcast_to(s[:, :, None], (R, G, 8)), (R, G * 8))
@@ -155,21 +167,93 @@ def _fp4_pair_dot(acc, a_even, a_odd, gs, wq, ws_ptrs,
     return acc
 
 
+_E2M1_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 la, lb, ha, hb, sm, sel, x, y, t, v, z;
+mov.b32 z, 0;
+mov.b32 la, 0xC0800000;
+mov.b32 lb, 0xC0804000;
+mov.b32 ha, 0x3F3F3F00;
+mov.b32 hb, 0x40404040;
+mov.b32 sm, 0x80008000;
+prmt.b32 v, $4, z, 0x4140;
+and.b32 sel, $4, 0x0707;
+prmt.b32 x, la, lb, sel;
+prmt.b32 y, ha, hb, sel;
+prmt.b32 t, x, y, 0x6240;
+shl.b32 x, v, 12;
+lop3.b32 t, x, sm, t, 0xEA;
+fma.rn.bf16x2 $0, t, $5, sm;
+shr.b32 sel, $4, 4;
+and.b32 sel, sel, 0x0707;
+prmt.b32 x, la, lb, sel;
+prmt.b32 y, ha, hb, sel;
+prmt.b32 t, x, y, 0x6240;
+shl.b32 x, v, 8;
+lop3.b32 t, x, sm, t, 0xEA;
+fma.rn.bf16x2 $2, t, $5, sm;
+prmt.b32 v, $4, z, 0x4342;
+shr.b32 sel, $4, 16;
+and.b32 sel, sel, 0x0707;
+prmt.b32 x, la, lb, sel;
+prmt.b32 y, ha, hb, sel;
+prmt.b32 t, x, y, 0x6240;
+shl.b32 x, v, 12;
+lop3.b32 t, x, sm, t, 0xEA;
+fma.rn.bf16x2 $1, t, $6, sm;
+shr.b32 sel, $4, 20;
+and.b32 sel, sel, 0x0707;
+prmt.b32 x, la, lb, sel;
+prmt.b32 y, ha, hb, sel;
+prmt.b32 t, x, y, 0x6240;
+shl.b32 x, v, 8;
+lop3.b32 t, x, sm, t, 0xEA;
+fma.rn.bf16x2 $3, t, $6, sm;
+}
+""")
+
+
+@triton.jit
+def _dequant_w(wq, ws_ptrs, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr):
+    """K-packed weight bytes [BK/2, BN] + pointers [BK/16, BN] to their E4M3
+    scales -> (even-k values, odd-k values), weight * block scale, exact.
+
+    DEQ 0: float32 math (portable; the interpreter's path) -> float32.
+    DEQ 1: float16 math (fp16 holds e2m1 * e4m3 exactly) -> bfloat16.
+    DEQ 2: PTX: byte-permute table lookup of the bf16 bits of both nibbles and
+           one bf16x2 FMA with the scale per two values -> bfloat16.
+    """
+    G: tl.constexpr = BK // 16
+    if DEQ == 2:
+        sb = _bcast8_rows(tl.load(ws_ptrs).to(tl.bfloat16), G, BN)  # e4m3 -> bf16 is exact
+        w_lo, w_hi = tl.inline_asm_elementwise(
+            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [wq, sb],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif DEQ == 1:
+        sh = _bcast8_rows(tl.load(ws_ptrs).to(tl.float16), G, BN)
+        wqi = wq.to(tl.int32)
+        lo = (((wqi & 8) << 12) | ((wqi & 7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (((wqi & 128) << 8) | ((wqi & 112) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w_lo = ((lo * 16384.0) * sh).to(tl.bfloat16)
+        w_hi = ((hi * 16384.0) * sh).to(tl.bfloat16)
+    else:
+        wsb = _bcast8_rows(tl.load(ws_ptrs).to(tl.float32) * 16384.0, G, BN)
+        wqi = wq.to(tl.int32)
+        w_lo = _e2m1_f32(wqi & 15) * wsb
+        w_hi = _e2m1_f32(wqi >> 4) * wsb
+    return w_lo, w_hi
+
+
 @triton.jit
 def _upcast_pair_dot(acc, a_even, a_odd, wq, ws_ptrs,
-                     BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr, DEQ: tl.constexpr):
     """acc += [a_even | a_odd] @ dequant(w) (bf16 MMA, fp32 accumulate),
     without the weight global scale. ``a_*`` bf16 [BM, BK/2]."""
-    G: tl.constexpr = BK // 16
-    wsf = tl.load(ws_ptrs).to(tl.float32)  # [G, BN] (pointers already transposed)
-    wsb = _bcast8_rows(wsf * 16384.0, G, BN)
-    wqi = wq.to(tl.int32)
-    w_lo = _e2m1_f32(wqi & 15) * wsb
-    w_hi = _e2m1_f32(wqi >> 4) * wsb
+    w_lo, w_hi = _dequant_w(wq, ws_ptrs, BN, BK, DEQ)
     if INTERP:
         # the CPU interpreter mis-computes bf16 dots: stay in fp32 there
-        acc += tl.dot(a_even.to(tl.float32), w_lo, input_precision="ieee")
-        acc += tl.dot(a_odd.to(tl.float32), w_hi, input_precision="ieee")
+        acc += tl.dot(a_even.to(tl.float32), w_lo.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(a_odd.to(tl.float32), w_hi.to(tl.float32), input_precision="ieee")
     else:
         acc += tl.dot(a_even, w_lo.to(tl.bfloat16))
         acc += tl.dot(a_odd, w_hi.to(tl.bfloat16))
@@ -225,7 +309,7 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
                   swiglu_limit,
                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  INTERP: tl.constexpr, DEQ: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -264,8 +348,8 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
                 acc_g = _fp4_pair_dot(acc_g, ae, ao, gs, wqg, sg_p + k0 // 16, BM, BN, BK, NATIVE)
                 acc_u = _fp4_pair_dot(acc_u, ae, ao, gs, wqu, su_p + k0 // 16, BM, BN, BK, NATIVE)
             else:
-                acc_g = _upcast_pair_dot(acc_g, a_even, a_odd, wqg, sg_p + k0 // 16, BN, BK, INTERP)
-                acc_u = _upcast_pair_dot(acc_u, a_even, a_odd, wqu, su_p + k0 // 16, BN, BK, INTERP)
+                acc_g = _upcast_pair_dot(acc_g, a_even, a_odd, wqg, sg_p + k0 // 16, BN, BK, INTERP, DEQ)
+                acc_u = _upcast_pair_dot(acc_u, a_even, a_odd, wqu, su_p + k0 // 16, BN, BK, INTERP, DEQ)
         g_scale = tl.load(wg_ptr + e64 * 2)
         u_scale = tl.load(wg_ptr + e64 * 2 + 1)
         g = acc_g * g_scale
@@ -278,7 +362,7 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
             u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
         h = g / (1.0 + tl.exp(-g)) * u
         h_p = h_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :]
-        tl.store(h_p, h.to(tl.bfloat16), mask=rvalid[:, None] & nmask[None, :])
+        tl.store(h_p, _to_bf16(h, INTERP), mask=rvalid[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -286,7 +370,8 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
                   P, H, I,
                   stride_we, stride_wn, stride_se, stride_sn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr):
+                  PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr,
+                  DEQ: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -316,7 +401,7 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
                 acc = _fp4_pair_dot(acc, a_even.to(tl.float32), a_odd.to(tl.float32), gs, wq,
                                     s_p + k0 // 16, BM, BN, BK, NATIVE)
             else:
-                acc = _upcast_pair_dot(acc, a_even, a_odd, wq, s_p + k0 // 16, BN, BK, INTERP)
+                acc = _upcast_pair_dot(acc, a_even, a_odd, wq, s_p + k0 // 16, BN, BK, INTERP, DEQ)
         scale = tl.load(wg_ptr + e64)
         tw = tl.load(tw_ptr + tl.where(rvalid, pair, 0), mask=rvalid, other=0.0)
         if PATH_FP4:
@@ -328,7 +413,8 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
 
 
 @triton.jit
-def _reduce_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _reduce_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                   INTERP: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -338,4 +424,4 @@ def _reduce_kernel(y_ptr, ids_ptr, out_ptr, H, E, TOPK: tl.constexpr, BLOCK: tl.
         ok = (eid >= 0) & (eid < E)
         v = tl.load(y_ptr + (t * TOPK + j) * H + offs, mask=m & ok, other=0.0)
         acc += v
-    tl.store(out_ptr + t * H + offs, acc.to(tl.bfloat16), mask=m)
+    tl.store(out_ptr + t * H + offs, _to_bf16(acc, INTERP), mask=m)
