@@ -118,6 +118,11 @@ class Baselines:
             self.upstream = flash_mla_sparse_decode_triton
         except Exception as e:
             self.notes["sglang"] = f"not importable: {type(e).__name__}: {e}"
+        pristine = os.path.expanduser("~/.cache/dsv4_sm120/pristine/sglang/kernels/ops/attention")
+        if not args.upstream_file and os.path.exists(os.path.join(pristine, "flash_mla_sm120_triton.py")):
+            args.upstream_file = os.path.join(pristine, "flash_mla_sm120_triton.py")
+        if not args.sglang_sm120_file and os.path.exists(os.path.join(pristine, "flash_mla_sm120.py")):
+            args.sglang_sm120_file = os.path.join(pristine, "flash_mla_sm120.py")
         if self.upstream is None and args.upstream_file:
             try:
                 self.upstream = load_file_module("_up_triton", args.upstream_file).flash_mla_sparse_decode_triton
