@@ -13,11 +13,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_serve_orchestration import (SERVE, all_run_processes, env, free_ports, port_free,  # noqa: E402,F401
-                                      state, wait_gone)
+from test_serve_orchestration import (SERVE, all_run_processes, env, port_free, state,  # noqa: E402,F401
+                                      wait_gone)
 
 
 def post(url, body, timeout=30):

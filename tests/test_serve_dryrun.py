@@ -89,6 +89,12 @@ VALIDATOR = textwrap.dedent(r"""
     out = []
     for job in jobs:
         argv = job["argv"]
+        if job.get("router"):
+            from sglang_router.launch_router import parse_router_args
+            args = parse_router_args(argv)
+            out.append({"ok": True, "pd": args.pd_disaggregation, "prefill": [list(x) for x in args.prefill_urls],
+                        "decode": args.decode_urls, "port": args.port, "prometheus_port": args.prometheus_port})
+            continue
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
@@ -130,18 +136,6 @@ def validate(jobs):
     return json.loads(line[-1][len("RESULT"):])
 
 
-ROUTER_VALIDATOR = textwrap.dedent(r"""
-    import json, sys
-    from sglang_router.launch_router import parse_router_args
-    out = []
-    for argv in json.load(sys.stdin):
-        args = parse_router_args(argv)
-        out.append({"pd": args.pd_disaggregation, "prefill": [list(x) for x in args.prefill_urls],
-                    "decode": args.decode_urls, "port": args.port, "prometheus_port": args.prometheus_port})
-    print("RESULT" + json.dumps(out))
-""")
-
-
 @pytest.fixture(scope="module")
 def outputs():
     base = dry_run("serve_dsv4_tp4.sh").stdout
@@ -157,29 +151,41 @@ def outputs():
     return {"base": base, "mtp": mtp, "mn_prefill": mn_prefill, "mn_decode": mn_decode, "fp8": fp8}
 
 
-def test_dry_run_commands_parse_and_resolve_with_sglang(outputs, tmp_path):
-    cfg = str(write_dsv4_config(tmp_path / "dsv4"))
+@pytest.fixture(scope="module")
+def validated(outputs, tmp_path_factory):
+    """One subprocess (one sglang import) parses/resolves every server command and parses the routers'."""
+    cfg = str(write_dsv4_config(tmp_path_factory.mktemp("dsv4") / "cfg"))
     jobs, expect = [], []
     for name in ("base", "mtp", "fp8"):
         cmds = commands(outputs[name])
         assert set(cmds) == {"prefill", "decode", "router"}, outputs[name]
         for role in ("prefill", "decode"):
             jobs.append({"argv": server_argv(cmds[role][1]), "resolve": cfg})
-            expect.append((name, role))
+            expect.append(("server", name, role))
     for name in ("mn_prefill", "mn_decode"):
         for role, (_, argv) in commands(outputs[name]).items():
             if role != "router":
                 jobs.append({"argv": server_argv(argv)})
-                expect.append((name, role))
+                expect.append(("server", name, role))
+    for name in ("base", "mn_decode"):
+        argv = commands(outputs[name])["router"][1]
+        jobs.append({"router": True, "argv": argv[argv.index("sglang_router.launch_router") + 1:]})
+        expect.append(("router", name, "router"))
     # A removed flag must be caught by the same machinery (shows the check can fail).
     bad = dry_run("serve_dsv4_tp4.sh", {"DECODE_EXTRA_ARGS": "--cuda-graph-max-bs 16"}).stdout
     jobs.append({"argv": server_argv(commands(bad)["decode"][1])})
+    expect.append(("negative", "bad", "decode"))
     res = validate(jobs)
     assert len(res) == len(jobs)
-    *good, neg = res
+    return list(zip(expect, res))
+
+
+def test_dry_run_commands_parse_and_resolve_with_sglang(validated):
+    neg = [r for (kind, _, _), r in validated if kind == "negative"][0]
     assert not neg["ok"] and neg["stage"] == "parse" and "cuda-graph-max-bs" in neg["error"], neg
-    assert sum(1 for r in good if r.get("resolved")) == 6, good
-    for (name, role), r in zip(expect, good):
+    good = [(name, role, r) for (kind, name, role), r in validated if kind == "server"]
+    assert sum(1 for *_, r in good if r.get("resolved")) == 6, good
+    for name, role, r in good:
         assert r["ok"], (name, role, r)
         assert r["tp"] == 4 and r["mode"] == role and r["backend"] == "nixl", (name, role, r)
         if not r.get("resolved"):
@@ -199,16 +205,9 @@ def test_dry_run_commands_parse_and_resolve_with_sglang(outputs, tmp_path):
             assert r["fp8"] == "triton", r
 
 
-def test_router_command_parses_with_sglang_router(outputs):
-    argvs = []
-    for name in ("base", "mn_decode"):
-        argv = commands(outputs[name])["router"][1]
-        argvs.append(argv[argv.index("sglang_router.launch_router") + 1:])
-    r = subprocess.run([sys.executable, "-c", ROUTER_VALIDATOR], input=json.dumps(argvs),
-                       capture_output=True, text=True, timeout=120, cwd="/tmp")
-    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
-    assert line, r.stderr[-2000:]
-    base, mn = json.loads(line[-1][6:])
+def test_router_command_parses_with_sglang_router(validated):
+    routers = {name: r for (kind, name, _), r in validated if kind == "router"}
+    base, mn = routers["base"], routers["mn_decode"]
     assert base["pd"] is True and mn["pd"] is True
     assert base["prefill"] == [["http://127.0.0.1:30100", 8998]], base
     assert base["decode"] == ["http://127.0.0.1:30200"] and base["port"] == 30000, base
