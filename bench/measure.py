@@ -185,6 +185,31 @@ def git_rev() -> Optional[str]:
         return None
 
 
+def environment(python: str) -> dict:
+    """GPUs (nvidia-smi) and package versions of the serving environment, for the record."""
+    env: dict = {"gpus": None, "driver": None, "packages": {}}
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        if r.returncode == 0:
+            rows = [[x.strip() for x in line.split(",")] for line in r.stdout.strip().splitlines()]
+            env["gpus"] = [f"{row[0]}: {row[1]} ({row[2]})" for row in rows if len(row) >= 4]
+            env["driver"] = rows[0][3] if rows and len(rows[0]) >= 4 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    code = ("import importlib.metadata as m, json\nout = {}\n"
+            "for p in ('sglang', 'sglang-router', 'nixl-cu13', 'torch', 'triton', 'flashinfer-python', 'dsv4_sm120'):\n"
+            "    try: out[p] = m.version(p)\n"
+            "    except Exception: out[p] = None\n"
+            "print(json.dumps(out))")
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+        env["packages"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    return env
+
+
 def parse_concurrency(text: str) -> List[int]:
     try:
         cs = [int(x) for x in text.split(",") if x.strip()]
@@ -266,7 +291,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         runs.append(run)
     result = {"schema": 1, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
               "router": router, "model": model, "input_len": a.input_len, "output_len": a.output_len,
-              "dataset": a.dataset, "label": a.label, "deployment": dep, "runs": runs}
+              "dataset": a.dataset, "label": a.label, "environment": environment(python), "deployment": dep,
+              "runs": runs}
     atomic_write(out_dir / "results.json", json.dumps(result, indent=2) + "\n")
     table = render_table(runs)
     atomic_write(out_dir / "table.txt", table + "\n")

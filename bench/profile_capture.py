@@ -202,7 +202,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     profile_summary.atomic_write(out_dir / "capture.json", json.dumps({
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": measure.git_rev(),
         "router": router, "decode": decode, "profile_id": profile_id, "request": body, "traces": [str(p) for p in traces],
-        "load_command": cmd, "concurrency": a.concurrency, "warmup_s": a.warmup_s, "deployment": dep}, indent=2) + "\n")
+        "load_command": cmd, "concurrency": a.concurrency, "warmup_s": a.warmup_s,
+        "environment": measure.environment(python), "deployment": dep}, indent=2) + "\n")
     print(text)
     print(f"profile: wrote {out_dir / 'summary.json'} ({len(traces)} trace file(s) in {trace_dir})")
     return 0

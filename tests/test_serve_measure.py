@@ -91,6 +91,7 @@ def test_measure_and_profile_end_to_end_through_router_and_standins(env, tmp_pat
     assert m.returncode == 0, m.stdout + m.stderr + "".join(p.read_text()[-2000:] for p in out.glob("*.log"))
     res = json.loads((out / "results.json").read_text())
     assert res["model"] == str(tok)                          # taken from the running deployment
+    assert res["environment"]["packages"]["sglang"] == "0.5.23"
     assert res["deployment"]["standin"] is True and res["deployment"]["variant"] == "base"
     assert res["router"] == f"http://127.0.0.1:{env['ROUTER_PORT']}"
     assert [r["concurrency"] for r in res["runs"]] == [3]      # one level keeps the test short; the loop is plain
