@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -46,27 +45,15 @@ def check_capture(env, out: Path, stdout: str) -> None:
                    "norm/rope/other": 24.0}
     assert summ["bottleneck_kind"] == "MoE"
     assert "largest remaining bottleneck: MoE" in stdout
-    # the request the decode server got is a valid SGLang 0.5.23 ProfileReq
+    # the decode server got exactly the body bench/profile_capture.py builds (validated against SGLang's
+    # ProfileReq in tests/test_serve_dryrun.py::test_start_profile_body_is_an_sglang_profile_request)
+    sys.path.insert(0, str(REPO / "bench"))
+    import profile_capture as pc
     rec = [json.loads(x) for x in Path(env["DSV4_STANDIN_RECORD"]).read_text().splitlines()]
     prof = [e for e in rec if e["path"] == "/start_profile"]
     assert len(prof) == 1 and prof[0]["role"] == "decode"
-    check = textwrap.dedent("""
-        import json, sys, msgspec
-        from pydantic import TypeAdapter
-        from sglang.srt.managers.io_struct import ProfileReq
-        body = json.load(sys.stdin)
-        # FastAPI validates the body this way and silently drops unknown keys: reject those here
-        unknown = set(body) - {f.name for f in msgspec.structs.fields(ProfileReq)}
-        assert not unknown, f"not ProfileReq fields: {unknown}"
-        r = TypeAdapter(ProfileReq).validate_python(body)
-        print(json.dumps({"dir": r.output_dir, "steps": r.num_steps, "acts": r.activities, "id": r.profile_id}))
-    """)
-    v = subprocess.run([sys.executable, "-c", check], input=json.dumps(prof[0]["body"]), capture_output=True,
-                       text=True, timeout=120, cwd="/tmp")
-    assert v.returncode == 0, v.stderr[-2000:]
-    got = json.loads(v.stdout.strip().splitlines()[-1])
-    assert Path(prof[0]["body"]["output_dir"]) == (run_dir / "profile").resolve()
-    assert got == {"dir": prof[0]["body"]["output_dir"], "steps": 3, "acts": ["GPU", "CPU"], "id": cap["profile_id"]}
+    assert prof[0]["body"] == pc.start_profile_body(str((run_dir / "profile").resolve()), 3, cap["profile_id"])
+    assert cap["request"] == prof[0]["body"]
 
 
 def test_wait_for_traces(tmp_path):

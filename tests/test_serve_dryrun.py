@@ -89,6 +89,16 @@ VALIDATOR = textwrap.dedent(r"""
     out = []
     for job in jobs:
         argv = job["argv"]
+        if job.get("profile_req"):
+            import msgspec
+            from pydantic import TypeAdapter
+            from sglang.srt.managers.io_struct import ProfileReq
+            # FastAPI validates /start_profile bodies this way and silently drops unknown keys
+            unknown = sorted(set(argv) - {f.name for f in msgspec.structs.fields(ProfileReq)})
+            r = TypeAdapter(ProfileReq).validate_python(argv)
+            out.append({"ok": not unknown, "unknown": unknown, "output_dir": r.output_dir, "num_steps": r.num_steps,
+                        "activities": r.activities, "profile_id": r.profile_id})
+            continue
         if job.get("router"):
             from sglang_router.launch_router import parse_router_args
             args = parse_router_args(argv)
@@ -171,6 +181,14 @@ def validated(outputs, tmp_path_factory):
         argv = commands(outputs[name])["router"][1]
         jobs.append({"router": True, "argv": argv[argv.index("sglang_router.launch_router") + 1:]})
         expect.append(("router", name, "router"))
+    # bench/profile_capture.py's /start_profile body, and one with a misspelt field (must be flagged)
+    sys.path.insert(0, str(REPO / "bench"))
+    import profile_capture
+    body = profile_capture.start_profile_body("/tmp/traces", 7, "pid-x")
+    jobs.append({"profile_req": True, "argv": body})
+    expect.append(("profile", "start_profile", "decode"))
+    jobs.append({"profile_req": True, "argv": dict(body, num_stepz=7)})
+    expect.append(("profile", "misspelt", "decode"))
     # A removed flag must be caught by the same machinery (shows the check can fail).
     bad = dry_run("serve_dsv4_tp4.sh", {"DECODE_EXTRA_ARGS": "--cuda-graph-max-bs 16"}).stdout
     jobs.append({"argv": server_argv(commands(bad)["decode"][1])})
@@ -345,3 +363,11 @@ def test_docs_list_every_variable():
     doc = (REPO / "docs" / "serving.md").read_text()
     missing = [k for k in VARIABLES if f"`{k}`" not in doc]
     assert not missing, f"docs/serving.md does not document {missing}"
+
+
+def test_start_profile_body_is_an_sglang_profile_request(validated):
+    prof = {name: r for (kind, name, _), r in validated if kind == "profile"}
+    good, bad = prof["start_profile"], prof["misspelt"]
+    assert good["ok"] and good["num_steps"] == 7 and good["output_dir"] == "/tmp/traces", good
+    assert good["activities"] == ["GPU", "CPU"] and good["profile_id"] == "pid-x"
+    assert not bad["ok"] and bad["unknown"] == ["num_stepz"], bad
