@@ -628,7 +628,8 @@ def _default_config(H: int, device: torch.device, fp8: bool):
     if _interpreting():
         return dict(impl="tiled", BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
                     DEQ_BF16=0, BLOCK_D=128, BLOCK_S=4, BLOCK_HC=16, combine_warps=4, maxnreg=0)
-    bh = min(64, _pow2_at_least(H, 16))
+    # sm_120: ptxas (triton 3.8) spills ~5.8 KB per thread for 64-row head blocks, none for 32
+    bh = min(32 if _is_sm120(device) else 64, _pow2_at_least(H, 16))
     cfg = dict(impl="tiled", BLOCK_H=bh, BLOCK_N=32, num_warps=8, num_stages=1, waves=2.0, QK_SWAP=0,
                Q_RELOAD=0, DEQ_BF16=0, BLOCK_D=64, BLOCK_S=8, BLOCK_HC=16, combine_warps=4, maxnreg=0)
     if bh == 16:
@@ -649,6 +650,45 @@ def _qk_mode(device: torch.device, qk_mode) -> bool:
     if mode == "auto":
         return _is_sm120(device)
     return mode == "fp8"
+
+
+def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2, K2, P2, PB2, has_extra,
+            attn_sink, softmax_scale, fp8, out, lse, H, HG, HP):
+    T = q.shape[0]
+    BH, BN = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"])
+    s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, nsm, float(cfg["waves"]))
+    S = s1 + s2
+    nrow = T * S * HP
+    ws = _workspace(q.device, nrow * 514)
+    acc_ws = ws[: nrow * 512]
+    m_ws = ws[nrow * 512 : nrow * 513]
+    l_ws = ws[nrow * 513 : nrow * 514]
+    interp = _interpreting()
+    common = (
+        q, q.stride(0), q.stride(2),
+        main_u8, idx1, idx1.stride(0), len1 if len1 is not None else idx1, K1, P1, PB1, PB1 // 2, s1, c1,
+        extra_u8, idx2, idx2.stride(0), len2 if len2 is not None else idx2, K2, P2, PB2, PB2 // 2, c2,
+        acc_ws, m_ws, l_ws, H, S, HP, float(softmax_scale) * LOG2E,
+    )
+    flags = dict(
+        HAS_MAIN_LEN=len1 is not None, HAS_EXTRA=has_extra and K2 > 0, HAS_EXTRA_LEN=len2 is not None,
+        BLOCK_H=BH, BLOCK_N=BN, FP8_QK=fp8, INTERP=interp,
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+    )
+    if cfg.get("maxnreg"):
+        flags["maxnreg"] = int(cfg["maxnreg"])
+    if cfg["impl"] == "tiled":
+        _dsv4_split_kernel_tiled[(T, S, HG)](*common, **flags)
+    else:
+        _dsv4_split_kernel[(T, S, HG)](
+            *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
+            **flags)
+    BHC, BD = int(cfg["BLOCK_HC"]), int(cfg["BLOCK_D"])
+    _dsv4_combine_kernel[(T, triton.cdiv(H, BHC), 512 // BD)](
+        acc_ws, m_ws, l_ws, attn_sink if attn_sink is not None else m_ws, out, lse, H, S, HP,
+        HAS_SINK=attn_sink is not None, BLOCK_HC=BHC, BLOCK_D=BD, BLOCK_S=int(cfg["BLOCK_S"]),
+        num_warps=int(cfg["combine_warps"]),
+    )
 
 
 def sparse_mla_decode(
@@ -712,48 +752,22 @@ def sparse_mla_decode(
     BH, BN = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"])
     HG = triton.cdiv(H, BH)
     HP = HG * BH
-    s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, _num_sms(device), float(cfg["waves"]))
-    S = s1 + s2
-    nrow = T * S * HP
-    ws = _workspace(device, nrow * 514)
-    acc_ws = ws[: nrow * 512]
-    m_ws = ws[nrow * 512 : nrow * 513]
-    l_ws = ws[nrow * 513 : nrow * 514]
-    interp = _interpreting()
-    common = (
-        q, q.stride(0), q.stride(2),
-        main_u8, idx1, idx1.stride(0), len1 if len1 is not None else idx1, K1, P1, PB1, PB1 // 2, s1, c1,
-        extra_u8, idx2, idx2.stride(0), len2 if len2 is not None else idx2, K2, P2, PB2, PB2 // 2, c2,
-        acc_ws, m_ws, l_ws, H, S, HP, float(softmax_scale) * LOG2E,
-    )
-    flags = dict(
-        HAS_MAIN_LEN=len1 is not None, HAS_EXTRA=has_extra and K2 > 0, HAS_EXTRA_LEN=len2 is not None,
-        BLOCK_H=BH, BLOCK_N=BN, FP8_QK=fp8, INTERP=interp,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
-    )
-    if cfg.get("maxnreg"):
-        flags["maxnreg"] = int(cfg["maxnreg"])
-    if cfg["impl"] == "tiled":
-        _dsv4_split_kernel_tiled[(T, S, HG)](*common, **flags)
-    else:
-        _dsv4_split_kernel[(T, S, HG)](
-            *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
-            **flags)
-    BHC, BD = int(cfg["BLOCK_HC"]), int(cfg["BLOCK_D"])
-    _dsv4_combine_kernel[(T, triton.cdiv(H, BHC), 512 // BD)](
-        acc_ws,
-        m_ws,
-        l_ws,
-        attn_sink if attn_sink is not None else m_ws,
-        out,
-        lse,
-        H,
-        S,
-        HP,
-        HAS_SINK=attn_sink is not None,
-        BLOCK_HC=BHC,
-        BLOCK_D=BD,
-        BLOCK_S=int(cfg["BLOCK_S"]),
-        num_warps=int(cfg["combine_warps"]),
-    )
+    nsm = _num_sms(device)
+    # rows per launch: bounded so the fp32 workspace stays under DSV4_SM120_ATTN_WS_MB (default 256);
+    # only huge T (prefill through this kernel) is cut, decode/verify batches run in one launch
+    cap = int(float(os.environ.get("DSV4_SM120_ATTN_WS_MB", "256")) * (1 << 20) / 4)
+    TC = T
+    while TC > 1:
+        s1, _, s2, _ = plan_splits(TC, HG, K1, K2, BN, nsm, float(cfg["waves"]))
+        if TC * (s1 + s2) * HP * 514 <= cap:
+            break
+        TC = (TC + 1) // 2
+    for t0 in range(0, T, TC):
+        t1 = min(T, t0 + TC)
+        sl = slice(t0, t1)
+        _launch(
+            cfg, nsm, q[sl], main_u8, idx1[sl], None if len1 is None else len1[sl], K1, P1, PB1,
+            extra_u8, idx2[sl], None if len2 is None else len2[sl], K2, P2, PB2, has_extra,
+            attn_sink, softmax_scale, fp8, out[sl], lse[sl], H, HG, HP,
+        )
     return out, lse
