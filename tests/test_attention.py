@@ -186,12 +186,12 @@ def test_matches_sglang_torch_path(case):
     assert torch.equal(torch.isneginf(sl), torch.isneginf(lse))
 
 
-@pytest.mark.parametrize("impl", ["flat", "tiled"])
+@pytest.mark.parametrize("impl", ["flat", "tiled", "tiled+prefetch"])
 def test_both_split_implementations(impl):
-    """The tiled split kernel (default) and the flat one (512-wide tiles, kept as a variant) agree
-    with the float64 reference, on both QK paths."""
+    """The tiled split kernel (default), its index-prefetch variant and the flat one (512-wide
+    tiles, kept as a variant) agree with the float64 reference, on both QK paths."""
     K.CONFIG_OVERRIDE.clear()
-    K.CONFIG_OVERRIDE.update(impl=impl)
+    K.CONFIG_OVERRIDE.update(impl=impl.split("+")[0], PREFETCH=int(impl.endswith("prefetch")))
     try:
         for mode in ("bf16", "fp8"):
             check(build(Case(T=2, H=8, K=24, extra="c4", extra_K=20, lengths="random", head_slice=True,

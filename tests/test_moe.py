@@ -24,7 +24,7 @@ import triton  # noqa: E402
 from dsv4_sm120 import nvfp4  # noqa: E402
 from dsv4_sm120.moe import BACKEND_NAME, nvfp4_fused_moe  # noqa: E402
 from dsv4_sm120.moe import kernels as K  # noqa: E402
-from dsv4_sm120.moe.fused_moe import MoEInputError, nvfp4_fused_moe_impl  # noqa: E402
+from dsv4_sm120.moe.fused_moe import MoEInputError, align_torch, nvfp4_fused_moe_impl  # noqa: E402
 from dsv4_sm120.moe.reference import moe_reference, quantize_rows_nvfp4, rel_err  # noqa: E402
 from dsv4_sm120.moe.testing import make_experts, random_routing  # noqa: E402
 
@@ -151,6 +151,11 @@ def test_align_groups_every_valid_pair_once(E, BM):
     K._align_kernel[(1,)](ids, sp, be, P, E, max_blocks * BM, max_blocks, BM=BM, E_PAD=e_pad,
                           CHUNK=max(16, min(128, 16384 // e_pad)), FILL=64, BCHUNK=16)
     assert (sp != -7).all() and (be != -7).all()
+    # the torch variant (used for large P) gives exactly the same grouping
+    sp2 = torch.full_like(sp, -7)
+    be2 = torch.full_like(be, -7)
+    align_torch(ids, E, BM, sp2, be2)
+    assert torch.equal(sp2, sp) and torch.equal(be2, be)
     valid = [i for i in range(P) if 0 <= ids[i] < E]
     slots = sp.view(max_blocks, BM)
     seen = []
@@ -349,3 +354,18 @@ def test_gpu_code_generation_for_sm120_and_sm90():
     assert out["sm120_fp4"]["fp4_mma"] > 0 and out["sm120_fp4"]["ue4m3"] > 0, out
     assert out["sm90_deq2"].get("cubin"), out
     assert out["sm90_deq2"]["bf16x2_fma"] > 0, out
+
+
+@pytest.mark.parametrize("path", ["bf16", "fp4"])
+def test_opt_in_variants_compute_the_same(monkeypatch, path):
+    """DSV4_SM120_MOE_ALOAD=split (one vector load of the activation tile) and
+    DSV4_SM120_MOE_ALIGN=torch (sort-based grouping) change nothing but speed."""
+    M, E, I = 6, 8, 32
+    out0, ref, refq, (x, W, tw, ids) = _case(M, E, I, "mixed", 1.5, path)
+    monkeypatch.setenv("DSV4_SM120_MOE_ALOAD", "split")
+    monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", "torch")
+    out1 = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path=path)
+    assert torch.equal(out1, out0)
+    monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", "bogus")
+    with pytest.raises(MoEInputError, match="DSV4_SM120_MOE_ALIGN"):
+        nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path=path)

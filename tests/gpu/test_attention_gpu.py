@@ -126,11 +126,12 @@ def test_cuda_graph_replay_with_changing_indices(mode):
     check(kw, mode)
 
 
+@pytest.mark.parametrize("variant", [dict(impl="flat"), dict(PREFETCH=1)], ids=["flat", "prefetch"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
-def test_flat_variant(mode):
+def test_variants(mode, variant):
     from dsv4_sm120.attention import kernel as K
 
-    K.CONFIG_OVERRIDE.update(impl="flat")
+    K.CONFIG_OVERRIDE.update(variant)
     try:
         check(build(Case(T=17, H=16, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
                          lengths="random", seed=950), device="cuda"), mode)

@@ -301,14 +301,15 @@ def _tiled_body(
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # One (row, split, head-group) of one cache. Called once per cache from the kernel so each
     # call site keeps the argument alignment facts (16-byte aligned pages and rows) that let the
     # gathers use 16-byte vector loads.
     t64 = t.to(tl.int64)
     idx_row = idx_ptr + t64 * idx_st
-    end = tl.minimum(start + chunk, K)
+    cend = tl.minimum(start + chunk, K)
+    end = cend
     if HAS_LEN:
         end = tl.minimum(end, tl.load(len_ptr + t))
     cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
@@ -334,10 +335,19 @@ def _tiled_body(
     acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
     acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        # the first block's indices are read without waiting for the row length, and each block
+        # reads the next block's indices before its own gathers: one dependent round trip less
+        idx_next = tl.load(idx_row + start + offs_n, mask=start + offs_n < cend, other=-1)
     for n0 in range(start, end, BLOCK_N):
         cand = n0 + offs_n
         inb = cand < end
-        idx = tl.load(idx_row + cand, mask=inb, other=-1)
+        if PREFETCH:
+            idx = tl.where(inb, idx_next, -1)
+            nxt = cand + BLOCK_N
+            idx_next = tl.load(idx_row + nxt, mask=nxt < cend, other=-1)
+        else:
+            idx = tl.load(idx_row + cand, mask=inb, other=-1)
         valid = inb & (idx >= 0)
         idx32 = tl.maximum(idx, 0)
         page32 = idx32 // P  # 32-bit division (slot ids fit in int32); 64-bit byte offsets after
@@ -415,6 +425,7 @@ def _dsv4_split_kernel_tiled(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Same contract as _dsv4_split_kernel, but the nope part is processed in its seven 64-wide
     tiles: K/V tiles stay e4m3 bytes, converted straight to MMA operands, the UE8M0 scale is
@@ -431,13 +442,13 @@ def _dsv4_split_kernel_tiled(
                     extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                     extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH)
     else:
         _tiled_body(q_ptr, stride_qt, stride_qh, t, s, g,
                     main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                     main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH)
 
 
 @triton.jit
@@ -678,7 +689,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     if cfg.get("maxnreg"):
         flags["maxnreg"] = int(cfg["maxnreg"])
     if cfg["impl"] == "tiled":
-        _dsv4_split_kernel_tiled[(T, S, HG)](*common, **flags)
+        _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)), **flags)
     else:
         _dsv4_split_kernel[(T, S, HG)](
             *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),

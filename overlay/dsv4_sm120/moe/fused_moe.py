@@ -21,7 +21,15 @@ from . import kernels as K
 PATH_ENV = "DSV4_SM120_MOE_PATH"  # auto | fp4 | bf16 (force a path; tests / debugging)
 SCALED_DOT_ENV = "DSV4_SM120_MOE_SCALED_DOT"  # native | emulated (fp4 path only)
 DEQ_ENV = "DSV4_SM120_MOE_DEQ"  # 0 | 1 | 2: weight decode of the bf16 path (kernels._dequant_w)
-DEFAULT_DEQ = 0
+# Activation tile load: "split" = one contiguous load (cp.async-pipelined, 16-byte vectors), even/odd
+# halves split in registers; "strided" = two stride-2 loads (what bench/results/moe_h200.md measured:
+# in the PTX they are 32 scalar, unpipelined 2-byte loads per thread per K step). Default split:
+# same results bit for bit (tests), fewer and asynchronous loads; not yet timed on a GPU.
+ALOAD_ENV = "DSV4_SM120_MOE_ALOAD"
+# Token grouping: "triton" = the one-program kernel (measured), "torch" = stable sort + scans,
+# "auto" (default) = torch above 2048 pairs, where the one-program kernel walks every pair twice on one SM.
+ALIGN_ENV = "DSV4_SM120_MOE_ALIGN"
+DEFAULT_DEQ = 2  # measured best on the H200 (bench/results/moe_h200.md); 0 under the interpreter / off NVIDIA
 
 
 class MoEInputError(ValueError):
@@ -70,6 +78,7 @@ class Config:
     warps2: int
     stages: int
     deq: int = DEFAULT_DEQ
+    aload_split: bool = True
 
 
 def _pick_bk(K: int, want: int) -> int:
@@ -82,7 +91,9 @@ def _pick_bk(K: int, want: int) -> int:
 def default_deq() -> int:
     v = os.environ.get(DEQ_ENV, "").strip()
     if not v:
-        return 0 if _interpreting() else DEFAULT_DEQ
+        if _interpreting() or getattr(torch.version, "hip", None):
+            return 0
+        return DEFAULT_DEQ
     if v not in ("0", "1", "2"):
         raise MoEInputError(f"{DEQ_ENV}={v!r}: expected 0, 1 or 2")
     if v == "2" and _interpreting():
@@ -90,23 +101,71 @@ def default_deq() -> int:
     return int(v)
 
 
+def _env_choice(name: str, choices, default: str) -> str:
+    v = os.environ.get(name, "").strip().lower() or default
+    if v not in choices:
+        raise MoEInputError(f"{name}={v!r}: expected one of {', '.join(choices)}")
+    return v
+
+
 def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str) -> Config:
-    """Tile sizes chosen by the number of (token, slot) pairs per expert."""
+    """Tile sizes chosen by the number of (token, slot) pairs per expert.
+
+    Decode tiles from the H200 sweep (bench/results/moe_h200.md): at M=1,
+    BN1=32/BK=256 (56 us) beat BN1=64/BK=128 (81-88 us); at M=64 the wider tile
+    won (670 vs 735 us), hence the switch at 256 pairs.
+    """
     deq = default_deq()
+    split = _env_choice(ALOAD_ENV, ("strided", "split"), "split") == "split"
     if _interpreting():
-        return Config(16, 16, _pick_bk(H, 32), 16, _pick_bk(I, 32), 4, 4, 1, deq)
+        return Config(16, 16, _pick_bk(H, 32), 16, _pick_bk(I, 32), 4, 4, 1, deq, split)
     P = M * topk
     per_expert = P / max(1, min(E, P))
-    if per_expert <= 16:  # decode: weight-bandwidth bound, many narrow programs
+    if per_expert <= 16 and P < 256:  # small decode batches: many narrow programs
         BM, BN1, BN2, w1, w2 = 16, 32, 64, 4, 4
         BK1, BK2 = _pick_bk(H, 256), _pick_bk(I, 256)
+    elif per_expert <= 16:
+        BM, BN1, BN2, w1, w2 = 16, 64, 128, 4, 4
+        BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
     elif per_expert <= 48:
         BM, BN1, BN2, w1, w2 = 32, 64, 64, 4, 4
         BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
     else:  # prefill
         BM, BN1, BN2, w1, w2 = 64, 64, 128, 8, 8
         BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
-    return Config(BM, BN1, BK1, BN2, BK2, w1, w2, 3, deq)
+    return Config(BM, BN1, BK1, BN2, BK2, w1, w2, 3, deq, split)
+
+
+def align_torch(ids: torch.Tensor, E: int, BM: int, sorted_pair: torch.Tensor,
+                block_expert: torch.Tensor) -> None:
+    """What ``kernels._align_kernel`` computes, with fixed-shape torch ops (a
+    stable sort and scans: no host sync, CUDA-graph safe); for large P, where
+    the one-program kernel walks every pair twice on one SM."""
+    P = ids.numel()
+    dev = ids.device
+    valid = (ids >= 0) & (ids < E)
+    key = torch.where(valid, ids, torch.full_like(ids, E)).long()
+    sorted_key, order = torch.sort(key, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:E] + BM - 1) // BM * BM
+    end = torch.cumsum(padded, 0)
+    start = end - padded
+    first = torch.cumsum(counts, 0) - counts  # first sorted position of each key
+    ok = sorted_key < E
+    kk = torch.where(ok, sorted_key, torch.zeros_like(sorted_key))
+    dest = start[kk] + torch.arange(P, device=dev) - first[kk]
+    max_slots = sorted_pair.numel()
+    dest = torch.where(ok, dest, torch.full_like(dest, max_slots))  # dropped -> spill slot
+    buf = torch.full((max_slots + 1,), P, dtype=torch.int32, device=dev)
+    buf.scatter_(0, dest, order.to(torch.int32))
+    sorted_pair.copy_(buf[:max_slots])
+    pos = torch.arange(block_expert.numel(), device=dev) * BM
+    e_of_b = torch.searchsorted(end, pos, right=True)
+    used = e_of_b < E
+    e_safe = torch.where(used, e_of_b, torch.zeros_like(e_of_b))
+    used &= pos >= start[e_safe]
+    block_expert.copy_(torch.where(used, e_of_b, torch.full_like(e_of_b, -1)).to(torch.int32))
 
 
 def _check(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids):
@@ -175,12 +234,16 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
     max_slots = max_blocks * BM
     sorted_pair = torch.empty(max_slots, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    e_pad = triton.next_power_of_2(E)
-    chunk = max(16, min(128, 16384 // e_pad))
-    bchunk = max(16, min(64, 8192 // e_pad))
-    K._align_kernel[(1,)](ids, sorted_pair, block_expert, P, E, max_slots, max_blocks,
-                          BM=BM, E_PAD=e_pad, CHUNK=chunk, FILL=1024, BCHUNK=bchunk,
-                          num_warps=4 if _interpreting() else 8)
+    align = _env_choice(ALIGN_ENV, ("triton", "torch", "auto"), "auto")
+    if align == "torch" or (align == "auto" and P > 2048):
+        align_torch(ids, E, BM, sorted_pair, block_expert)
+    else:
+        e_pad = triton.next_power_of_2(E)
+        chunk = max(16, min(128, 16384 // e_pad))
+        bchunk = max(16, min(64, 8192 // e_pad))
+        K._align_kernel[(1,)](ids, sorted_pair, block_expert, P, E, max_slots, max_blocks,
+                              BM=BM, E_PAD=e_pad, CHUNK=chunk, FILL=1024, BCHUNK=bchunk,
+                              num_warps=4 if _interpreting() else 8)
     h = torch.empty((max_slots, I), dtype=torch.bfloat16, device=dev)
     y = torch.empty((P, H), dtype=torch.float32, device=dev)
     fp4 = path == "fp4"
@@ -193,13 +256,13 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         float(swiglu_limit) if has_limit else 0.0,
         HAS_LIMIT=has_limit, BM=BM, BN=cfg.BN1, BK=cfg.BK1, PATH_FP4=fp4, NATIVE=native,
-        INTERP=interp, DEQ=cfg.deq, num_warps=cfg.warps1, num_stages=cfg.stages)
+        INTERP=interp, DEQ=cfg.deq, ALOAD_SPLIT=cfg.aload_split, num_warps=cfg.warps1, num_stages=cfg.stages)
     K._gemm2_kernel[(max_blocks, triton.cdiv(H, cfg.BN2))](
         h, w2, w2_scale, w2_scale_2.contiguous(), sorted_pair, block_expert, tw, y,
         P, H, I,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp, DEQ=cfg.deq,
-        num_warps=cfg.warps2, num_stages=cfg.stages)
+        ALOAD_SPLIT=cfg.aload_split, num_warps=cfg.warps2, num_stages=cfg.stages)
     rb = min(1024, triton.next_power_of_2(H))
     K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb, INTERP=interp)
     return out

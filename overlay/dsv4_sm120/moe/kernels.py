@@ -261,6 +261,22 @@ def _upcast_pair_dot(acc, a_even, a_odd, wq, ws_ptrs,
 
 
 @triton.jit
+def _load_a_pairs(a_ptrs_row, row_mask, BM: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """Activation tile [BM, BK] at ``a_ptrs_row`` (pointers [BM, 1]) as its
+    even-k and odd-k halves [BM, BK/2]. SPLIT: one contiguous (vectorized)
+    load, split in registers; else two stride-2 loads."""
+    if SPLIT:
+        kk = tl.arange(0, BK)
+        a = tl.load(a_ptrs_row + kk[None, :], mask=row_mask[:, None], other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+    else:
+        jj = tl.arange(0, BK // 2)
+        a_even = tl.load(a_ptrs_row + 2 * jj[None, :], mask=row_mask[:, None], other=0.0)
+        a_odd = tl.load(a_ptrs_row + 1 + 2 * jj[None, :], mask=row_mask[:, None], other=0.0)
+    return a_even, a_odd
+
+
+@triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, MAX_SLOTS, MAX_BLOCKS,
                   BM: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
                   FILL: tl.constexpr, BCHUNK: tl.constexpr):
@@ -309,7 +325,7 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
                   swiglu_limit,
                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
-                  INTERP: tl.constexpr, DEQ: tl.constexpr = 0):
+                  INTERP: tl.constexpr, DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -338,8 +354,7 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, H, BK):
-            a_even = tl.load(a_row + k0 + 2 * jj[None, :], mask=rvalid[:, None], other=0.0)
-            a_odd = tl.load(a_row + k0 + 1 + 2 * jj[None, :], mask=rvalid[:, None], other=0.0)
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
             wqg = tl.load(wg_p + k0 // 2)
             wqu = tl.load(wu_p + k0 // 2)
             if PATH_FP4:
@@ -371,7 +386,7 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
                   stride_we, stride_wn, stride_se, stride_sn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr,
-                  DEQ: tl.constexpr = 0):
+                  DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -394,8 +409,7 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
             s_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, I, BK):
-            a_even = tl.load(a_row + k0 + 2 * jj[None, :], mask=rvalid[:, None], other=0.0)
-            a_odd = tl.load(a_row + k0 + 1 + 2 * jj[None, :], mask=rvalid[:, None], other=0.0)
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
             wq = tl.load(w_p + k0 // 2)
             if PATH_FP4:
                 acc = _fp4_pair_dot(acc, a_even.to(tl.float32), a_odd.to(tl.float32), gs, wq,
