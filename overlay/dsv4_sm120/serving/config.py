@@ -71,6 +71,11 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
 }
 
 
+PASS_THROUGH = re.compile(r"^(SGLANG_|DSV4_|NCCL_|UCX_|NIXL_|TORCH_NCCL_|CUDA_DEVICE_ORDER$)")
+INTERNAL = re.compile(r"^(DSV4_SERVE_|DSV4_STANDIN_|DSV4_ORIG_PYTHONPATH$|DSV4_REPO_ROOT$|DSV4_CACHE$|"
+                      r"SGLANG_TORCH_PROFILER_DIR$|SGLANG_HOST_IP$)")
+
+
 class ConfigError(Exception):
     """A configuration mistake, reported as one line."""
 
@@ -268,9 +273,13 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         common_env = load_env_dir(repo / "serve" / "env", environ)
     except EnvFileError as e:
         raise ConfigError(str(e))
-    for k in ("SGLANG_DSV4_SM120_ATTN_BACKEND", "SGLANG_SM120_FLASHMLA_BACKEND"):
-        if k in environ and k not in {c[0] for c in common_env}:
-            common_env.append((k, environ[k], "environment"))
+    # Switches the caller set for SGLang / the overlay / NCCL / UCX reach the servers anyway (the
+    # environment is inherited); list them so the start banner and the dry run show them.
+    listed = {c[0] for c in common_env}
+    for k in sorted(environ):
+        if k in listed or not PASS_THROUGH.match(k) or INTERNAL.match(k):
+            continue
+        common_env.append((k, environ[k], "environment"))
 
     ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
     prefill_url = f"http://{_url_host(ph)}:{ports['PREFILL_PORT']}"
