@@ -144,6 +144,7 @@ def baseline_moe(x, w13, s13, w2, s2, tw, ids, limit, fp8):
     else:
         BM, BN1, BN2, w = 64, 128, 128, 8
     BK = 128
+    stages = 2 if BM == 64 else 3  # bf16 at 64x128x128 x 3 stages exceeds the H200's shared memory
     idv = ids.view(-1)
     max_blocks = triton.cdiv(P, BM) + min(E, P)
     sp = torch.empty(max_blocks * BM, dtype=torch.int32, device=x.device)
@@ -156,10 +157,10 @@ def baseline_moe(x, w13, s13, w2, s2, tw, ids, limit, fp8):
     y = torch.empty((P, H), dtype=torch.float32, device=x.device)
     _base_gemm1[(max_blocks, triton.cdiv(I, BN1))](
         x, w13, s13, sp, be, h, P, k, H, I, w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        float(limit), BM=BM, BN=BN1, BK=BK, FP8=fp8, num_warps=w, num_stages=3)
+        float(limit), BM=BM, BN=BN1, BK=BK, FP8=fp8, num_warps=w, num_stages=stages)
     _base_gemm2[(max_blocks, triton.cdiv(H, BN2))](
         h, w2, s2, sp, be, tw.view(-1), y, P, H, I, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        BM=BM, BN=BN2, BK=BK, FP8=fp8, num_warps=w, num_stages=3)
+        BM=BM, BN=BN2, BK=BK, FP8=fp8, num_warps=w, num_stages=stages)
     out = torch.empty((M, H), dtype=torch.bfloat16, device=x.device)
     K._reduce_kernel[(M, triton.cdiv(H, 1024))](y, idv, out, H, E, TOPK=k, BLOCK=1024)
     return out
@@ -227,6 +228,10 @@ def run(args, ms):
     from dsv4_sm120.moe.testing import make_experts
 
     H, I, E, k = args.hidden, args.inter, args.experts, args.topk
+    if args.aload:
+        os.environ["DSV4_SM120_MOE_ALOAD"] = args.aload
+    if args.align:
+        os.environ["DSV4_SM120_MOE_ALIGN"] = args.align
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name()
     cap = torch.cuda.get_device_capability()
@@ -338,7 +343,9 @@ def run(args, ms):
         f"- shapes: H {H}, I {I}, E {E}, k {k}, swiglu_limit {limit}; random routing (distinct experts per "
         f"token), {args.rotate} routings per CUDA-graph replay (median of {args.reps} replays)",
         f"- measured copy bandwidth (read + write): {bw:.0f} GB/s",
-        f"- bf16-path weight decode (DSV4_SM120_MOE_DEQ): {deq_used}",
+        f"- bf16-path weight decode (DSV4_SM120_MOE_DEQ): {deq_used}; activation load (DSV4_SM120_MOE_ALOAD): "
+        f"{os.environ.get('DSV4_SM120_MOE_ALOAD', 'default (split)')}; grouping (DSV4_SM120_MOE_ALIGN): "
+        f"{os.environ.get('DSV4_SM120_MOE_ALIGN', 'default (auto)')}",
         f"- nvfp4 default path here: `{dpath}`; `fp8` = this file's Triton W8A8 block-FP8 MoE; `bf16` = same kernel, "
         "bf16 weights; bytes = distinct active experts x weight bytes per expert (scales included)",
         "",
@@ -377,6 +384,10 @@ def parse_args(argv=None):
                    help="first time tile / weight-decode variants of the bf16 path at M=1 and M=64")
     p.add_argument("--deq", default="default", choices=("default", "auto", "0", "1", "2"),
                    help="weight decode of the bf16 path for the table (auto: fastest at M=64 in --sweep)")
+    p.add_argument("--aload", default=None, choices=("strided", "split"),
+                   help="activation tile load of the nvfp4 kernel (env DSV4_SM120_MOE_ALOAD; default split)")
+    p.add_argument("--align", default=None, choices=("triton", "torch", "auto"),
+                   help="token grouping of the nvfp4 kernel (env DSV4_SM120_MOE_ALIGN; default auto)")
     p.add_argument("--out", default=None, help="write the markdown table here (atomically)")
     return p.parse_args(argv)
 

@@ -314,7 +314,8 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32"
        "swiglu_limit": "fp32"}
 out = {}
 for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq2", 90, False, False, 2)):
-    cst = dict(HAS_LIMIT=True, BM=16, BN=32, BK=256, PATH_FP4=fp4, NATIVE=native, INTERP=False, DEQ=deq)
+    cst = dict(HAS_LIMIT=True, BM=16, BN=32, BK=256, PATH_FP4=fp4, NATIVE=native, INTERP=False, DEQ=deq,
+               ALOAD_SPLIT=True)
     s = dict(sig, **{k: "constexpr" for k in cst})
     src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
     try:
