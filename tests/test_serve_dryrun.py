@@ -326,6 +326,11 @@ def test_caller_environment_wins_over_env_files():
     assert "env NCCL_PROTO=Simple  # environment" in out
     assert "env NCCL_ALGO=Ring  # 10-nccl.env" in out
     assert "env SGLANG_DSV4_SM120_ATTN_BACKEND=torch  # environment" in out
+    out = dry_run("serve_dsv4_tp4.sh", {"SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND": "stock", "UCX_TLS": "tcp",
+                                        "DSV4_STANDIN_ROLE": "decode", "UNRELATED_VAR": "x"}).stdout
+    assert "env SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND=stock  # environment" in out
+    assert "env UCX_TLS=tcp  # environment" in out
+    assert "DSV4_STANDIN_ROLE" not in out and "UNRELATED_VAR" not in out
 
 
 def test_fp8_backend_hook(tmp_path, monkeypatch):
