@@ -49,13 +49,14 @@ test: ## the CPU test suite (creates/updates the cached test env, then pytest te
 	@scripts/run_tests.sh
 
 test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
-	python3 -m pytest tests/gpu -q
+	$(if $(wildcard $(PY)),$(PY),python3) -m pytest tests/gpu -q
 
-bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU)
-	python3 bench/bench_attention.py
+BENCH_OUT ?= bench/results/local_$(shell hostname -s 2>/dev/null || echo host)
+bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); table also in BENCH_OUT_attention.md
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_attention.py --out $(BENCH_OUT)_attention $(ARGS)
 
 bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU)
-	python3 bench/bench_moe.py
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_moe.py $(ARGS)
 
 tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARGS=... for more); writes configs/fp8/
 	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(or $(ARGS),--quick)
