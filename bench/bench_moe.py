@@ -253,6 +253,25 @@ def run(args, ms):
         base["fp8"] = (w13f, s13, w2f, s2, True, (w13f.numel() + w2f.numel()) // E + (s13.numel() + s2.numel()) * 4 // E)
         base["bf16"] = (w13b, s13, w2b, s2, False, (w13b.numel() + w2b.numel()) * 2 // E)
     dpath = default_path(dev)
+    check_lines = []
+    if not args.no_check:
+        from dsv4_sm120.moe.reference import moe_reference, rel_err
+
+        tw_c, ids_c = _routings(64, E, k, 1, 7)[0]
+        ids_c[::5, 0] = -1  # some dropped slots
+        x_c = (torch.randn((64, H), device=dev) * 2).to(torch.bfloat16)
+        ref = moe_reference(x_c, **W, topk_weights=tw_c, topk_ids=ids_c, swiglu_limit=limit)
+        refq = moe_reference(x_c, **W, topk_weights=tw_c, topk_ids=ids_c, swiglu_limit=limit, act_quant=True)
+        for p in ("bf16", "fp4"):
+            try:
+                o = nvfp4_fused_moe_impl(x_c, **W, topk_weights=tw_c, topk_ids=ids_c, swiglu_limit=limit, path=p)
+                line = (f"correctness M=64 path={p}{' (default)' if p == dpath else ''}: rel err vs float64 "
+                        f"{rel_err(o, ref):.2e}" + (f", vs act-quant reference {rel_err(o, refq):.2e} (activation "
+                                                     f"quantization alone {rel_err(refq, ref):.2e})" if p == "fp4" else ""))
+            except Exception as exc:  # noqa: BLE001
+                line = f"correctness M=64 path={p}: failed {type(exc).__name__}: {str(exc)[:200]}"
+            print("  " + line, flush=True)
+            check_lines.append(line)
     sweep_lines = []
     if args.sweep and dpath == "bf16":
         import dataclasses
@@ -354,16 +373,22 @@ def run(args, ms):
     ]
     for (M, kname, t, active, mb, gbs, frac) in rows:
         lines.append(f"| {M} | {kname} | {t:.1f} | {active:.1f} | {mb:.1f} | {gbs:.0f} | {100 * frac:.1f} |")
+    if check_lines:
+        lines += ["", "Correctness (float64 reference from exactly dequantized weights):", ""] + [
+            f"- {c}" for c in check_lines]
     if sweep_lines:
         lines += ["", "Sweep (nvfp4 bf16 path, tile / weight-decode variants):", "", "```"] + sweep_lines + ["```"]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        out = Path(args.out)
+    out_arg = args.out or str(REPO / "bench" / "results" / ("moe_" + "".join(
+        c if c.isalnum() else "_" for c in name) + ".md"))
+    if out_arg != "-":
+        out = Path(out_arg)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(out.suffix + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, out)
+        print(f"wrote {out}")
     return 0
 
 
@@ -388,7 +413,9 @@ def parse_args(argv=None):
                    help="activation tile load of the nvfp4 kernel (env DSV4_SM120_MOE_ALOAD; default split)")
     p.add_argument("--align", default=None, choices=("triton", "torch", "auto"),
                    help="token grouping of the nvfp4 kernel (env DSV4_SM120_MOE_ALIGN; default auto)")
-    p.add_argument("--out", default=None, help="write the markdown table here (atomically)")
+    p.add_argument("--out", default=None,
+                   help="write the markdown table here (atomically); default bench/results/moe_<gpu name>.md; '-' = none")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 correctness check at M=64")
     return p.parse_args(argv)
 
 
