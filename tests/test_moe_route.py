@@ -25,12 +25,12 @@ from dsv4_sm120 import moe_route as R
 
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv(R.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(R, "triton_nvfp4_backend_available", lambda: False)
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_cutlass"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False) == "flashinfer_trtllm_routed"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False, stock="x") == "x"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True, is_hip=True, stock="x") == "x"
     # the one switch for the overlay's Triton runner
-    assert R.triton_nvfp4_backend_available() is False
     monkeypatch.setattr(R, "triton_nvfp4_backend_available", lambda: True)
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "dsv4_triton_nvfp4"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False) == "flashinfer_trtllm_routed"
@@ -39,6 +39,7 @@ def test_backend_choice(monkeypatch):
 
 
 def test_backend_env(monkeypatch, caplog):
+    monkeypatch.setattr(R, "triton_nvfp4_backend_available", lambda: False)
     monkeypatch.setenv(R.ENV_BACKEND, "stock")
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_trtllm_routed"
     monkeypatch.setenv(R.ENV_BACKEND, "dsv4_triton_nvfp4")  # asked for, not available
@@ -75,6 +76,8 @@ PROBE = textwrap.dedent(r"""
         "sm100": dict(is_sm120=False, is_sm100=True, is_sm100_or_sm110=True, is_sm90=False, is_blackwell=True),
     }
     out = {"sglang": sglang.__file__}
+    from dsv4_sm120 import moe_route
+    out["triton_available"] = moe_route.triton_nvfp4_backend_available()
 
     def resolve(argv, plat):
         with override_platform(is_cuda=True, is_hip=False, has_flashinfer=True, **PLAT[plat]):
@@ -172,19 +175,26 @@ def test_patched_sglang_routes_hybrid_nvfp4_on_sm120(run_patched, patched_sglang
             ["sm120_explicit", m + ["--device", "cuda", "--moe-runner-backend", "flashinfer_trtllm_routed"],
              "sm120", {}],
             ["sm120_env_stock", m + ["--device", "cuda"], "sm120", {R.ENV_BACKEND: "stock"}],
+            ["sm120_env_cutlass", m + ["--device", "cuda"], "sm120", {R.ENV_BACKEND: "flashinfer_cutlass"}],
             ["src_sm120", ["--model-path", src, "--device", "cuda"], "sm120", {}],
         ],
         "methods": [
             ["hybrid_sm120", m + ["--device", "cuda"], "sm120", [MAIN, DRAFT]],
+            ["hybrid_sm120_cutlass", m + ["--device", "cuda", "--moe-runner-backend", "flashinfer_cutlass"],
+             "sm120", [MAIN, DRAFT]],
             # oracle: what stock SGLang builds for MXFP4 experts on sm_120 (released checkpoint)
             ["mxfp4_sm120", ["--model-path", src, "--device", "cuda"], "sm120", [MAIN]],
         ],
     }
     out = _probe(run_patched, job)
     assert out["sglang"].startswith(str(patched_sglang_site))
+    # sm_120 default: the overlay's Triton runner when patch 0005 + its kernel are there,
+    # FlashInfer's CUTLASS NVFP4 MoE otherwise; both run on sm_120
+    want = "dsv4_triton_nvfp4" if out["triton_available"] else "flashinfer_cutlass"
     for k in ("sm120_cpu", "sm120_cuda", "sm120_tp4", "sm120_mtp"):
-        assert out[k].get("moe") == "flashinfer_cutlass", (k, out[k])
+        assert out[k].get("moe") == want, (k, out[k])
         assert out[k]["quant"] is None  # --quantization left for SGLang to detect
+    assert out["sm120_env_cutlass"]["moe"] == "flashinfer_cutlass"
     assert out["sm120_mtp"]["spec"] == "EAGLE"
     assert out["sm100"]["moe"] == "flashinfer_trtllm_routed"  # stock choice kept off sm_120
     assert out["sm120_explicit"]["moe"] == "flashinfer_trtllm_routed"  # explicit flag wins
@@ -193,8 +203,11 @@ def test_patched_sglang_routes_hybrid_nvfp4_on_sm120(run_patched, patched_sglang
 
     h = out["hybrid_sm120"]
     assert h.get("quant_config") == "HybridFp8NvFp4Config", h
-    assert h["moe"] == "flashinfer_cutlass"
+    assert h["moe"] == want
     assert h[MAIN].endswith(".ModelOptNvFp4FusedMoEMethod"), h
+    hc = out["hybrid_sm120_cutlass"]
+    assert hc["moe"] == "flashinfer_cutlass" and hc[MAIN].endswith(".ModelOptNvFp4FusedMoEMethod"), hc
+    assert hc[DRAFT] == h[DRAFT], hc
     stock_mxfp4_sm120 = out["mxfp4_sm120"]
     assert stock_mxfp4_sm120.get(MAIN, "").endswith(".Mxfp4FlashinferCutlassMoEMethod"), stock_mxfp4_sm120
     # MTP draft experts (MXFP4 in this format) get the class stock SGLang runs MXFP4 with on sm_120
