@@ -85,6 +85,10 @@ def apply(layer, dispatch_output):
     """Run the routed experts: ``[M, H]`` bf16."""
     from .fused_moe import nvfp4_fused_moe
 
+    if not hasattr(dispatch_output, "topk_output") or getattr(dispatch_output, "hidden_states_scale", None) is not None:
+        raise NotImplementedError(
+            f"{BACKEND_NAME} runs on the standard (no all-to-all) MoE dispatcher with bf16 hidden states; got "
+            f"{type(dispatch_output).__name__}. Use --moe-runner-backend flashinfer_cutlass with this a2a backend.")
     topk_output = dispatch_output.topk_output
     to_std = getattr(topk_output, "to_standard", None)
     if not hasattr(topk_output, "topk_ids") and to_std is not None:
