@@ -39,7 +39,7 @@ below the tensor's largest) is *out of range*: its block scale is clamped to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
