@@ -10,11 +10,11 @@ export DSV4_CACHE
 SGLANG_ROOT ?=
 ROOT_ARG := $(if $(SGLANG_ROOT),--sglang-root $(SGLANG_ROOT),)
 PATCH_PY := $(if $(wildcard $(PY)),$(PY),python3)
-PATCHING := PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.patching
+PATCHING := DSV4_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.patching
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe tune-fp8 convert-nvfp4 serve serve-mtp stop measure profile freeze
+        bench-attention bench-moe tune-fp8 convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
 
 help: ## list the targets
 	@echo "dsv4_sm120 — serve DeepSeek-V4-Flash on 8x RTX PRO 6000 Blackwell (sm_120) with SGLang 0.5.23"
@@ -65,20 +65,24 @@ convert-nvfp4: ## convert an MXFP4 checkpoint: make convert-nvfp4 SRC=... DST=..
 	@if [ -z "$(SRC)" ] || [ -z "$(DST)" ]; then echo "usage: make convert-nvfp4 SRC=<mxfp4 checkpoint dir> DST=<output dir> [ARGS=--verify]"; exit 2; fi
 	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.convert_nvfp4 $(SRC) $(DST) $(ARGS)
 
-serve: ## PD-disaggregated TP4 prefill (GPU0-3) + TP4 decode (GPU4-7) + router
-	bash serve/serve_dsv4_tp4.sh
+serve: ## preflight, then PD-disaggregated TP4 prefill (GPU0-3) + TP4 decode (GPU4-7) + router, supervised
+	VENV=$(VENV) bash serve/serve_dsv4_tp4.sh
 
 serve-mtp: ## the same with MTP speculative decoding
-	bash serve/serve_dsv4_mtp.sh
+	VENV=$(VENV) bash serve/serve_dsv4_mtp.sh
 
-stop: ## stop a running deployment
+stop: ## stop a running deployment (SIGTERM, then SIGKILL after a grace period)
 	bash serve/stop.sh
 
-measure: ## decode throughput at C=1,8,16 against the running deployment
-	$(if $(wildcard $(PY)),$(PY),python3) bench/measure.py $(ARGS)
+measure: ## decode throughput at C=1,8,16 against the running deployment (JSON, table, PNG)
+	VENV=$(VENV) $(if $(wildcard $(PY)),$(PY),python3) bench/measure.py $(ARGS)
 
-profile: ## torch-profiler trace of the decode server under load, summarised
-	$(if $(wildcard $(PY)),$(PY),python3) bench/profile.py $(ARGS)
+profile: ## torch-profiler trace of the decode server under load, summarised by kernel group
+	VENV=$(VENV) $(if $(wildcard $(PY)),$(PY),python3) bench/profile_capture.py $(ARGS)
+
+profile-summary: ## summarise a trace file offline: make profile-summary TRACE=path
+	@if [ -z "$(TRACE)" ]; then echo "usage: make profile-summary TRACE=<trace.json[.gz]>"; exit 2; fi
+	python3 bench/profile_summary.py $(TRACE)
 
 freeze: ## regenerate requirements/constraints.txt from VENV
 	@{ echo "# pip freeze of the pinned environment (sglang==0.5.23 + requirements/runtime.txt), made by make freeze on $$(date -u +%F)."; \

@@ -86,7 +86,11 @@ def test_apply_twice_revert_apply_round_trip(tree):
     assert r.returncode == 0 and "not patched" in r.stdout and "nothing to revert" in r.stdout
     r = cli("apply", "--sglang-root", str(tree), "--no-install")
     assert r.returncode == 0
-    assert snapshot(tree) == once
+    again = snapshot(tree)
+    # byte-identical to a single apply, except the record's timestamp
+    manifest = ".dsv4_sm120/manifest.json"
+    assert {k: v for k, v in again.items() if k != manifest} == {k: v for k, v in once.items() if k != manifest}
+    assert manifest in again
 
 
 def test_status_reports_series(tree):
@@ -248,7 +252,8 @@ def test_cli_help_and_usage_errors():
     assert r.returncode == 2 and "no SGLang tree given" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_apply_installs_overlay_and_revert_removes_it(tree, tmp_path):
+def test_apply_installs_overlay_and_revert_removes_it(tree, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_ORIG_PYTHONPATH", "")  # as the Makefile does: ask the env, not the checkout
     venv = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(venv / "bin" / "python")
@@ -258,6 +263,20 @@ def test_apply_installs_overlay_and_revert_removes_it(tree, tmp_path):
                          capture_output=True, text=True, cwd="/", env={"PATH": os.environ["PATH"]})
     assert chk.returncode == 0 and str(venv) in chk.stdout, chk.stderr
     assert not (OVERLAY / "build").exists()
+    st = json.loads(cli("status", "--sglang-root", str(tree), "--python", py, "--json").stdout)
+    assert st["patched"] and st["overlay_current"] is True
+    # the installed copy goes stale (as when the checkout's overlay code changes): status says so,
+    # preflight refuses, and a re-apply (otherwise a no-op) reinstalls it
+    build = next(venv.glob("lib/python*/site-packages/dsv4_sm120/_build.py"))
+    build.write_text(build.read_text().replace("OVERLAY_HASH = '", "OVERLAY_HASH = 'stale"))
+    st = json.loads(cli("status", "--sglang-root", str(tree), "--python", py, "--json").stdout)
+    assert st["patched"] and st["matches_repo"] and st["overlay_current"] is False
+    from dsv4_sm120.serving.preflight import interpret_patch_status
+    assert "make apply-patches" in interpret_patch_status(st)[0]
+    r = cli("apply", "--sglang-root", str(tree), "--python", py)
+    assert r.returncode == 0 and "already applied" in r.stdout and "reinstalling" in r.stdout, r.stdout + r.stderr
+    st = json.loads(cli("status", "--sglang-root", str(tree), "--python", py, "--json").stdout)
+    assert st["overlay_current"] is True and interpret_patch_status(st) == []
     r = cli("revert", "--sglang-root", str(tree), "--python", py)
     assert r.returncode == 0
     chk = subprocess.run([py, "-c", "import dsv4_sm120"], capture_output=True, text=True, cwd="/",

@@ -477,7 +477,7 @@ def _rollback(root: Path, manifest: dict, say=_say) -> None:
     shutil.rmtree(root / STATE_DIR)
 
 
-def status(root: Path, series: Optional[Series]) -> dict:
+def status(root: Path, series: Optional[Series], python: Optional[str] = None) -> dict:
     m = read_manifest(root)
     out = {
         "sglang_root": str(root),
@@ -499,6 +499,8 @@ def status(root: Path, series: Optional[Series]) -> dict:
         out["modified_files"] = modified
         out["patched"] = m.get("state") == "applied" and not modified
         out["matches_repo"] = bool(series) and out["patched"] and m.get("series_hash") == series.hash
+    # Is the overlay that `python` imports this checkout's (None: not asked)?
+    out["overlay_current"] = installed_overlay(python)["current"] if python else None
     return out
 
 
@@ -639,13 +641,49 @@ def revert(root: Path, series: Optional[Series], python: Optional[str] = None, s
     return "reverted"
 
 
+def overlay_tree_hash() -> str:
+    """sha256 over this checkout's overlay sources (what `apply` installs)."""
+    pkg = repo_root() / "overlay" / "dsv4_sm120"
+    h = hashlib.sha256()
+    for f in sorted(pkg.rglob("*.py")):
+        rel = f.relative_to(pkg).as_posix()
+        if "__pycache__" in rel or rel == "_build.py":
+            continue
+        h.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def installed_overlay(python: str) -> dict:
+    """What `python` imports as dsv4_sm120: {'importable', 'file', 'hash', 'current'}."""
+    code = ("import json, dsv4_sm120\n"
+            "try:\n    from dsv4_sm120 import _build; h = _build.OVERLAY_HASH\n"
+            "except ImportError:\n    h = None\n"
+            "print(json.dumps({'file': dsv4_sm120.__file__, 'hash': h}))")
+    env = dict(os.environ)
+    # Launchers (the Makefile, serve/) put the checkout's overlay on PYTHONPATH to run our own modules and keep
+    # the caller's value in DSV4_ORIG_PYTHONPATH: ask what the environment imports without that addition.
+    if "DSV4_ORIG_PYTHONPATH" in os.environ:
+        orig = os.environ["DSV4_ORIG_PYTHONPATH"]
+        if orig:
+            env["PYTHONPATH"] = orig
+        else:
+            env.pop("PYTHONPATH", None)
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/", env=env)
+    if r.returncode != 0:
+        return {"importable": False, "file": None, "hash": None, "current": False}
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    checkout = (repo_root() / "overlay").resolve()
+    from_checkout = Path(info["file"]).resolve().is_relative_to(checkout)
+    info.update(importable=True, current=from_checkout or info["hash"] == overlay_tree_hash())
+    return info
+
+
 def _install_overlay(python: str, say=_say, only_if_missing: bool = False) -> None:
     overlay = repo_root() / "overlay"
     if only_if_missing:
-        r = subprocess.run([python, "-c", "import dsv4_sm120, sys; print(dsv4_sm120.__version__)"],
-                           capture_output=True, text=True, cwd="/")
-        if r.returncode == 0 and r.stdout.strip() == __version__:
+        if installed_overlay(python)["current"]:
             return
+        say("the dsv4_sm120 installed in the environment differs from this checkout: reinstalling")
     say(f"installing dsv4_sm120 {__version__} into {python}")
     base = [python, "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--disable-pip-version-check"]
     # Without build isolation first (works offline where setuptools is in the env, as in the pinned env);
@@ -653,6 +691,9 @@ def _install_overlay(python: str, say=_say, only_if_missing: bool = False) -> No
     with tempfile.TemporaryDirectory() as td:  # build from a copy: never leave build/ or egg-info in the repo
         src = Path(td) / "overlay"
         shutil.copytree(overlay, src, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+        (src / "dsv4_sm120" / "_build.py").write_text(
+            f'"""Written by `make apply-patches`: the checkout this copy was installed from."""\n'
+            f"OVERLAY_HASH = {overlay_tree_hash()!r}\nREPO_ROOT = {str(repo_root())!r}\n")
         r = subprocess.run(base + ["--no-build-isolation", str(src)], capture_output=True, text=True)
         if r.returncode != 0:
             r = subprocess.run(base + [str(src)], capture_output=True, text=True)
@@ -660,7 +701,7 @@ def _install_overlay(python: str, say=_say, only_if_missing: bool = False) -> No
         raise PatchError("installing the overlay failed:\n" + r.stderr[-2000:])
     r = subprocess.run([python, "-c", "import dsv4_sm120; print(dsv4_sm120.__version__)"],
                        capture_output=True, text=True, cwd="/")
-    if r.returncode != 0 or r.stdout.strip() != __version__:
+    if r.returncode != 0 or r.stdout.strip() != __version__ or not installed_overlay(python)["current"]:
         raise PatchError(f"dsv4_sm120 {__version__} is not importable from {python} after installing it")
 
 
@@ -835,13 +876,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 series = load_series(a.series)
             except PatchError:
                 series = None
-            st = status(root, series)
+            st = status(root, series, python=a.python)
             if a.json:
                 print(json.dumps(st, indent=2))
             else:
                 if st["patched"]:
                     _say(f"{root}: patched with series {st['series_hash'][:12]} at {st['applied_at']} "
                          f"({'matches' if st['matches_repo'] else 'DIFFERS from'} this repo's series)")
+                    if st["overlay_current"] is False:
+                        _say("the dsv4_sm120 the environment imports differs from this checkout: "
+                             "run `make apply-patches`")
                 elif st["state"]:
                     _say(f"{root}: state {st['state']}, modified files: {st['modified_files']}")
                 else:

@@ -162,6 +162,9 @@ def check_model(plan: Plan) -> List[str]:
 
 def interpret_patch_status(st: dict) -> List[str]:
     if st.get("patched") and st.get("matches_repo"):
+        if st.get("overlay_current") is False:
+            return ["the dsv4_sm120 installed in the environment differs from this checkout (overlay code changed "
+                    "since `make apply-patches`): run `make apply-patches`"]
         return []
     root = st.get("sglang_root", "?")
     if st.get("state") and st.get("state") != "applied":
