@@ -186,12 +186,22 @@ def test_matches_sglang_torch_path(case):
     assert torch.equal(torch.isneginf(sl), torch.isneginf(lse))
 
 
-@pytest.mark.parametrize("impl", ["flat", "tiled", "tiled+prefetch"])
-def test_both_split_implementations(impl):
-    """The tiled split kernel (default), its index-prefetch variant and the flat one (512-wide
-    tiles, kept as a variant) agree with the float64 reference, on both QK paths."""
+SPLIT_IMPLS = {
+    "flat": dict(impl="flat"),
+    "tiled": dict(impl="tiled"),
+    "tiled+prefetch": dict(impl="tiled", PREFETCH=1),
+    "pipe": dict(impl="pipe", NUM_STAGES=2),
+    "pipe+bf16part": dict(impl="pipe", NUM_STAGES=3, PART_BF16=1, BLOCK_S=16),
+    "pipe+pvreload": dict(impl="pipe", NUM_STAGES=2, PV_RELOAD=1, BLOCK_N=32),
+}
+
+
+@pytest.mark.parametrize("impl", list(SPLIT_IMPLS))
+def test_all_split_implementations(impl):
+    """Every split body (tiled, its index-prefetch variant, the software-pipelined one with fp32 or
+    bf16 partials, the flat one) agrees with the float64 reference, on both QK paths."""
     K.CONFIG_OVERRIDE.clear()
-    K.CONFIG_OVERRIDE.update(impl=impl.split("+")[0], PREFETCH=int(impl.endswith("prefetch")))
+    K.CONFIG_OVERRIDE.update(SPLIT_IMPLS[impl])
     try:
         for mode in ("bf16", "fp8"):
             check(build(Case(T=2, H=8, K=24, extra="c4", extra_K=20, lengths="random", head_slice=True,

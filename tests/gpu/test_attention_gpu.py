@@ -23,6 +23,30 @@ LSE_TOL = 1e-3
 ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length")
 
 
+def _env_config():
+    """DSV4_ATTN_TEST_CONFIG='impl=pipe,NUM_STAGES=2' runs every test of this file with that launch
+    configuration (keys of kernel._default_config), to check a benchmark variant before using it."""
+    ov = {}
+    for item in os.environ.get("DSV4_ATTN_TEST_CONFIG", "").split(","):
+        if "=" in item:
+            k, v = (x.strip() for x in item.split("=", 1))
+            try:
+                ov[k] = float(v) if k == "waves" else int(v)
+            except ValueError:
+                ov[k] = v
+    return ov
+
+
+@pytest.fixture(autouse=True)
+def _config_override():
+    from dsv4_sm120.attention import kernel as K
+
+    K.CONFIG_OVERRIDE.clear()
+    K.CONFIG_OVERRIDE.update(_env_config())
+    yield
+    K.CONFIG_OVERRIDE.clear()
+
+
 def matrix():
     Hs = [1, 8, 16, 32, 64, 128]
     Ts = [1, 3, 17, 64, 65, 300]
@@ -126,17 +150,21 @@ def test_cuda_graph_replay_with_changing_indices(mode):
     check(kw, mode)
 
 
-@pytest.mark.parametrize("variant", [dict(impl="flat"), dict(PREFETCH=1)], ids=["flat", "prefetch"])
+@pytest.mark.parametrize(
+    "variant",
+    [dict(impl="flat"), dict(impl="tiled", PREFETCH=1), dict(impl="tiled"), dict(impl="pipe", NUM_STAGES=2),
+     dict(impl="pipe", NUM_STAGES=3, PART_BF16=1, BLOCK_S=16),
+     dict(impl="pipe", NUM_STAGES=2, BLOCK_N=32, PV_RELOAD=1, maxnreg=128)],
+    ids=["flat", "prefetch", "tiled", "pipe", "pipe-bf16part", "pipe-pvreload"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant):
     from dsv4_sm120.attention import kernel as K
 
     K.CONFIG_OVERRIDE.update(variant)
-    try:
-        check(build(Case(T=17, H=16, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
-                         lengths="random", seed=950), device="cuda"), mode)
-    finally:
-        K.CONFIG_OVERRIDE.clear()
+    check(build(Case(T=17, H=16, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
+                     lengths="random", all_invalid_rows=(3,), seed=950), device="cuda"), mode)
+    check(build(Case(T=5, H=16, main_page=3, main_pages=100, K=64, extra="c128", extra_page=2, extra_pages=300,
+                     extra_K=300, lengths="random", all_invalid_rows=(0,), seed=951), device="cuda"), mode)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])

@@ -418,6 +418,176 @@ def _tiled_body(
 
 
 @triton.jit
+def _pipe_body(
+    q_ptr, stride_qt, stride_qh, t, s, g,
+    cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr,
+    INTERP: tl.constexpr, NUM_STAGES: tl.constexpr, PART_BF16: tl.constexpr, PV_RELOAD: tl.constexpr,
+):
+    # Like _tiled_body, written for Triton's software pipeliner: the candidate loop is a
+    # tl.range with NUM_STAGES stages, so the index load and the gathers of the next block(s)
+    # become asynchronous copies into shared memory issued while the current block is computed.
+    # Each K tile is loaded once and feeds both its QK and its PV MMA (the pipeliner keeps it in
+    # shared memory); the UE8M0 scales of a token are one 8-byte load.
+    t64 = t.to(tl.int64)
+    idx_row = idx_ptr + t64 * idx_st
+    end = tl.minimum(start + chunk, K)
+    if HAS_LEN:
+        end = tl.minimum(end, tl.load(len_ptr + t))
+    cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
+    PB64 = PB.to(tl.int64)
+    PB2_64 = PB2.to(tl.int64)
+
+    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    lanes = tl.arange(0, 64)
+    tiles = tl.arange(0, 8)
+    q_row = q_ptr + t64 * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
+    q_rope = tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0)
+    if INTERP:
+        q_rope = q_rope.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc4 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc5 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        cand = n0 + offs_n
+        inb = cand < end
+        idx = tl.load(idx_row + cand, mask=inb, other=-1)
+        valid = inb & (idx >= 0)
+        idx32 = tl.maximum(idx, 0)
+        page32 = idx32 // P
+        off = (idx32 - page32 * P).to(tl.int64)
+        page = page32.to(tl.int64)
+        row = page * PB64 + off * 576
+        sbase = page * PB64 + P * 576 + off * 8
+        rope = tl.load(cache_bf16 + (page * PB2_64 + off * 288 + 224)[:, None] + lanes[None, :],
+                       mask=valid[:, None], other=0.0)
+        sc = tl.load(cache + sbase[:, None] + tiles[None, :], mask=valid[:, None], other=0)
+        if INTERP:
+            rope = rope.to(tl.float32)
+        k0 = _k_tile(cache, row, valid, 0, lanes)
+        k1 = _k_tile(cache, row, valid, 1, lanes)
+        k2 = _k_tile(cache, row, valid, 2, lanes)
+        k3 = _k_tile(cache, row, valid, 3, lanes)
+        k4 = _k_tile(cache, row, valid, 4, lanes)
+        k5 = _k_tile(cache, row, valid, 5, lanes)
+        k6 = _k_tile(cache, row, valid, 6, lanes)
+        c0, c1, c2, c3, c4, c5, c6, _c7 = _split8(sc)
+        qk = tl.dot(q_rope, tl.trans(rope))
+        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk = qk * sm_scale_log2
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        a2 = alpha[:, None]
+        if INTERP:
+            acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16).to(tl.float32), rope)
+        else:
+            acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16), rope)
+        acc0 = _pv_tile(acc0 * a2, p, _pv_src(cache, row, valid, 0, lanes, k0, PV_RELOAD), c0, INTERP)
+        acc1 = _pv_tile(acc1 * a2, p, _pv_src(cache, row, valid, 1, lanes, k1, PV_RELOAD), c1, INTERP)
+        acc2 = _pv_tile(acc2 * a2, p, _pv_src(cache, row, valid, 2, lanes, k2, PV_RELOAD), c2, INTERP)
+        acc3 = _pv_tile(acc3 * a2, p, _pv_src(cache, row, valid, 3, lanes, k3, PV_RELOAD), c3, INTERP)
+        acc4 = _pv_tile(acc4 * a2, p, _pv_src(cache, row, valid, 4, lanes, k4, PV_RELOAD), c4, INTERP)
+        acc5 = _pv_tile(acc5 * a2, p, _pv_src(cache, row, valid, 5, lanes, k5, PV_RELOAD), c5, INTERP)
+        acc6 = _pv_tile(acc6 * a2, p, _pv_src(cache, row, valid, 6, lanes, k6, PV_RELOAD), c6, INTERP)
+        m_i = m_new
+
+    base = (t64 * S + s) * HP + offs_h
+    _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
+    tl.store(m_ws + base, m_i, mask=hmask)
+    tl.store(l_ws + base, l_i, mask=hmask)
+
+
+@triton.jit
+def _pv_src(cache, row, valid, t: tl.constexpr, lanes, k, PV_RELOAD: tl.constexpr):
+    # the PV operand of tile t: the QK tile itself, or (PV_RELOAD) the same bytes read again (an
+    # L2/L1 hit) so the seven tiles need not stay live across the softmax
+    if PV_RELOAD:
+        return _k_tile_again(cache, row, valid, t, lanes)
+    return k
+
+
+@triton.jit
+def _split8(sc):
+    # [BLOCK_N, 8] uint8 -> eight [BLOCK_N] columns
+    a, b = tl.split(tl.reshape(sc, [sc.shape[0], 4, 2]))
+    a0, a1 = tl.split(tl.reshape(a, [sc.shape[0], 2, 2]))
+    b0, b1 = tl.split(tl.reshape(b, [sc.shape[0], 2, 2]))
+    c0, c4 = tl.split(a0)
+    c2, c6 = tl.split(a1)
+    c1, c5 = tl.split(b0)
+    c3, c7 = tl.split(b1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r):
+    optr = acc_ws + base[:, None] * 512 + lanes[None, :]
+    hm = hmask[:, None]
+    # the stores cast to the workspace's type: fp32, or bf16 with PART_BF16 (un-normalized partial,
+    # fp32 range, 2^-9 relative: below the output's own bf16 rounding after the weighted merge)
+    tl.store(optr, acc0, mask=hm)
+    tl.store(optr + 64, acc1, mask=hm)
+    tl.store(optr + 128, acc2, mask=hm)
+    tl.store(optr + 192, acc3, mask=hm)
+    tl.store(optr + 256, acc4, mask=hm)
+    tl.store(optr + 320, acc5, mask=hm)
+    tl.store(optr + 384, acc6, mask=hm)
+    tl.store(optr + 448, acc_r, mask=hm)
+
+
+@triton.jit
+def _dsv4_split_kernel_pipe(
+    q_ptr, stride_qt, stride_qh,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
+    NUM_STAGES: tl.constexpr = 2, PART_BF16: tl.constexpr = False, PV_RELOAD: tl.constexpr = False,
+):
+    """Same contract as _dsv4_split_kernel_tiled, with the software-pipelined body _pipe_body."""
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    is_extra = False
+    if HAS_EXTRA:
+        is_extra = s >= main_nsplit
+    if is_extra:
+        _pipe_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                   extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
+                   extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
+                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                   HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, NUM_STAGES, PART_BF16, PV_RELOAD)
+    else:
+        _pipe_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                   main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
+                   main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
+                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                   HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, NUM_STAGES, PART_BF16, PV_RELOAD)
+
+
+@triton.jit
 def _dsv4_split_kernel_tiled(
     q_ptr, stride_qt, stride_qh,
     main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
@@ -494,7 +664,7 @@ def _dsv4_combine_kernel(
         w = tl.exp2(m - m_use[None, :])  # [BS, BH]
         l_tot += tl.sum(l * w, axis=0)
         a = tl.load(acc_ws + base[:, :, None] * 512 + offs_d[None, None, :], mask=mk[:, :, None], other=0.0)
-        acc += tl.sum(a * w[:, :, None], axis=0)
+        acc += tl.sum(a.to(tl.float32) * w[:, :, None], axis=0)
     denom = l_tot
     if HAS_SINK:
         sink = tl.load(sink_ptr + offs_h, mask=hmask, other=float("-inf")).to(tl.float32)
@@ -650,6 +820,11 @@ def _default_config(H: int, device: torch.device, fp8: bool):
     return cfg
 
 
+def _ws_words(cfg) -> int:
+    # 4-byte workspace words per (row, split, head): acc (fp32 or bf16) + m + l
+    return 258 if cfg["impl"] == "pipe" and cfg.get("PART_BF16", 0) else 514
+
+
 # Overrides for benchmarking variants (keys of _default_config); empty in production.
 CONFIG_OVERRIDE: Dict[str, object] = {}
 
@@ -670,10 +845,16 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, nsm, float(cfg["waves"]))
     S = s1 + s2
     nrow = T * S * HP
-    ws = _workspace(q.device, nrow * 514)
-    acc_ws = ws[: nrow * 512]
-    m_ws = ws[nrow * 512 : nrow * 513]
-    l_ws = ws[nrow * 513 : nrow * 514]
+    part_bf16 = cfg["impl"] == "pipe" and bool(cfg.get("PART_BF16", 0))
+    ws = _workspace(q.device, nrow * _ws_words(cfg))
+    if part_bf16:
+        acc_ws = ws[: nrow * 256].view(torch.bfloat16)
+        m_ws = ws[nrow * 256 : nrow * 257]
+        l_ws = ws[nrow * 257 : nrow * 258]
+    else:
+        acc_ws = ws[: nrow * 512]
+        m_ws = ws[nrow * 512 : nrow * 513]
+        l_ws = ws[nrow * 513 : nrow * 514]
     interp = _interpreting()
     common = (
         q, q.stride(0), q.stride(2),
@@ -688,7 +869,10 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     )
     if cfg.get("maxnreg"):
         flags["maxnreg"] = int(cfg["maxnreg"])
-    if cfg["impl"] == "tiled":
+    if cfg["impl"] == "pipe":
+        _dsv4_split_kernel_pipe[(T, S, HG)](*common, NUM_STAGES=int(cfg.get("NUM_STAGES", 2)), PART_BF16=part_bf16,
+                                            PV_RELOAD=bool(cfg.get("PV_RELOAD", 0)), **flags)
+    elif cfg["impl"] == "tiled":
         _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)), **flags)
     else:
         _dsv4_split_kernel[(T, S, HG)](
@@ -770,7 +954,7 @@ def sparse_mla_decode(
     TC = T
     while TC > 1:
         s1, _, s2, _ = plan_splits(TC, HG, K1, K2, BN, nsm, float(cfg["waves"]))
-        if TC * (s1 + s2) * HP * 514 <= cap:
+        if TC * (s1 + s2) * HP * _ws_words(cfg) <= cap:
             break
         TC = (TC + 1) // 2
     for t0 in range(0, T, TC):
