@@ -30,8 +30,14 @@ TOL_BF16 = 1.5e-2
 # fp4 path vs the float64 reference with the same activation quantization: the kernel's
 # fp32-accumulated SwiGLU output is rounded to bf16 and re-quantized to NVFP4, and at K = 4096
 # fp32-vs-float64 differences move ~1% of values across e2m1 rounding boundaries (measured
-# 3-6e-2 on the H200; the activation quantization itself is ~0.17). CPU tests (K = 64) hold 5e-2.
-TOL_FP4_KERNEL = 8e-2
+# 3-6e-2 on the H200, 8.5e-2 once at M=1 E=8 where only 4096 outputs are compared; the activation
+# quantization itself is ~0.17). CPU tests (K = 64) hold 5e-2. Because that comparison is dominated by
+# boundary flips, the fp4 path is also held to what matters: its total error against float64 stays within
+# 10% of the error of activation quantization alone (measured ratio 0.99-1.05 over 31 H200 cases,
+# bench/results/moe_gpu_matrix_h200.csv and moe_h200_call3.md); a wrong scale, expert or weight would
+# put it far above (a wrong expert gives ~1.4).
+TOL_FP4_KERNEL = 1.2e-1
+TOL_FP4_TOTAL_OVER_ACT = 1.10
 TOL_ACT_QUANT = 0.35
 DEV = torch.device("cuda")
 CAP = torch.cuda.get_device_capability()
@@ -90,6 +96,7 @@ def test_matrix(M, E, I, kind, mode):
     else:
         assert err_k < TOL_FP4_KERNEL
         assert err_t < TOL_ACT_QUANT
+        assert err_t <= TOL_FP4_TOTAL_OVER_ACT * act + 1e-3
 
 
 @pytest.mark.parametrize("path", ["bf16", "fp4"])
