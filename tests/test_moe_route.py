@@ -32,6 +32,10 @@ def test_backend_choice(monkeypatch):
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True, is_hip=True, stock="x") == "x"
     # the one switch for the overlay's Triton runner
     monkeypatch.setattr(R, "triton_nvfp4_backend_available", lambda: True)
+    # the overlay's Triton runner is opt-in (not measured on sm_120 yet): auto stays on CUTLASS
+    assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_cutlass"
+    assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False) == "flashinfer_trtllm_routed"
+    monkeypatch.setenv(R.ENV_BACKEND, "dsv4_triton_nvfp4")
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "dsv4_triton_nvfp4"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False) == "flashinfer_trtllm_routed"
     monkeypatch.setenv(R.ENV_BACKEND, "flashinfer_cutlass")
@@ -188,9 +192,8 @@ def test_patched_sglang_routes_hybrid_nvfp4_on_sm120(run_patched, patched_sglang
     }
     out = _probe(run_patched, job)
     assert out["sglang"].startswith(str(patched_sglang_site))
-    # sm_120 default: the overlay's Triton runner when patch 0005 + its kernel are there,
-    # FlashInfer's CUTLASS NVFP4 MoE otherwise; both run on sm_120
-    want = "dsv4_triton_nvfp4" if out["triton_available"] else "flashinfer_cutlass"
+    # sm_120 default: FlashInfer's CUTLASS NVFP4 MoE (runs on sm_120); the overlay's Triton runner is opt-in
+    want = "flashinfer_cutlass"
     for k in ("sm120_cpu", "sm120_cuda", "sm120_tp4", "sm120_mtp"):
         assert out[k].get("moe") == want, (k, out[k])
         assert out[k]["quant"] is None  # --quantization left for SGLang to detect

@@ -2,7 +2,7 @@
 
 One subprocess (PYTHONPATH=<patched site>:overlay, TRITON_INTERPRET=1) checks:
 * server-argument resolution for a converted DeepSeek-V4 hybrid NVFP4 checkpoint
-  on a (forced) sm_120 platform: ``dsv4_triton_nvfp4`` by default;
+  on a (forced) sm_120 platform: ``flashinfer_cutlass`` by default, ``dsv4_triton_nvfp4`` by env or flag;
   ``flashinfer_cutlass`` with the env switch or the explicit flag; the new name
   is a valid ``--moe-runner-backend`` choice; off sm_120 the stock choice stays;
 * ``ModelOptNvFp4FusedMoEMethod`` with that backend: ``create_moe_runner`` builds
@@ -39,6 +39,7 @@ PROBE = textwrap.dedent(r"""
     cases = {
         "default": (m, SM120, {}),
         "env_cutlass": (m, SM120, {"SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND": "flashinfer_cutlass"}),
+        "env_triton": (m, SM120, {"SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND": "dsv4_triton_nvfp4"}),
         "flag_cutlass": (m + ["--moe-runner-backend", "flashinfer_cutlass"], SM120, {}),
         "flag_triton": (m + ["--moe-runner-backend", "dsv4_triton_nvfp4"], SM120, {}),
         "sm100": (m, SM100, {}),
@@ -139,7 +140,8 @@ def _probe(run_patched, job, env=None):
 
 def test_patched_sglang_runs_routed_experts_through_overlay(run_patched, hybrid_ckpt):
     out = _probe(run_patched, {"ckpt": hybrid_ckpt, "layer": True}, env={"TRITON_INTERPRET": "1"})
-    assert out["default"] == "dsv4_triton_nvfp4"
+    assert out["default"] == "flashinfer_cutlass"  # ours is opt-in until measured on sm_120
+    assert out["env_triton"] == "dsv4_triton_nvfp4"
     assert out["env_cutlass"] == "flashinfer_cutlass"
     assert out["flag_cutlass"] == "flashinfer_cutlass"
     assert out["flag_triton"] == "dsv4_triton_nvfp4"

@@ -9,8 +9,11 @@ here, through ``sglang.srt.dsv4_sm120_hook.import_overlay("moe_route")``:
   ``moe_quant_algo: NVFP4``; e.g. the output of :mod:`dsv4_sm120.convert_nvfp4`).
   Stock 0.5.23 forces ``flashinfer_trtllm_routed`` there, which only runs on
   sm_100; on sm_120 this returns ``flashinfer_cutlass`` (ModelOpt NVFP4 through
-  FlashInfer's CUTLASS fused MoE, which has sm_120 kernels), or the overlay's
-  own Triton runner once :func:`triton_nvfp4_backend_available` says so.
+  FlashInfer's CUTLASS fused MoE, which has sm_120 kernels and is what the
+  measured +24% decode gain used). The overlay's own Triton runner
+  (``dsv4_triton_nvfp4``) is opt-in: it missed its H200 targets and has not run
+  on sm_120 yet (docs/moe.md); ``make bench-moe`` on sm_120 decides, then
+  ``SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND=dsv4_triton_nvfp4`` selects it.
 * :func:`draft_mxfp4_expert_method` from ``HybridFp8NvFp4Config.get_quant_method``
   for the MTP draft experts, which that format keeps in MXFP4. Stock 0.5.23 sends
   them to ``Mxfp4FlashinferTrtllmMoEMethod`` (TRT-LLM, sm_100 only); on sm_120
@@ -58,7 +61,7 @@ def triton_nvfp4_backend_available() -> bool:
     NVFP4 layer parameters); that work replaces this body with its own check
     (e.g. "the backend name is registered and dsv4_sm120.moe imports"). While it
     returns True, :func:`hybrid_nvfp4_moe_runner_backend` picks
-    ``dsv4_triton_nvfp4`` on sm_120 by default.
+    ``dsv4_triton_nvfp4`` on sm_120 when the environment asks for it.
 
     (Issue 5, patch 0005: true when SGLang knows the backend name, i.e. patch
     0005 is applied and the overlay's MoE package and Triton import; see
@@ -89,9 +92,9 @@ def hybrid_nvfp4_moe_runner_backend(
 
     Called only when ``--moe-runner-backend`` is ``auto``. ``stock`` is what
     SGLang would pick; it is returned unchanged off sm_120 (and on ROCm).
-    On sm_120: ``dsv4_triton_nvfp4`` when :func:`triton_nvfp4_backend_available`,
-    else ``flashinfer_cutlass``; ``SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND`` can force
-    either, or ``stock``.
+    On sm_120: ``flashinfer_cutlass`` by default (``auto``);
+    ``SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND=dsv4_triton_nvfp4`` selects the overlay's
+    Triton runner when :func:`triton_nvfp4_backend_available`, ``stock`` keeps SGLang's.
     """
     if not is_sm120 or is_hip:
         return stock
@@ -106,7 +109,9 @@ def hybrid_nvfp4_moe_runner_backend(
         return SM120_NVFP4_BACKEND
     if choice == SM120_NVFP4_BACKEND:
         return SM120_NVFP4_BACKEND
-    return TRITON_NVFP4_BACKEND if triton_nvfp4_backend_available() else SM120_NVFP4_BACKEND
+    # auto: the path with measured sm_120 results. Flip this default only with an sm_120 `make bench-moe`
+    # showing dsv4_triton_nvfp4 ahead (it was slower than an FP8 MoE on the H200: bench/results/moe_h200.md).
+    return SM120_NVFP4_BACKEND
 
 
 def draft_mxfp4_expert_method(*, is_sm120: bool, is_hip: bool = False) -> str:
