@@ -63,7 +63,7 @@ tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARG
 
 convert-nvfp4: ## convert an MXFP4 checkpoint: make convert-nvfp4 SRC=... DST=...
 	@if [ -z "$(SRC)" ] || [ -z "$(DST)" ]; then echo "usage: make convert-nvfp4 SRC=<mxfp4 checkpoint dir> DST=<output dir> [ARGS=--verify]"; exit 2; fi
-	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.convert_nvfp4 $(SRC) $(DST) $(ARGS)
+	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.convert_nvfp4 "$(SRC)" "$(DST)" $(ARGS)
 
 serve: ## preflight, then PD-disaggregated TP4 prefill (GPU0-3) + TP4 decode (GPU4-7) + router, supervised
 	VENV=$(VENV) bash serve/serve_dsv4_tp4.sh
