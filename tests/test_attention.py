@@ -220,3 +220,39 @@ def test_rows_split_across_launches_when_workspace_is_capped(monkeypatch):
     assert rel_fro(o2, o1) < 1e-2
     fin = torch.isfinite(l1)
     assert torch.equal(fin, torch.isfinite(l2)) and (l1[fin] - l2[fin]).abs().max() < 1e-4
+
+
+def test_launch_configuration_rules(monkeypatch):
+    """Shape/architecture rules of the default launch configuration (H200 call 4): on Hopper the
+    tiled body is pipelined (num_stages=2) only when a program owns >= 2 candidate blocks, the
+    combine merges 16 partials per step when there are more than 8, and H > 16 uses 16-row head
+    groups on small grids and the flat body on large ones; sm_120 keeps one stage and <= 32 rows."""
+    dev = torch.device("cpu")
+    monkeypatch.setattr(K, "_interpreting", lambda: False)
+    monkeypatch.setattr(K, "_is_sm120", lambda d: False)
+    monkeypatch.setattr(K, "_is_hopper", lambda d: True)
+
+    def resolved(H, T, nsm=132):
+        cfg = K._default_config(H, dev, False, T, nsm)
+        hg = -(-H // cfg["BLOCK_H"])
+        plan = K.plan_splits(T, hg, 128, 512, cfg["BLOCK_N"], nsm, cfg["waves"])
+        return K._resolve_auto(cfg, *plan), plan
+
+    for T, bs, st in ((1, 16, 1), (4, 16, 1), (16, 16, 1), (64, 8, 2), (128, 8, 2)):
+        cfg, plan = resolved(16, T)
+        assert (cfg["impl"], cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["maxnreg"]) == ("tiled", 16, 64, 128)
+        assert (cfg["BLOCK_S"], cfg["num_stages"]) == (bs, st), (T, plan, cfg)
+        assert cfg["BLOCK_S"] >= min(16, plan[0] + plan[2])
+    assert resolved(64, 1)[0]["BLOCK_H"] == 16 and resolved(64, 16)[0]["impl"] == "tiled"
+    big = resolved(64, 128)[0]
+    assert (big["impl"], big["BLOCK_H"], big["num_stages"]) == ("flat", 64, 1)
+    # never more than one stage for the flat body or a one-block program
+    assert K._resolve_auto(dict(big, num_stages="auto"), 1, 64, 1, 64)["num_stages"] == 1
+    # sm_120: no kernel-level pipelining (shared memory), head blocks <= 32
+    monkeypatch.setattr(K, "_is_hopper", lambda d: False)
+    monkeypatch.setattr(K, "_is_sm120", lambda d: True)
+    for H, T in ((16, 128), (64, 1), (128, 300)):
+        cfg, _ = resolved(H, T)
+        assert cfg["num_stages"] == 1 and cfg["BLOCK_H"] <= 32 and cfg["impl"] == "tiled"
+    # explicit overrides win over "auto"
+    assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64)["BLOCK_S"] == 4

@@ -403,16 +403,7 @@ def _tiled_body(
         m_i = m_new
 
     base = (t64 * S + s) * HP + offs_h
-    optr = acc_ws + base[:, None] * 512 + lanes[None, :]
-    hm = hmask[:, None]
-    tl.store(optr, acc0, mask=hm)
-    tl.store(optr + 64, acc1, mask=hm)
-    tl.store(optr + 128, acc2, mask=hm)
-    tl.store(optr + 192, acc3, mask=hm)
-    tl.store(optr + 256, acc4, mask=hm)
-    tl.store(optr + 320, acc5, mask=hm)
-    tl.store(optr + 384, acc6, mask=hm)
-    tl.store(optr + 448, acc_r, mask=hm)
+    _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
     tl.store(m_ws + base, m_i, mask=hmask)
     tl.store(l_ws + base, l_i, mask=hmask)
 
@@ -803,26 +794,65 @@ def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, w
     return s1, c1, s2, c2
 
 
-def _default_config(H: int, device: torch.device, fp8: bool):
-    """Launch configuration. Chosen from the H200 sweeps recorded in bench/results/attention_h200_*
-    (sm_120 has the same 64K registers per SM; its own sweep is `make bench-attention` there)."""
+def _is_hopper(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms: int = 132):
+    """Launch configuration from the shapes and the architecture. Chosen from the H200 sweeps recorded
+    in bench/results/attention_h200* (sm_120 has the same 64K registers per SM but ~100 KB of shared
+    memory and no wgmma: it keeps the tiled body with one stage; its own sweep is `make bench-attention`
+    there). ``"auto"`` entries are resolved per launch from the split plan (``_resolve_auto``)."""
     if _interpreting():
         return dict(impl="tiled", BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
                     DEQ_BF16=0, BLOCK_D=128, BLOCK_S=4, BLOCK_HC=16, combine_warps=4, maxnreg=0)
     # sm_120: ptxas (triton 3.8) spills ~5.8 KB per thread for 64-row head blocks, none for 32
     bh = min(32 if _is_sm120(device) else 64, _pow2_at_least(H, 16))
     cfg = dict(impl="tiled", BLOCK_H=bh, BLOCK_N=32, num_warps=8, num_stages=1, waves=2.0, QK_SWAP=0,
-               Q_RELOAD=0, DEQ_BF16=0, BLOCK_D=64, BLOCK_S=8, BLOCK_HC=16, combine_warps=4, maxnreg=0)
+               Q_RELOAD=0, DEQ_BF16=0, BLOCK_D=64, BLOCK_S="auto", BLOCK_HC=16, combine_warps=4, maxnreg=0)
+    # 16-row head blocks, 64 candidates per block, 8 warps, registers capped at 128 (2 CTAs per SM):
+    # the best H=16 configuration of the H200 sweeps at B <= 16 and within ~10% of the best elsewhere
+    small = dict(BLOCK_H=16, BLOCK_N=64, maxnreg=128)
     if bh == 16:
-        # 64 candidates per block, 8 warps, registers capped at 128 (2 CTAs per SM): the best of the
-        # H=16 sweep at B <= 16 and within ~10% of the best elsewhere
-        cfg.update(BLOCK_N=64, maxnreg=128)
+        cfg.update(small)
+    if _is_hopper(device):
+        # H200 call 4: kernel-level pipelining (num_stages=2) of the tiled body wins once a program
+        # owns >= 2 candidate blocks (B=64: 65.0 vs 69.0 us, B=128: 106.3 vs 115.9) and loses at one
+        # block (B=16: 28.6 vs 25.3) -> "auto" (per launch). For H > 16, 16-row head groups win while
+        # the grid is small (H=64, B=1: 19.3 vs 25.3 us; B=16: 59.0 vs 71.5) and the flat body with
+        # 64-row head blocks (wgmma) once it is large (B=128: 234.6 vs 292.6).
+        cfg["num_stages"] = "auto"
+        if bh > 16:
+            if T * triton.cdiv(H, 16) <= 2 * num_sms:
+                cfg.update(small)
+            else:
+                cfg.update(impl="flat", num_stages=1)
+    return cfg
+
+
+def _combine_block_s(S: int) -> int:
+    # partials merged per step of the combine: one pass for S <= 16 when S > 8 (H200 call 4, S=10:
+    # B=1 15.3 vs 18.5 us, B=16 22.3 vs 25.3), 8 otherwise (S=3..5: 8 measured ~3% better than 16)
+    return 16 if S > 8 else 8
+
+
+def _resolve_auto(cfg, s1: int, c1: int, s2: int, c2: int):
+    """Resolve the "auto" entries of a launch configuration from the split plan (shapes only)."""
+    cfg = dict(cfg)
+    if cfg.get("BLOCK_S") == "auto":
+        cfg["BLOCK_S"] = _combine_block_s(s1 + s2)
+    if cfg.get("num_stages") == "auto":
+        bn = int(cfg["BLOCK_N"])
+        blocks = max(c1 // bn, (c2 // bn) if s2 else 0)
+        cfg["num_stages"] = 2 if cfg["impl"] == "tiled" and blocks >= 2 else 1
     return cfg
 
 
 def _ws_words(cfg) -> int:
     # 4-byte workspace words per (row, split, head): acc (fp32 or bf16) + m + l
-    return 258 if cfg["impl"] == "pipe" and cfg.get("PART_BF16", 0) else 514
+    return 258 if cfg["impl"] in ("pipe", "tiled") and cfg.get("PART_BF16", 0) else 514
 
 
 # Overrides for benchmarking variants (keys of _default_config); empty in production.
@@ -845,7 +875,8 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, nsm, float(cfg["waves"]))
     S = s1 + s2
     nrow = T * S * HP
-    part_bf16 = cfg["impl"] == "pipe" and bool(cfg.get("PART_BF16", 0))
+    cfg = _resolve_auto(cfg, s1, c1, s2, c2)
+    part_bf16 = cfg["impl"] in ("pipe", "tiled") and bool(cfg.get("PART_BF16", 0))
     ws = _workspace(q.device, nrow * _ws_words(cfg))
     if part_bf16:
         acc_ws = ws[: nrow * 256].view(torch.bfloat16)
@@ -942,12 +973,12 @@ def sparse_mla_decode(
         return out, lse
 
     fp8 = _qk_mode(device, qk_mode)
-    cfg = dict(_default_config(H, device, fp8))
+    nsm = _num_sms(device)
+    cfg = dict(_default_config(H, device, fp8, T, nsm))
     cfg.update(CONFIG_OVERRIDE)
     BH, BN = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"])
     HG = triton.cdiv(H, BH)
     HP = HG * BH
-    nsm = _num_sms(device)
     # rows per launch: bounded so the fp32 workspace stays under DSV4_SM120_ATTN_WS_MB (default 256);
     # only huge T (prefill through this kernel) is cut, decode/verify batches run in one launch
     cap = int(float(os.environ.get("DSV4_SM120_ATTN_WS_MB", "256")) * (1 << 20) / 4)
