@@ -123,6 +123,14 @@ def test_split_plan_properties():
                         assert s2 == 0
     # more rows -> fewer splits per row
     assert K.plan_splits(1, 1, 128, 512, 32, 132)[0] >= K.plan_splits(64, 1, 128, 512, 32, 132)[0]
+    # min_blocks: at least that many blocks per program where the candidates allow it
+    for mb in (1, 2, 3, 4):
+        for K1, K2 in ((128, 512), (128, 0), (64, 64), (7, 8192)):
+            s1, c1, s2, c2 = K.plan_splits(1, 1, K1, K2, 64, 132, 2.0, mb)
+            assert (s1 - 1) * c1 < K1 <= s1 * c1 and (not K2 or (s2 - 1) * c2 < K2 <= s2 * c2)
+            nb = -(-K1 // 64) + -(-K2 // 64)
+            assert s1 + s2 <= max(1 + (K2 > 0), -(-nb // mb))
+    assert K.plan_splits(1, 1, 128, 512, 64, 132, 2.0, 2) == (1, 128, 4, 128)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +201,7 @@ SPLIT_IMPLS = {
     "pipe": dict(impl="pipe", NUM_STAGES=2),
     "pipe+bf16part": dict(impl="pipe", NUM_STAGES=3, PART_BF16=1, BLOCK_S=16),
     "pipe+pvreload": dict(impl="pipe", NUM_STAGES=2, PV_RELOAD=1, BLOCK_N=32),
+    "tiled+bf16part+minblocks": dict(impl="tiled", PART_BF16=1, min_blocks=2, BLOCK_S=2),
 }
 
 

@@ -769,16 +769,18 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return p
 
 
-def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0):
+def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0,
+                min_blocks: int = 1):
     """Split plan: (s_main, chunk_main, s_extra, chunk_extra). Depends only on shapes and SM count.
 
     Aim at ``waves * num_sms`` programs in total, never below one split per cache that has
-    candidates, never more splits than candidate blocks; the splits go to main / extra in
-    proportion to their candidate blocks."""
+    candidates, never more splits than candidate blocks / ``min_blocks`` (fewer partials to merge,
+    several blocks per program for the pipelined body); the splits go to main / extra in proportion
+    to their candidate blocks."""
     nb1 = max(1, triton.cdiv(K1, block_n))
     nb2 = triton.cdiv(K2, block_n) if K2 > 0 else 0
     want = max(1, triton.cdiv(int(waves * num_sms), max(1, T * HG)))
-    want = min(max(want, 1 + (1 if nb2 else 0)), nb1 + nb2)
+    want = min(max(want, 1 + (1 if nb2 else 0)), max(1 + (1 if nb2 else 0), triton.cdiv(nb1 + nb2, max(1, min_blocks))))
     if nb2:
         s1 = min(max(1, round(want * nb1 / (nb1 + nb2))), want - 1)
         s2 = want - s1
@@ -872,7 +874,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
             attn_sink, softmax_scale, fp8, out, lse, H, HG, HP):
     T = q.shape[0]
     BH, BN = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"])
-    s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, nsm, float(cfg["waves"]))
+    s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, nsm, float(cfg["waves"]), int(cfg.get("min_blocks", 1)))
     S = s1 + s2
     nrow = T * S * HP
     cfg = _resolve_auto(cfg, s1, c1, s2, c2)
@@ -984,7 +986,7 @@ def sparse_mla_decode(
     cap = int(float(os.environ.get("DSV4_SM120_ATTN_WS_MB", "256")) * (1 << 20) / 4)
     TC = T
     while TC > 1:
-        s1, _, s2, _ = plan_splits(TC, HG, K1, K2, BN, nsm, float(cfg["waves"]))
+        s1, _, s2, _ = plan_splits(TC, HG, K1, K2, BN, nsm, float(cfg["waves"]), int(cfg.get("min_blocks", 1)))
         if TC * (s1 + s2) * HP * _ws_words(cfg) <= cap:
             break
         TC = (TC + 1) // 2

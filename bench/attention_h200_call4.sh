@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (H200): correctness of every split-kernel variant on the GPU, then the timing sweep
 # (all variants + FlashMLA) at H=16 SWA128+c4 and H=64, then a per-kernel profile. Results under $OUT.
-# Usage (from the repo root, on the device): OUT=/some/dir bash bench/attention_h200_call.sh
+# Usage (from the repo root, on the device): OUT=/some/dir bash bench/attention_h200_call4.sh
+# (this is the script of call 4 as it ran; results: bench/results/attention_h200_call4_*)
 # Needs .whl_attn/sgl_flash_mla-*.whl (carried) for the FlashMLA baseline.
 set -u
 export PYTHONUNBUFFERED=1
