@@ -53,7 +53,7 @@ test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 
 BENCH_OUT ?= bench/results/local_$(shell hostname -s 2>/dev/null || echo host)
 bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); table also in BENCH_OUT_attention.md
-	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_attention.py --out $(BENCH_OUT)_attention $(ARGS)
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_attention.py --qk-modes bf16,fp8 --out $(BENCH_OUT)_attention $(ARGS)
 
 bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU)
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_moe.py $(ARGS)

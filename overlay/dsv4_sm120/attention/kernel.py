@@ -866,7 +866,10 @@ def _qk_mode(device: torch.device, qk_mode) -> bool:
     if mode not in ("auto", "bf16", "fp8"):
         raise DecodeInputError(f"qk_mode / DSV4_SM120_ATTN_QK must be auto, bf16 or fp8, got {mode!r}")
     if mode == "auto":
-        return _is_sm120(device)
+        # bf16 everywhere until an sm_120 run shows the fp8 path ahead: decode reads ~584 B per candidate for
+        # ~2*512*H FLOP of QK (~28 FLOP/B at H=16), far below any tensor-core ridge, so block-scaled QK is not
+        # expected to pay, and quantizing Q costs 2-3% accuracy. `make bench-attention` times both on sm_120.
+        return False
     return mode == "fp8"
 
 
