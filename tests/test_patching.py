@@ -282,3 +282,16 @@ def test_apply_installs_overlay_and_revert_removes_it(tree, tmp_path, monkeypatc
     chk = subprocess.run([py, "-c", "import dsv4_sm120"], capture_output=True, text=True, cwd="/",
                          env={"PATH": os.environ["PATH"]})
     assert chk.returncode != 0
+
+
+def test_fetch_wheel_cold_cache_prints_only_the_path(tmp_path):
+    """scripts/setup_env.sh captures stdout as the wheel path: progress must not end up there."""
+    cache = tmp_path / "cache"
+    r = cli("fetch-wheel", "--py", "311", env={"DSV4_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.strip().splitlines()
+    assert len(out) == 1 and out[0].endswith(".whl") and Path(out[0]).is_file()
+    assert patching.sha256_file(Path(out[0])) == patching.PINNED_WHEELS[Path(out[0]).name]
+    assert "downloading" in r.stderr
+    r = cli("fetch-wheel", "--py", "39", env={"DSV4_CACHE": str(cache)})
+    assert r.returncode == 2 and "3.11, 3.12 or 3.13" in r.stderr

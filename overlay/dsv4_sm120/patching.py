@@ -724,7 +724,9 @@ def pinned_wheel(download: bool = True, py: str = "311") -> Path:
     if not download:
         raise PatchError("pinned SGLang wheel not in cache", 2)
     wdir.mkdir(parents=True, exist_ok=True)
-    _say(f"downloading sglang=={SGLANG_VERSION} wheel (cp{py}) into {wdir}")
+    # progress on stderr: `fetch-wheel` prints only the path on stdout (scripts capture it)
+    print(f"[dsv4_sm120.patching] downloading sglang=={SGLANG_VERSION} wheel (cp{py}) into {wdir}",
+          file=sys.stderr, flush=True)
     r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", py[0] + "." + py[1:], "--platform", "manylinux_2_34_x86_64",
                         f"sglang=={SGLANG_VERSION}", "-d", str(wdir)], capture_output=True, text=True)
