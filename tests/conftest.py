@@ -9,6 +9,7 @@ against it in a subprocess with `run_patched` (PYTHONPATH=<site>:overlay).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -62,6 +63,20 @@ def _run(site: Path | None, code: str, env: dict | None = None, timeout: float =
     e.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
                           timeout=timeout, cwd=str(REPO))
+
+
+def probe_result(run_patched, code: str, job: dict, env: dict | None = None, timeout: float = 600) -> dict:
+    """Run a probe script in the patched SGLang and return its result.
+
+    `code` reads its job from the literal ``sys.argv[1]`` (replaced here by the job as JSON) and prints
+    one line ``RESULT<json>``; the last such line is returned (and echoed for -s runs).
+    """
+    r = run_patched(code.replace("sys.argv[1]", repr(json.dumps(job))), env=env, timeout=timeout)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines, f"probe crashed:\n{r.stderr[-4000:]}"
+    out = json.loads(lines[-1][len("RESULT"):])
+    print(json.dumps(out, indent=1))
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -9,11 +9,11 @@ the stock, sm_100-only answers, so these tests fail without the patch.
 
 from __future__ import annotations
 
-import json
 import logging
 import textwrap
 
 import pytest
+from conftest import probe_result
 
 from dsv4_sm120 import moe_route as R
 
@@ -140,12 +140,7 @@ PROBE = textwrap.dedent(r"""
 
 
 def _probe(run_patched, job, env=None):
-    r = run_patched(PROBE.replace("sys.argv[1]", repr(json.dumps(job))), env=env, timeout=400)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
-    assert lines, f"probe crashed:\n{r.stderr[-4000:]}"
-    out = json.loads(lines[-1][len("RESULT"):])
-    print(json.dumps(out, indent=1))
-    return out
+    return probe_result(run_patched, PROBE, job, env=env, timeout=400)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ and, as a control, that with the overlay disabled the name is rejected.
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
+from conftest import probe_result
 
 PROBE = textwrap.dedent(r"""
     import json, logging, os, sys
@@ -130,12 +130,7 @@ def hybrid_ckpt(tmp_path_factory):
 
 
 def _probe(run_patched, job, env=None):
-    r = run_patched(PROBE.replace("sys.argv[1]", repr(json.dumps(job))), env=env, timeout=500)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
-    assert lines, f"probe crashed:\n{r.stderr[-4000:]}"
-    out = json.loads(lines[-1][len("RESULT"):])
-    print(json.dumps(out, indent=1))
-    return out
+    return probe_result(run_patched, PROBE, job, env=env, timeout=500)
 
 
 def test_patched_sglang_runs_routed_experts_through_overlay(run_patched, hybrid_ckpt):
