@@ -220,6 +220,15 @@ def parse_concurrency(text: str) -> List[int]:
     return cs
 
 
+def serving_python(explicit=None):
+    """The python that runs the benchmark client: explicit, else $VENV (default .venv) if present, else this one."""
+    if explicit:
+        return explicit
+    venv = Path(os.path.expanduser(os.environ.get("VENV", ".venv")))
+    venv = venv if venv.is_absolute() else REPO / venv
+    return str(venv / "bin" / "python") if (venv / "bin" / "python").exists() else sys.executable
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Results: OUT_DIR/results.json, OUT_DIR/table.txt, OUT_DIR/throughput.png.")
@@ -253,11 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"measure: {e}", file=sys.stderr)
         return 2
     model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or os.environ.get("MODEL_PATH") or DEFAULT_MODEL
-    python = a.python
-    if not python:
-        venv = Path(os.path.expanduser(os.environ.get("VENV", ".venv")))
-        venv = venv if venv.is_absolute() else REPO / venv
-        python = str(venv / "bin" / "python") if (venv / "bin" / "python").exists() else sys.executable
+    python = serving_python(a.python)
     out_dir = a.out_dir or REPO / "bench" / "results" / time.strftime("measure-%Y%m%d-%H%M%S", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"measure: router {router}, model/tokenizer {model}, input {a.input_len}, output {a.output_len}, "

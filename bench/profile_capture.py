@@ -155,11 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return e.code
 
     model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or measure.DEFAULT_MODEL
-    python = a.python
-    if not python:
-        venv = Path(os.path.expanduser(os.environ.get("VENV", ".venv")))
-        venv = venv if venv.is_absolute() else REPO / venv
-        python = str(venv / "bin" / "python") if (venv / "bin" / "python").exists() else sys.executable
+    python = measure.serving_python(a.python)
     out_dir = a.out_dir or REPO / "bench" / "results" / time.strftime("profile-%Y%m%d-%H%M%S", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)
     profile_id = f"dsv4-decode-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
