@@ -313,7 +313,45 @@ def run(args, ms):
             line = f"best M={M}: {t:.1f} us with {cfg}"
             print("  " + line, flush=True)
             sweep_lines.append(line)
-    if args.deq in ("0", "1", "2"):
+    if args.variants and dpath == "bf16":
+        import dataclasses
+
+        from dsv4_sm120.moe.reference import moe_reference, rel_err
+
+        sweep_lines.append("variants: rel err = out vs float64 reference (first routing); us = graph replay")
+        for M in [int(v) for v in args.variant_m.split(",") if v]:
+            routs = _routings(M, E, k, max(1, min(args.rotate, 4096 * 4 // M)), 300 + M)
+            active = statistics.mean(float(torch.unique(ids).numel()) for _, ids in routs)
+            x0 = (torch.randn((M, H), device=dev) * 2).to(torch.bfloat16)
+            tw0, ids0 = routs[0]
+            ref = moe_reference(x0, **W, topk_weights=tw0, topk_ids=ids0, swiglu_limit=limit)
+            for spec in [v for v in args.variants.split(";") if v.strip()]:
+                kv = dict(item.split("=", 1) for item in spec.split(",") if item.strip())
+                saved = os.environ.get("DSV4_SM120_MOE_ALIGN")
+                try:
+                    if "align" in kv:
+                        os.environ["DSV4_SM120_MOE_ALIGN"] = kv.pop("align")
+                    cfg = choose_config(M, k, E, H, I, dpath)
+                    cfg = dataclasses.replace(cfg, **{f: int(v) for f, v in kv.items()})
+                    o = nvfp4_fused_moe_impl(x0, **W, topk_weights=tw0, topk_ids=ids0, swiglu_limit=limit,
+                                             path=dpath, config=cfg)
+                    err = rel_err(o, ref)
+                    fns = [lambda tw=tw, ids=ids, cfg=cfg: nvfp4_fused_moe_impl(
+                        x0, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, path=dpath, config=cfg)
+                        for (tw, ids) in routs]
+                    t = time_graph(fns, args.reps)
+                    line = (f"variant M={M} [{spec}] {cfg}: {t:.1f} us, {fp4_bytes * active / t / 1e3:.0f} GB/s "
+                            f"({100 * fp4_bytes * active / t / 1e3 / bw:.1f}% of copy), rel err {err:.2e}")
+                except Exception as exc:  # noqa: BLE001
+                    line = f"variant M={M} [{spec}]: failed {type(exc).__name__}: {str(exc)[:300]}"
+                finally:
+                    if saved is None:
+                        os.environ.pop("DSV4_SM120_MOE_ALIGN", None)
+                    else:
+                        os.environ["DSV4_SM120_MOE_ALIGN"] = saved
+                print("  " + line, flush=True)
+                sweep_lines.append(line)
+    if args.deq in ("0", "1", "2", "3", "4"):
         os.environ["DSV4_SM120_MOE_DEQ"] = args.deq
     deq_used = os.environ.get("DSV4_SM120_MOE_DEQ", "default")
     print(f"  main table uses DSV4_SM120_MOE_DEQ={deq_used}", flush=True)
@@ -407,11 +445,16 @@ def parse_args(argv=None):
     p.add_argument("--no-baselines", action="store_true", help="skip the fp8 / bf16 baselines")
     p.add_argument("--sweep", action="store_true",
                    help="first time tile / weight-decode variants of the bf16 path at M=1 and M=64")
-    p.add_argument("--deq", default="default", choices=("default", "auto", "0", "1", "2"),
+    p.add_argument("--variants", default="",
+                   help="';'-separated launch variants of the bf16 path timed at --variant-m, each a ','-list of "
+                        "Config fields (deq, BN1, BK1, BN2, BK2, warps1, warps2, stages, BM) and align=..., "
+                        "e.g. 'deq=3;deq=3,align=triton;deq=4,stages=4'")
+    p.add_argument("--variant-m", default="1,4,16,64", help="token counts for --variants")
+    p.add_argument("--deq", default="default", choices=("default", "auto", "0", "1", "2", "3", "4"),
                    help="weight decode of the bf16 path for the table (auto: fastest at M=64 in --sweep)")
     p.add_argument("--aload", default=None, choices=("strided", "split"),
                    help="activation tile load of the nvfp4 kernel (env DSV4_SM120_MOE_ALOAD; default split)")
-    p.add_argument("--align", default=None, choices=("triton", "torch", "auto"),
+    p.add_argument("--align", default=None, choices=("inkernel", "triton", "torch", "auto"),
                    help="token grouping of the nvfp4 kernel (env DSV4_SM120_MOE_ALIGN; default auto)")
     p.add_argument("--out", default=None,
                    help="write the markdown table here (atomically); default bench/results/moe_<gpu name>.md; '-' = none")

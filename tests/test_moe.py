@@ -269,6 +269,8 @@ def _run_ptx(asm, regs):
             R[a[0]] = _prmt(val(a[1]), val(a[2]), val(a[3]))
         elif op == "and.b32":
             R[a[0]] = val(a[1]) & val(a[2])
+        elif op == "or.b32":
+            R[a[0]] = val(a[1]) | val(a[2])
         elif op == "shl.b32":
             R[a[0]] = (val(a[1]) << val(a[2])) & 0xFFFFFFFF
         elif op == "shr.b32":
@@ -311,11 +313,11 @@ fn = K._gemm1_kernel
 sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
        "block_expert_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "TOPK": "i32", "H": "i32", "I": "i32",
        "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
-       "swiglu_limit": "fp32"}
+       "swiglu_limit": "fp32", "E": "i32"}
 out = {}
 for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq2", 90, False, False, 2)):
     cst = dict(HAS_LIMIT=True, BM=16, BN=32, BK=256, PATH_FP4=fp4, NATIVE=native, INTERP=False, DEQ=deq,
-               ALOAD_SPLIT=True)
+               ALOAD_SPLIT=True, GROUPED=True, P_PAD=512, E_PAD=256)
     s = dict(sig, **{k: "constexpr" for k in cst})
     src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
     try:
@@ -370,3 +372,91 @@ def test_opt_in_variants_compute_the_same(monkeypatch, path):
     monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", "bogus")
     with pytest.raises(MoEInputError, match="DSV4_SM120_MOE_ALIGN"):
         nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path=path)
+
+
+def test_inline_ptx_shift_decode_model_covers_every_byte():
+    """DEQ=3 (shift decode): with scales times 2^119, every byte decodes to
+    value * scale * 2^-7 exactly (subnormal bf16 intermediates included; the
+    model follows IEEE without flush-to-zero, which the GPU tests check)."""
+    asm = K._E2M1_BF16_SHIFT_ASM.value
+    g = torch.Generator().manual_seed(_seed())
+    scales = torch.exp2(torch.rand(256, generator=g) * 17 - 9).to(torch.float8_e4m3fn).float()
+    scales[:4] = torch.tensor([448.0, 2.0 ** -9, 0.0, 1.0])  # max, smallest subnormal, zero, one
+    for q in range(64):
+        bs = [4 * q + i for i in range(4)]
+        sc = [scales[(b * 7 + q) % 256].item() for b in bs]
+        sb = [_to_bf16_bits(s * 2.0 ** 119) for s in sc]
+        R = _run_ptx(asm, {"$4": bs[0] | bs[1] << 8 | bs[2] << 16 | bs[3] << 24,
+                           "$5": sb[0] | sb[1] << 16, "$6": sb[2] | sb[3] << 16})
+        lo = [R["$0"] & 0xFFFF, R["$0"] >> 16, R["$1"] & 0xFFFF, R["$1"] >> 16]
+        hi = [R["$2"] & 0xFFFF, R["$2"] >> 16, R["$3"] & 0xFFFF, R["$3"] >> 16]
+        for i, b in enumerate(bs):
+            assert _bf16(lo[i]) == nvfp4.E2M1_VALUES[b & 15].item() * sc[i] * 2.0 ** -7, (b, sc[i])
+            assert _bf16(hi[i]) == nvfp4.E2M1_VALUES[b >> 4].item() * sc[i] * 2.0 ** -7, (b, sc[i])
+
+
+@pytest.mark.parametrize("path", ["bf16", "fp4"])
+def test_inkernel_grouping_equals_align_kernel(monkeypatch, path):
+    """DSV4_SM120_MOE_ALIGN=inkernel (each GEMM program finds its expert's pairs
+    itself) gives the same bits as the align kernel, including an expert with
+    more pairs than one row tile (3 tiles), repeats, dropped / out-of-range ids
+    and many more slots than distinct experts."""
+    M, E, I = 40, 8, 32
+    W = make_experts(E, H, I, _seed())
+    x = torch.randn((M, H)).to(torch.bfloat16)
+    tw, ids = random_routing(M, E, 6, _seed(), kind="mixed")
+    ids[:, 2] = 3  # expert 3: >= 40 pairs -> row tiles 0, 16, 32
+    ids[5, 4] = E + 2
+    outs = {}
+    for mode in ("triton", "inkernel"):
+        monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", mode)
+        outs[mode] = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path=path)
+    assert torch.equal(outs["inkernel"], outs["triton"])
+    ref = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5)
+    if path == "bf16":
+        assert rel_err(outs["inkernel"], ref) < TOL_BF16
+
+
+def test_slot_expert_and_pairs_kernel_helpers():
+    """The in-kernel grouping helpers against a direct Python grouping: every
+    (expert, row tile) owned by exactly one slot, in expert order, each tile's
+    pairs in routing order; slots past the last tile get expert -1."""
+    import triton.language as tl
+
+    @triton.jit
+    def probe(ids_ptr, e_out, pair_out, valid_out, P, E, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
+              BM: tl.constexpr):
+        s = tl.program_id(0)
+        e, r0 = K._slot_expert(ids_ptr, s, P, E, BM, P_PAD, E_PAD)
+        tl.store(e_out + 2 * s, e)
+        tl.store(e_out + 2 * s + 1, r0)
+        pair, valid = K._expert_pairs(ids_ptr, P, E, e, r0, BM, P_PAD)
+        o = s * BM + tl.arange(0, BM)
+        tl.store(pair_out + o, pair)
+        tl.store(valid_out + o, valid.to(tl.int32))
+
+    g = torch.Generator().manual_seed(_seed())
+    E, P, BM = 37, 150, 16
+    ids = torch.randint(-1, E + 2, (P,), generator=g, dtype=torch.int32)
+    ids[torch.randperm(P, generator=g)[:40]] = 11  # one expert with 3 row tiles
+    nslot = min(E, P) + triton.cdiv(P, BM)
+    e_out = torch.full((2 * nslot,), -7, dtype=torch.int32)
+    pair_out = torch.full((nslot * BM,), -7, dtype=torch.int32)
+    valid_out = torch.full((nslot * BM,), -7, dtype=torch.int32)
+    probe[(nslot,)](ids, e_out, pair_out, valid_out, P, E, P_PAD=256, E_PAD=64, BM=BM)
+    want_tiles = []
+    for e in sorted({int(v) for v in ids.tolist() if 0 <= v < E}):
+        pairs = [p for p in range(P) if ids[p].item() == e]
+        for r0 in range(0, len(pairs), BM):
+            want_tiles.append((e, r0, pairs[r0:r0 + BM]))
+    assert len(want_tiles) <= nslot
+    for s in range(nslot):
+        e, r0 = e_out[2 * s].item(), e_out[2 * s + 1].item()
+        if s >= len(want_tiles):
+            assert e == -1
+            continue
+        we, wr0, wp = want_tiles[s]
+        assert (e, r0) == (we, wr0)
+        v = valid_out[s * BM:(s + 1) * BM].tolist()
+        assert v == [1] * len(wp) + [0] * (BM - len(wp))
+        assert pair_out[s * BM:s * BM + len(wp)].tolist() == wp

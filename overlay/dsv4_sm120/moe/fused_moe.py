@@ -26,9 +26,13 @@ DEQ_ENV = "DSV4_SM120_MOE_DEQ"  # 0 | 1 | 2: weight decode of the bf16 path (ker
 # in the PTX they are 32 scalar, unpipelined 2-byte loads per thread per K step). Default split:
 # same results bit for bit (tests), fewer and asynchronous loads; not yet timed on a GPU.
 ALOAD_ENV = "DSV4_SM120_MOE_ALOAD"
-# Token grouping: "triton" = the one-program kernel (measured), "torch" = stable sort + scans,
-# "auto" (default) = torch above 2048 pairs, where the one-program kernel walks every pair twice on one SM.
+# Token grouping: "inkernel" = no grouping launch: each GEMM program is an expert slot and finds its
+# pairs itself (histogram + ranks over the routing, O(P) per program: decode sizes); "triton" = the
+# one-program align kernel (sorted, padded order); "torch" = stable sort + scans; "auto" (default) =
+# inkernel up to INKERNEL_MAX_PAIRS pairs, triton up to 2048, torch above (the one-program kernel walks
+# every pair twice on one SM; ncu on the H200: 47 us at 384 pairs, 9 us at 6).
 ALIGN_ENV = "DSV4_SM120_MOE_ALIGN"
+INKERNEL_MAX_PAIRS = 1024
 DEFAULT_DEQ = 2  # measured best on the H200 (bench/results/moe_h200.md); 0 under the interpreter / off NVIDIA
 
 
@@ -94,9 +98,9 @@ def default_deq() -> int:
         if _interpreting() or getattr(torch.version, "hip", None):
             return 0
         return DEFAULT_DEQ
-    if v not in ("0", "1", "2"):
-        raise MoEInputError(f"{DEQ_ENV}={v!r}: expected 0, 1 or 2")
-    if v == "2" and _interpreting():
+    if v not in ("0", "1", "2", "3", "4"):
+        raise MoEInputError(f"{DEQ_ENV}={v!r}: expected 0, 1, 2, 3 or 4")
+    if v in ("2", "3", "4") and _interpreting():
         raise MoEInputError(f"{DEQ_ENV}=2 (inline PTX) cannot run under TRITON_INTERPRET")
     return int(v)
 
@@ -230,12 +234,43 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
     tw = topk_weights.to(torch.float32).contiguous().view(-1)
     P = M * topk
     BM = cfg.BM
+    align = _env_choice(ALIGN_ENV, ("inkernel", "triton", "torch", "auto"), "auto")
+    if align == "auto":
+        align = "inkernel" if P <= INKERNEL_MAX_PAIRS else ("triton" if P <= 2048 else "torch")
+    grouped = align == "inkernel"
+    fp4 = path == "fp4"
+    native = scaled_dot == "native"
+    interp = _interpreting()
+    has_limit = swiglu_limit is not None
+    if grouped:
+        n_slots = min(E, P) + triton.cdiv(P, BM)  # row tiles: sum_e ceil(count_e / BM) <= this
+        p_pad = max(16, triton.next_power_of_2(P))
+        e_pad = max(16, triton.next_power_of_2(E))
+        h = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
+        y = torch.empty((P, H), dtype=torch.float32, device=dev)
+        grp = dict(GROUPED=True, E=E, P_PAD=p_pad, E_PAD=e_pad)
+        K._gemm1_kernel[(n_slots, triton.cdiv(I, cfg.BN1))](
+            x, w13, w13_scale, w13_scale_2.contiguous(), ids, ids, h,
+            P, topk, H, I,
+            x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            float(swiglu_limit) if has_limit else 0.0,
+            HAS_LIMIT=has_limit, BM=BM, BN=cfg.BN1, BK=cfg.BK1, PATH_FP4=fp4, NATIVE=native,
+            INTERP=interp, DEQ=cfg.deq, ALOAD_SPLIT=cfg.aload_split, **grp,
+            num_warps=cfg.warps1, num_stages=cfg.stages)
+        K._gemm2_kernel[(n_slots, triton.cdiv(H, cfg.BN2))](
+            h, w2, w2_scale, w2_scale_2.contiguous(), ids, ids, tw, y,
+            P, H, I,
+            w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp, DEQ=cfg.deq,
+            ALOAD_SPLIT=cfg.aload_split, **grp, num_warps=cfg.warps2, num_stages=cfg.stages)
+        rb = min(1024, triton.next_power_of_2(H))
+        K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb, INTERP=interp)
+        return out
     max_blocks = triton.cdiv(P, BM) + min(E, P)
     max_slots = max_blocks * BM
     sorted_pair = torch.empty(max_slots, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    align = _env_choice(ALIGN_ENV, ("triton", "torch", "auto"), "auto")
-    if align == "torch" or (align == "auto" and P > 2048):
+    if align == "torch":
         align_torch(ids, E, BM, sorted_pair, block_expert)
     else:
         e_pad = triton.next_power_of_2(E)
@@ -246,10 +281,6 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
                               num_warps=4 if _interpreting() else 8)
     h = torch.empty((max_slots, I), dtype=torch.bfloat16, device=dev)
     y = torch.empty((P, H), dtype=torch.float32, device=dev)
-    fp4 = path == "fp4"
-    native = scaled_dot == "native"
-    interp = _interpreting()
-    has_limit = swiglu_limit is not None
     K._gemm1_kernel[(max_blocks, triton.cdiv(I, cfg.BN1))](
         x, w13, w13_scale, w13_scale_2.contiguous(), sorted_pair, block_expert, h,
         P, topk, H, I,

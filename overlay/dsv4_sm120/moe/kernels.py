@@ -213,6 +213,45 @@ fma.rn.bf16x2 $3, t, $6, sm;
 """)
 
 
+# DEQ 3: shift decode. A code ``s e1 e0 m`` placed at bf16 bits 15 and 8..6 is a bf16 equal to the e2m1
+# value times 2^-126 (code 1 lands on the bf16 subnormal 2^-127); one bf16x2 multiply by the block scale
+# times 2^119 (e4m3 <= 448 < 2^9, so no overflow) gives value * scale * 2^-7, exact; the caller multiplies
+# the fp32 accumulator by 2^7. ~11 instructions per 4 values (the DEQ 2 table lookup needs ~22).
+_E2M1_BF16_SHIFT_ASM = tl.constexpr("""
+{
+.reg .b32 v, a, b, t, z, nz;
+mov.b32 z, 0;
+mov.b32 nz, 0x80008000;
+prmt.b32 v, $4, z, 0x4140;
+shl.b32 a, v, 6;
+shl.b32 b, v, 12;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 t, a, b;
+fma.rn.bf16x2 $0, t, $5, nz;
+shl.b32 a, v, 2;
+shl.b32 b, v, 8;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 t, a, b;
+fma.rn.bf16x2 $2, t, $5, nz;
+prmt.b32 v, $4, z, 0x4342;
+shl.b32 a, v, 6;
+shl.b32 b, v, 12;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 t, a, b;
+fma.rn.bf16x2 $1, t, $6, nz;
+shl.b32 a, v, 2;
+shl.b32 b, v, 8;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 t, a, b;
+fma.rn.bf16x2 $3, t, $6, nz;
+}
+""")
+
+
 @triton.jit
 def _dequant_w(wq, ws_ptrs, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr):
     """K-packed weight bytes [BK/2, BN] + pointers [BK/16, BN] to their E4M3
@@ -224,7 +263,12 @@ def _dequant_w(wq, ws_ptrs, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexp
            one bf16x2 FMA with the scale per two values -> bfloat16.
     """
     G: tl.constexpr = BK // 16
-    if DEQ == 2:
+    if DEQ == 3:
+        sb = _bcast8_rows((tl.load(ws_ptrs).to(tl.float32) * 6.64613997892458e+35).to(tl.bfloat16), G, BN)  # * 2^119
+        w_lo, w_hi = tl.inline_asm_elementwise(
+            _E2M1_BF16_SHIFT_ASM, "=r,=r,=r,=r,r,r,r", [wq, sb],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif DEQ == 2:
         sb = _bcast8_rows(tl.load(ws_ptrs).to(tl.bfloat16), G, BN)  # e4m3 -> bf16 is exact
         w_lo, w_hi = tl.inline_asm_elementwise(
             _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [wq, sb],
@@ -258,6 +302,16 @@ def _upcast_pair_dot(acc, a_even, a_odd, wq, ws_ptrs,
         acc += tl.dot(a_even, w_lo.to(tl.bfloat16))
         acc += tl.dot(a_odd, w_hi.to(tl.bfloat16))
     return acc
+
+
+@triton.jit
+def _upcast_nat_dot(acc, a, wq, ws_ptrs, BN: tl.constexpr, BK: tl.constexpr):
+    """DEQ 4: acc += a @ dequant(w) with ``a`` the natural [BM, BK] bf16 tile; the decoded nibble
+    pairs are re-interleaved into natural K order (a register relabelling), so the activation tile
+    needs no even/odd split. Same exact decode as DEQ 3 (accumulator left times 2^-7)."""
+    w_lo, w_hi = _dequant_w(wq, ws_ptrs, BN, BK, 3)
+    w = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BK, BN))
+    return tl.dot(a, w, acc)
 
 
 @triton.jit
@@ -319,65 +373,187 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, MAX_SLOTS, MAX_BL
 
 
 @triton.jit
+def _load_routing(ids_ptr, P, E, P_PAD: tl.constexpr):
+    offs_p = tl.arange(0, P_PAD)
+    ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)
+    return ids, (ids >= 0) & (ids < E), offs_p
+
+
+@triton.jit
+def _slot_expert(ids_ptr, slot, P, E, BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """In-kernel grouping (no align launch): program ``slot`` owns one row tile
+    of one expert. Row tiles are numbered expert by expert (increasing expert
+    id, ``ceil(count / BM)`` tiles each); returns (expert, first rank of the
+    tile), expert -1 for slots past the last tile. Grid: ``min(E, P) +
+    cdiv(P, BM)`` slots always suffice."""
+    ids, ok, offs_p = _load_routing(ids_ptr, P, E, P_PAD)
+    hist = tl.histogram(tl.where(ok, ids, 0), E_PAD, mask=ok)
+    tiles = (hist + BM - 1) // BM
+    incl = tl.cumsum(tiles, axis=0)
+    excl = incl - tiles
+    eidx = tl.arange(0, E_PAD)
+    hit = (tiles > 0) & (excl <= slot) & (slot < incl)
+    e = tl.sum(tl.where(hit, eidx + 1, 0), axis=0) - 1
+    r0 = tl.sum(tl.where(hit, (slot - excl) * BM, 0), axis=0)
+    return e, r0
+
+
+@triton.jit
+def _expert_pairs(ids_ptr, P, E, e, r0, BM: tl.constexpr, P_PAD: tl.constexpr, PC: tl.constexpr = 64):
+    """Pairs routed to expert ``e`` with ranks ``r0 .. r0+BM-1`` (stable order)
+    as (pair index [BM], valid [BM]). Walks the routing (L2) in chunks of PC
+    pairs so the [BM, PC] selection stays small in registers."""
+    rr = r0 + tl.arange(0, BM)
+    pair = tl.zeros([BM], dtype=tl.int32)
+    nsel = tl.zeros([BM], dtype=tl.int32)
+    base = 0
+    for c0 in range(0, P, PC):
+        offs = c0 + tl.arange(0, PC)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        mine = ((ids >= 0) & (ids < E) & (ids == e)).to(tl.int32)
+        rank = base + tl.cumsum(mine, axis=0) - 1
+        sel = (mine[None, :] > 0) & (rank[None, :] == rr[:, None])
+        pair += tl.sum(tl.where(sel, offs[None, :], 0), axis=1)
+        nsel += tl.sum(sel.to(tl.int32), axis=1)
+        base += tl.sum(mine, axis=0)
+    return pair, nsel > 0
+
+
+@triton.jit
+def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pid_n,
+                TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
+                HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
+                INTERP: tl.constexpr, DEQ: tl.constexpr, ALOAD_SPLIT: tl.constexpr):
+    tok = tl.where(rvalid, pair // TOPK, 0).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < I
+    offs_n = tl.where(nmask, offs_n, 0)
+    jj = tl.arange(0, BK // 2)
+    gg = tl.arange(0, BK // 16)
+    kk_nat = tl.arange(0, BK)
+    a_row = x_ptr + tok[:, None] * stride_xm
+    # weights as [BK/2, BN] (K-packed bytes along dim 0)
+    wg_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
+    wu_p = wg_p + I * stride_wn
+    if PATH_FP4:
+        # scales as [BN, BK/16] (what dot_scaled wants for rhs)
+        sg_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
+        gs = _row_gs(a_row, rvalid, H, BM, BK)
+    else:
+        sg_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
+    su_p = sg_p + I * stride_sn
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        wqg = tl.load(wg_p + k0 // 2)
+        wqu = tl.load(wu_p + k0 // 2)
+        if DEQ == 4 and not PATH_FP4:
+            a_nat = tl.load(a_row + k0 + kk_nat[None, :], mask=rvalid[:, None], other=0.0)
+            acc_g = _upcast_nat_dot(acc_g, a_nat, wqg, sg_p + k0 // 16, BN, BK)
+            acc_u = _upcast_nat_dot(acc_u, a_nat, wqu, su_p + k0 // 16, BN, BK)
+        elif PATH_FP4:
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
+            ae = a_even.to(tl.float32)
+            ao = a_odd.to(tl.float32)
+            acc_g = _fp4_pair_dot(acc_g, ae, ao, gs, wqg, sg_p + k0 // 16, BM, BN, BK, NATIVE)
+            acc_u = _fp4_pair_dot(acc_u, ae, ao, gs, wqu, su_p + k0 // 16, BM, BN, BK, NATIVE)
+        else:
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
+            acc_g = _upcast_pair_dot(acc_g, a_even, a_odd, wqg, sg_p + k0 // 16, BN, BK, INTERP, DEQ)
+            acc_u = _upcast_pair_dot(acc_u, a_even, a_odd, wqu, su_p + k0 // 16, BN, BK, INTERP, DEQ)
+    g_scale = tl.load(wg_ptr + e64 * 2)
+    u_scale = tl.load(wg_ptr + e64 * 2 + 1)
+    if not PATH_FP4 and DEQ >= 3:
+        g_scale = g_scale * 128.0  # DEQ 3/4 leave weights times 2^-7
+        u_scale = u_scale * 128.0
+    g = acc_g * g_scale
+    u = acc_u * u_scale
+    if PATH_FP4:
+        g = g * gs[:, None]
+        u = u * gs[:, None]
+    if HAS_LIMIT:
+        g = tl.minimum(g, swiglu_limit)
+        u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
+    h = g / (1.0 + tl.exp(-g)) * u
+    h_p = h_ptr + hrow[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(h_p, _to_bf16(h, INTERP), mask=rvalid[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_ptr,
                   P, TOPK, H, I,
                   stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                   swiglu_limit,
                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
-                  INTERP: tl.constexpr, DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False):
+                  INTERP: tl.constexpr, DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False,
+                  GROUPED: tl.constexpr = False, E=0, P_PAD: tl.constexpr = 16, E_PAD: tl.constexpr = 16):
+    """GROUPED=False: row block ``pid_m`` of the align kernel's padded sorted
+    order (h rows in that order). GROUPED=True: ``pid_m`` is an expert slot,
+    the pairs are found in-kernel from ``sorted_ptr`` = the routing ids, and h
+    rows are pair indices."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e >= 0:
-        e64 = e.to(tl.int64)
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ptr + rows)
-        rvalid = pair < P
-        tok = tl.where(rvalid, pair // TOPK, 0).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        nmask = offs_n < I
-        offs_n = tl.where(nmask, offs_n, 0)
-        jj = tl.arange(0, BK // 2)
-        gg = tl.arange(0, BK // 16)
-        a_row = x_ptr + tok[:, None] * stride_xm
-        # weights as [BK/2, BN] (K-packed bytes along dim 0)
-        wg_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
-        wu_p = wg_p + I * stride_wn
-        if PATH_FP4:
-            # scales as [BN, BK/16] (what dot_scaled wants for rhs)
-            sg_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
-            gs = _row_gs(a_row, rvalid, H, BM, BK)
-        else:
-            sg_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
-        su_p = sg_p + I * stride_sn
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, H, BK):
+    if GROUPED:
+        e, r0 = _slot_expert(sorted_ptr, pid_m, P, E, BM, P_PAD, E_PAD)
+        if e >= 0:
+            pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
+            _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, rvalid, pair, pid_n,
+                        TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
+                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT)
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= 0:
+            rows = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_ptr + rows)
+            _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, pair < P, rows, pid_n,
+                        TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
+                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT)
+
+
+@triton.jit
+def _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e64, pair, rvalid, hrow, pid_n,
+                H, I, stride_we, stride_wn, stride_se, stride_sn,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr,
+                DEQ: tl.constexpr, ALOAD_SPLIT: tl.constexpr):
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < H
+    offs_n = tl.where(nmask, offs_n, 0)
+    jj = tl.arange(0, BK // 2)
+    gg = tl.arange(0, BK // 16)
+    kk_nat = tl.arange(0, BK)
+    a_row = h_ptr + hrow[:, None].to(tl.int64) * I
+    w_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
+    if PATH_FP4:
+        s_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
+        gs = _row_gs(a_row, rvalid, I, BM, BK)
+    else:
+        s_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        wq = tl.load(w_p + k0 // 2)
+        if DEQ == 4 and not PATH_FP4:
+            a_nat = tl.load(a_row + k0 + kk_nat[None, :], mask=rvalid[:, None], other=0.0)
+            acc = _upcast_nat_dot(acc, a_nat, wq, s_p + k0 // 16, BN, BK)
+        elif PATH_FP4:
             a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
-            wqg = tl.load(wg_p + k0 // 2)
-            wqu = tl.load(wu_p + k0 // 2)
-            if PATH_FP4:
-                ae = a_even.to(tl.float32)
-                ao = a_odd.to(tl.float32)
-                acc_g = _fp4_pair_dot(acc_g, ae, ao, gs, wqg, sg_p + k0 // 16, BM, BN, BK, NATIVE)
-                acc_u = _fp4_pair_dot(acc_u, ae, ao, gs, wqu, su_p + k0 // 16, BM, BN, BK, NATIVE)
-            else:
-                acc_g = _upcast_pair_dot(acc_g, a_even, a_odd, wqg, sg_p + k0 // 16, BN, BK, INTERP, DEQ)
-                acc_u = _upcast_pair_dot(acc_u, a_even, a_odd, wqu, su_p + k0 // 16, BN, BK, INTERP, DEQ)
-        g_scale = tl.load(wg_ptr + e64 * 2)
-        u_scale = tl.load(wg_ptr + e64 * 2 + 1)
-        g = acc_g * g_scale
-        u = acc_u * u_scale
-        if PATH_FP4:
-            g = g * gs[:, None]
-            u = u * gs[:, None]
-        if HAS_LIMIT:
-            g = tl.minimum(g, swiglu_limit)
-            u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
-        h = g / (1.0 + tl.exp(-g)) * u
-        h_p = h_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :]
-        tl.store(h_p, _to_bf16(h, INTERP), mask=rvalid[:, None] & nmask[None, :])
+            acc = _fp4_pair_dot(acc, a_even.to(tl.float32), a_odd.to(tl.float32), gs, wq,
+                                s_p + k0 // 16, BM, BN, BK, NATIVE)
+        else:
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
+            acc = _upcast_pair_dot(acc, a_even, a_odd, wq, s_p + k0 // 16, BN, BK, INTERP, DEQ)
+    scale = tl.load(wg_ptr + e64)
+    if not PATH_FP4 and DEQ >= 3:
+        scale = scale * 128.0  # DEQ 3/4 leave weights times 2^-7
+    tw = tl.load(tw_ptr + tl.where(rvalid, pair, 0), mask=rvalid, other=0.0)
+    if PATH_FP4:
+        y = acc * (scale * gs * tw)[:, None]
+    else:
+        y = acc * (scale * tw)[:, None]
+    y_p = y_ptr + tl.where(rvalid, pair, 0).to(tl.int64)[:, None] * H + offs_n[None, :]
+    tl.store(y_p, y, mask=rvalid[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -386,44 +562,26 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
                   stride_we, stride_wn, stride_se, stride_sn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr,
-                  DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False):
+                  DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False,
+                  GROUPED: tl.constexpr = False, E=0, P_PAD: tl.constexpr = 16, E_PAD: tl.constexpr = 16):
+    """See :func:`_gemm1_kernel` for GROUPED (h rows are then pair indices)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e >= 0:
-        e64 = e.to(tl.int64)
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ptr + rows)
-        rvalid = pair < P
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        nmask = offs_n < H
-        offs_n = tl.where(nmask, offs_n, 0)
-        jj = tl.arange(0, BK // 2)
-        gg = tl.arange(0, BK // 16)
-        a_row = h_ptr + rows[:, None].to(tl.int64) * I
-        w_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
-        if PATH_FP4:
-            s_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
-            gs = _row_gs(a_row, rvalid, I, BM, BK)
-        else:
-            s_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
-            wq = tl.load(w_p + k0 // 2)
-            if PATH_FP4:
-                acc = _fp4_pair_dot(acc, a_even.to(tl.float32), a_odd.to(tl.float32), gs, wq,
-                                    s_p + k0 // 16, BM, BN, BK, NATIVE)
-            else:
-                acc = _upcast_pair_dot(acc, a_even, a_odd, wq, s_p + k0 // 16, BN, BK, INTERP, DEQ)
-        scale = tl.load(wg_ptr + e64)
-        tw = tl.load(tw_ptr + tl.where(rvalid, pair, 0), mask=rvalid, other=0.0)
-        if PATH_FP4:
-            y = acc * (scale * gs * tw)[:, None]
-        else:
-            y = acc * (scale * tw)[:, None]
-        y_p = y_ptr + tl.where(rvalid, pair, 0).to(tl.int64)[:, None] * H + offs_n[None, :]
-        tl.store(y_p, y, mask=rvalid[:, None] & nmask[None, :])
+    if GROUPED:
+        e, r0 = _slot_expert(sorted_ptr, pid_m, P, E, BM, P_PAD, E_PAD)
+        if e >= 0:
+            pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
+            _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, rvalid, pair,
+                        pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
+                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT)
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= 0:
+            rows = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_ptr + rows)
+            _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, pair < P, rows,
+                        pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
+                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT)
 
 
 @triton.jit
