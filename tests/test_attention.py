@@ -219,6 +219,179 @@ def test_all_split_implementations(impl):
         K.CONFIG_OVERRIDE.clear()
 
 
+def _combine_inputs(T, H, S, HP, part_bf16, sink, gen):
+    """Random partials in the split kernel's workspace layout (row (t*S + s)*HP + h): base-2 maxima
+    spread over ~40 (so the weights span many binades), l >= 1 where a split saw a candidate, empty
+    splits (m = -inf, l = 0, acc = 0), one row with no candidate at all, padded head rows poisoned."""
+    n = T * S * HP
+    m = torch.randn(n, generator=gen, dtype=torch.float64) * 10.0
+    l = 1.0 + 5.0 * torch.rand(n, generator=gen, dtype=torch.float64)
+    acc = torch.randn(n, 512, generator=gen, dtype=torch.float64) * l[:, None]
+    empty = torch.rand(n, generator=gen) < 0.25
+    rows = torch.arange(n)
+    t_of, h_of = rows // (S * HP), rows % HP
+    empty |= t_of == T - 1  # the last row has no candidate in any split
+    m[empty], l[empty], acc[empty] = -math.inf, 0.0, 0.0
+    pad = h_of >= H
+    m[pad], l[pad], acc[pad] = math.nan, math.nan, math.nan
+    acc_ws = acc.to(torch.bfloat16 if part_bf16 else torch.float32).reshape(-1)
+    if sink == "finite":
+        sk = torch.randn(H, generator=gen, dtype=torch.float64) * 3.0
+        sk[0] = -math.inf  # a -inf sink on one head too
+    elif sink == "-inf":
+        sk = torch.full((H,), -math.inf, dtype=torch.float64)
+    else:
+        sk = None
+    return acc_ws, m.float(), l.float(), sk
+
+
+def _combine_ref(acc_ws, m_ws, l_ws, sink, T, H, S, HP):
+    """float64: out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + e^(sink - M ln2)); lse without
+    the sink; rows without a candidate -> 0 / -inf."""
+    acc = acc_ws.double().reshape(T, S, HP, 512)[:, :, :H]
+    m = m_ws.double().reshape(T, S, HP)[:, :, :H]
+    l = l_ws.double().reshape(T, S, HP)[:, :, :H]
+    M = m.max(dim=1).values  # [T, H]
+    Mz = torch.where(torch.isneginf(M), torch.zeros_like(M), M)
+    w = torch.exp2(m - Mz[:, None])
+    L = (w * l).sum(1)
+    A = (w[..., None] * acc).sum(1)
+    den = L if sink is None else L + torch.exp(sink[None, :] - Mz * math.log(2.0))
+    lonely = L == 0
+    out = torch.where(lonely[..., None], torch.zeros_like(A), A / torch.where(lonely, 1.0, den)[..., None])
+    lse = torch.where(lonely, -math.inf, (Mz + torch.log2(torch.where(lonely, 1.0, L))) * math.log(2.0))
+    return out, lse, lonely
+
+
+COMBINE_CONFIGS = {
+    "auto": {},
+    "chunks-of-4": dict(BLOCK_S=4),  # S=10: 4+4+2, S=17: 4x4+1 (ragged last chunk)
+    "chunks-of-3-d128": dict(BLOCK_S=3, BLOCK_D=128),
+    "4-heads-per-program-d256": dict(BLOCK_HC=4, BLOCK_D=256, BLOCK_S=2),  # H=6: ragged last head block
+    "one-split-per-step-2warps": dict(BLOCK_S=1, BLOCK_D=256, combine_warps=2),
+}
+
+
+@pytest.mark.parametrize("cfg_name", list(COMBINE_CONFIGS))
+def test_combine_kernel_against_float64(cfg_name):
+    """The combine alone, on partials it is handed directly: S in {1, 3, 10, 17} (one chunk, several,
+    ragged last chunk), empty splits, a row with no candidate, sinks None / -inf / finite (with a -inf
+    head), fp32 and bf16 partials; out and lse poisoned before each call; padded heads poisoned."""
+    T, H, HP = 3, 6, 16
+    gen = torch.Generator().manual_seed(7000 + list(COMBINE_CONFIGS).index(cfg_name))
+    cfg = dict(K._default_config(H, torch.device("cpu"), False), **COMBINE_CONFIGS[cfg_name])
+    for S in (1, 3, 10, 17):
+        combos = ((False, None), (True, "finite"), (False, "-inf"), (False, "finite"))
+        for part_bf16, sink in combos if cfg_name == "auto" else combos[1::2]:
+            acc_ws, m_ws, l_ws, sk = _combine_inputs(T, H, S, HP, part_bf16, sink, gen)
+            out = torch.full((T, 1, H, 512), float("nan"), dtype=torch.bfloat16)
+            lse = torch.full((T, H, 1), float("nan"))
+            K._launch_combine(cfg, acc_ws, m_ws, l_ws, None if sk is None else sk.float(), out, lse, T, H, S, HP, 4)
+            ro, rl, lonely = _combine_ref(acc_ws, m_ws, l_ws, sk, T, H, S, HP)
+            o = out[:, 0].double()
+            what = (cfg_name, S, part_bf16, sink)
+            assert torch.isfinite(o).all() and not torch.isnan(lse).any(), what
+            assert lonely[T - 1].all() and (o[lonely] == 0).all() and torch.isneginf(lse[..., 0][lonely]).all(), what
+            # out: fp32 sums then one bf16 conversion: < 1 bf16 ulp (<= 2^-7 relative; Triton's interpreter
+            # truncates instead of rounding, so a full ulp), plus fp32 error on cancelling sums; lse: fp32
+            tol = 2.0 ** -7 * ro.abs() + 1e-5 * ro.abs().amax(dim=-1, keepdim=True)
+            assert ((o - ro).abs() <= tol).all(), (what, (o - ro).abs().max())
+            fin = ~lonely
+            assert ((lse[..., 0][fin].double() - rl[fin]).abs() <= 1e-5 * rl[fin].abs().clamp(min=1.0)).all(), what
+
+
+def test_combine_launch_plan():
+    """Shapes-only combine plan: >= 2 programs per SM where the problem allows (T=1, H=16: >= 32),
+    4 fp32 per thread (one 16-byte vector per partial), <= 8 partials per step in the fewest chunks,
+    balanced; explicit knobs are kept and the others fitted around them."""
+    for nsm in (132, 188):
+        for T in (1, 2, 4, 16, 64, 128, 300):
+            for H in (1, 8, 16, 64, 128):
+                for S in (1, 2, 3, 8, 9, 10, 17, 40):
+                    bhc, bd, bs, w = K._combine_plan(T, H, S, nsm)
+                    progs = T * -(-H // bhc) * (512 // bd)
+                    assert bhc == 1 and bd in (128, 256, 512) and w == bd // 128
+                    assert progs >= min(2 * nsm, T * H * 4)
+                    assert bd == 128 or progs < 4 * nsm or bd == 512
+                    assert 1 <= bs <= 8 and -(-S // bs) == -(-S // 8) and bs * (-(-S // bs) - 1) < S
+    assert K._combine_plan(1, 16, 10, 132) == (1, 128, 5, 1)  # 64 programs, 2 chunks of 5
+    cfg = dict(K._default_config(16, torch.device("cpu"), False))
+    got = K._resolve_combine(dict(cfg, BLOCK_D=256, BLOCK_S=16), 128, 16, 3, 132)
+    assert (got["BLOCK_D"], got["BLOCK_S"], got["combine_warps"], got["BLOCK_HC"]) == (256, 16, 2, 1)
+    got = K._resolve_combine(dict(cfg, combine_warps=1), 128, 16, 17, 132)
+    assert (got["BLOCK_D"], got["combine_warps"], got["BLOCK_S"]) == (512, 1, 2)  # 16 fp32 per thread
+    with pytest.raises(DecodeInputError, match="BLOCK_D"):
+        K._launch_combine(dict(cfg, BLOCK_D=96), None, None, None, None, None, None, 1, 16, 3, 16, 4)
+
+
+_COMBINE_COMPILE = r"""
+import json, os, re, subprocess, tempfile
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from dsv4_sm120.attention import kernel as K
+fn = K._dsv4_combine_kernel
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+out = {}
+for cap in (90, 120):
+    for bhc, bd, bs, w, bf16 in ((1, 512, 3, 4, 0), (1, 128, 5, 1, 0), (1, 512, 8, 4, 1), (1, 256, 6, 2, 0)):
+        sig = {"acc_ws": "*bf16" if bf16 else "*fp32", "m_ws": "*fp32", "l_ws": "*fp32", "sink_ptr": "*fp32",
+               "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32", "S": "i32", "HP": "i32"}
+        cst = dict(HAS_SINK=True, BLOCK_HC=bhc, BLOCK_D=bd, BLOCK_S=bs)
+        src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in cst}),
+                        constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()},
+                        attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
+        name = f"sm{cap}_hc{bhc}_d{bd}_s{bs}_w{w}" + ("_bf16" if bf16 else "")
+        try:
+            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": w, "num_stages": 1})
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        ptx = k.asm["ptx"]
+        r = {"ld_v4": len(re.findall(r"ld\.global[^;]*\.v4", ptx)), "ld_v2": len(re.findall(r"ld\.global[^;]*\.v2", ptx)),
+             "bar": ptx.count("bar.sync") + ptx.count("barrier.sync"), "shared": ptx.count(".shared")}
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        mm = re.search(r"REG:(\d+) STACK:(\d+)", ru)
+        if mm:
+            r["regs"], r["stack"] = int(mm.group(1)), int(mm.group(2))
+        out[name] = r
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_combine_code_generation_for_sm90_and_sm120():
+    """Without a GPU: the combine compiles for sm_90 and sm_120 with one 16-byte vector load per
+    partial and thread (8-byte for bf16 partials), no shared memory or barrier (the S reduction stays
+    in each thread), and, where cuobjdump can read the cubin, <= 64 registers and no stack."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    r = subprocess.run([sys.executable, "-c", _COMBINE_COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+    if any("ptxas" in v.get("error", "").lower() for v in out.values()):
+        pytest.skip(f"no usable ptxas here: {out}")
+    for name, v in out.items():
+        assert "error" not in v, (name, v)
+        bs = int(name.split("_s")[1].split("_")[0])
+        assert (v["ld_v2"] if name.endswith("bf16") else v["ld_v4"]) == bs, (name, v)
+        assert v["bar"] == 0 and v["shared"] == 0, (name, v)
+        if "regs" in v:  # one-warp programs (small grids, one CTA per SM) may use a few more
+            assert v["regs"] <= (64 if "_w1" not in name else 80) and v["stack"] == 0, (name, v)
+
+
 def test_rows_split_across_launches_when_workspace_is_capped(monkeypatch):
     """Huge T (prefill through this kernel) is cut into row chunks so the workspace stays bounded;
     the answer does not change."""
@@ -234,8 +407,9 @@ def test_rows_split_across_launches_when_workspace_is_capped(monkeypatch):
 def test_launch_configuration_rules(monkeypatch):
     """Shape/architecture rules of the default launch configuration (H200 call 4): on Hopper the
     tiled body is pipelined (num_stages=2) only when a program owns >= 2 candidate blocks, the
-    combine merges 16 partials per step when there are more than 8, and H > 16 uses 16-row head
-    groups on small grids and the flat body on large ones; sm_120 keeps one stage and <= 32 rows."""
+    combine merges all partials in one unrolled step when there are <= 8 (else the fewest balanced
+    chunks), and H > 16 uses 16-row head groups on small grids and the flat body on large ones;
+    sm_120 keeps one stage and <= 32 rows."""
     dev = torch.device("cpu")
     monkeypatch.setattr(K, "_interpreting", lambda: False)
     monkeypatch.setattr(K, "_is_sm120", lambda d: False)
@@ -245,13 +419,15 @@ def test_launch_configuration_rules(monkeypatch):
         cfg = K._default_config(H, dev, False, T, nsm)
         hg = -(-H // cfg["BLOCK_H"])
         plan = K.plan_splits(T, hg, 128, 512, cfg["BLOCK_N"], nsm, cfg["waves"])
-        return K._resolve_auto(cfg, *plan), plan
+        return K._resolve_auto(cfg, *plan, T=T, H=H, num_sms=nsm), plan
 
-    for T, bs, st in ((1, 16, 1), (4, 16, 1), (16, 16, 1), (64, 8, 2), (128, 8, 2)):
+    for T, st in ((1, 1), (4, 1), (16, 1), (64, 2), (128, 2)):
         cfg, plan = resolved(16, T)
         assert (cfg["impl"], cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["maxnreg"]) == ("tiled", 16, 64, 128)
-        assert (cfg["BLOCK_S"], cfg["num_stages"]) == (bs, st), (T, plan, cfg)
-        assert cfg["BLOCK_S"] >= min(16, plan[0] + plan[2])
+        S = plan[0] + plan[2]
+        assert cfg["num_stages"] == st, (T, plan, cfg)
+        assert cfg["BLOCK_S"] == (S if S <= 8 else -(-S // -(-S // 8))), (T, plan, cfg)
+        assert T * 16 * 512 // cfg["BLOCK_D"] >= min(264, T * 16 * 4) and cfg["combine_warps"] * 128 == cfg["BLOCK_D"]
     assert resolved(64, 1)[0]["BLOCK_H"] == 16 and resolved(64, 16)[0]["impl"] == "tiled"
     big = resolved(64, 128)[0]
     assert (big["impl"], big["BLOCK_H"], big["num_stages"]) == ("flat", 64, 1)
@@ -263,5 +439,7 @@ def test_launch_configuration_rules(monkeypatch):
     for H, T in ((16, 128), (64, 1), (128, 300)):
         cfg, _ = resolved(H, T)
         assert cfg["num_stages"] == 1 and cfg["BLOCK_H"] <= 32 and cfg["impl"] == "tiled"
-    # explicit overrides win over "auto"
+    # explicit overrides win over "auto"; without T / H the combine keys wait for the combine launch
     assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64)["BLOCK_S"] == 4
+    assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64, T=1, H=16, num_sms=132)["BLOCK_S"] == 4
+    assert K._resolve_auto(dict(cfg, BLOCK_S="auto"), 1, 64, 9, 64)["BLOCK_S"] == "auto"

@@ -13,7 +13,8 @@ Two kernels:
    ``tl.dot_scaled`` e4m3 x e4m3 with UE8M0 scales (Q quantized per 32 values on the fly, K used
    as stored) plus a bf16 dot for rope. PV is always a bf16 dot (the V scales run along the
    candidate axis, which block-scaled MMA cannot express).
-2. ``_dsv4_combine_kernel``: grid ``(T, cdiv(H, BLOCK_HC))``: merges the ``S`` partials and the
+2. ``_dsv4_combine_kernel``: grid ``(T, cdiv(H, BLOCK_HC), 512 / BLOCK_D)``: merges the ``S``
+   partials (online, ``BLOCK_S`` per unrolled step, the reduction inside each thread) and the
    sink, writes bf16 ``out`` and the natural-log ``lse`` without the sink; rows with no valid
    candidate get zeros and ``lse = -inf`` (as SGLang's torch reference).
 
@@ -628,45 +629,60 @@ def _dsv4_combine_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    # grid (T, cdiv(H, BLOCK_HC), 512 // BLOCK_D); the S partials are read BLOCK_S at a time
+    # grid (T, cdiv(H, BLOCK_HC), 512 // BLOCK_D): program (t, hb, db) owns columns db*BLOCK_D.. of
+    # the heads hb*BLOCK_HC.. of row t, one head after the other. Per head, m / l of a split are
+    # scalars (a per-head vector would get a layout of its own and a shared-memory conversion, with
+    # barriers, at every step), and the S partials are merged online: a runtime loop over chunks of
+    # BLOCK_S splits; per chunk, the BLOCK_S loads ([BLOCK_D] slices of partial rows, 4 fp32 per
+    # thread at the default plan) are all issued first, then one rescale to the chunk's max and an
+    # element-wise FMA per split: the S reduction stays inside each thread and a chunk costs one
+    # memory round trip. A ragged last chunk is masked (masked loads issue no memory traffic).
     t = tl.program_id(0)
     hb = tl.program_id(1)
     db = tl.program_id(2)
-    t64 = t.to(tl.int64)
-    offs_h = hb * BLOCK_HC + tl.arange(0, BLOCK_HC)
-    hmask = offs_h < H
     offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_s = tl.arange(0, BLOCK_S)
-    m_max = tl.full([BLOCK_HC], float("-inf"), tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        ss = s0 + offs_s
-        mk = (ss[:, None] < S) & hmask[None, :]
-        m = tl.load(m_ws + (t64 * S + ss[:, None]) * HP + offs_h[None, :], mask=mk, other=float("-inf"))
-        m_max = tl.maximum(m_max, tl.max(m, axis=0))
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_tot = tl.zeros([BLOCK_HC], tl.float32)
-    acc = tl.zeros([BLOCK_HC, BLOCK_D], tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        ss = s0 + offs_s
-        mk = (ss[:, None] < S) & hmask[None, :]
-        base = (t64 * S + ss[:, None]) * HP + offs_h[None, :]  # [BS, BH]
-        m = tl.load(m_ws + base, mask=mk, other=float("-inf"))
-        l = tl.load(l_ws + base, mask=mk, other=0.0)
-        w = tl.exp2(m - m_use[None, :])  # [BS, BH]
-        l_tot += tl.sum(l * w, axis=0)
-        a = tl.load(acc_ws + base[:, :, None] * 512 + offs_d[None, None, :], mask=mk[:, :, None], other=0.0)
-        acc += tl.sum(a.to(tl.float32) * w[:, :, None], axis=0)
-    denom = l_tot
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + offs_h, mask=hmask, other=float("-inf")).to(tl.float32)
-        denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
-    lonely = l_tot == 0.0
-    out = tl.where(lonely[:, None], 0.0, acc / tl.where(lonely, 1.0, denom)[:, None])
-    orow = t64 * H + offs_h
-    tl.store(out_ptr + orow[:, None] * 512 + offs_d[None, :], out.to(tl.bfloat16), mask=hmask[:, None])
-    if db == 0:
-        lse = tl.where(lonely, float("-inf"), (m_use + tl.log2(tl.where(lonely, 1.0, l_tot))) * 0.6931471805599453)
-        tl.store(lse_ptr + orow, lse, mask=hmask)
+    h0 = hb * BLOCK_HC
+    for hh in range(0, tl.minimum(BLOCK_HC, H - h0)):
+        h = h0 + hh
+        row0 = t.to(tl.int64) * S * HP + h  # workspace row of (t, split 0, h)
+        m_run = tl.full([], float("-inf"), tl.float32)  # running max over the splits so far (base 2)
+        l_run = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            # all loads of the chunk first: ptxas does not hoist a split's loads above the previous
+            # split's math, so interleaving them would cost one round trip per split
+            ms = ()
+            ls = ()
+            parts = ()
+            for i in tl.static_range(BLOCK_S):
+                ok = s0 + i < S
+                r = row0 + (s0 + i) * HP
+                ms = ms + (tl.load(m_ws + r, mask=ok, other=float("-inf")),)
+                ls = ls + (tl.load(l_ws + r, mask=ok, other=0.0),)
+                parts = parts + (tl.load(acc_ws + r * 512 + offs_d, mask=ok, other=0.0),)
+            m_cur = m_run
+            for i in tl.static_range(BLOCK_S):
+                m_cur = tl.maximum(m_cur, ms[i])
+            m_use = tl.where(m_cur == float("-inf"), 0.0, m_cur)  # no candidate yet: any finite value
+            alpha = tl.exp2(m_run - m_use)  # 0 while m_run is -inf (acc and l_run are 0 then)
+            acc = acc * alpha
+            l_run = l_run * alpha
+            for i in tl.static_range(BLOCK_S):
+                w = tl.exp2(ms[i] - m_use)
+                l_run += ls[i] * w
+                acc += parts[i].to(tl.float32) * w
+            m_run = m_cur
+        m_ref = tl.where(m_run == float("-inf"), 0.0, m_run)  # acc and l_run are scaled by 2^-m_ref
+        denom = l_run
+        if HAS_SINK:
+            denom += tl.exp2(tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634 - m_ref)
+        lonely = l_run == 0.0
+        out = tl.where(lonely, 0.0, acc / tl.where(lonely, 1.0, denom))
+        orow = t.to(tl.int64) * H + h
+        tl.store(out_ptr + orow * 512 + offs_d, out.to(tl.bfloat16))
+        if db == 0:
+            lse = tl.where(lonely, float("-inf"), (m_ref + tl.log2(tl.where(lonely, 1.0, l_run))) * 0.6931471805599453)
+            tl.store(lse_ptr + orow, lse)
 
 
 # --------------------------------------------------------------------------------------------
@@ -809,11 +825,13 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
     there). ``"auto"`` entries are resolved per launch from the split plan (``_resolve_auto``)."""
     if _interpreting():
         return dict(impl="tiled", BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
-                    DEQ_BF16=0, BLOCK_D=128, BLOCK_S=4, BLOCK_HC=16, combine_warps=4, maxnreg=0)
+                    DEQ_BF16=0, BLOCK_D="auto", BLOCK_S="auto", BLOCK_HC="auto", combine_warps="auto",
+                    maxnreg=0)
     # sm_120: ptxas (triton 3.8) spills ~5.8 KB per thread for 64-row head blocks, none for 32
     bh = min(32 if _is_sm120(device) else 64, _pow2_at_least(H, 16))
     cfg = dict(impl="tiled", BLOCK_H=bh, BLOCK_N=32, num_warps=8, num_stages=1, waves=2.0, QK_SWAP=0,
-               Q_RELOAD=0, DEQ_BF16=0, BLOCK_D=64, BLOCK_S="auto", BLOCK_HC=16, combine_warps=4, maxnreg=0)
+               Q_RELOAD=0, DEQ_BF16=0, BLOCK_D="auto", BLOCK_S="auto", BLOCK_HC="auto", combine_warps="auto",
+               maxnreg=0)
     # 16-row head blocks, 64 candidates per block, 8 warps, registers capped at 128 (2 CTAs per SM):
     # the best H=16 configuration of the H200 sweeps at B <= 16 and within ~10% of the best elsewhere
     small = dict(BLOCK_H=16, BLOCK_N=64, maxnreg=128)
@@ -834,22 +852,78 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
     return cfg
 
 
-def _combine_block_s(S: int) -> int:
-    # partials merged per step of the combine: one pass for S <= 16 when S > 8 (H200 call 4, S=10:
-    # B=1 15.3 vs 18.5 us, B=16 22.3 vs 25.3), 8 otherwise (S=3..5: 8 measured ~3% better than 16)
-    return 16 if S > 8 else 8
+_COMBINE_KEYS = ("BLOCK_HC", "BLOCK_D", "BLOCK_S", "combine_warps")
 
 
-def _resolve_auto(cfg, s1: int, c1: int, s2: int, c2: int):
-    """Resolve the "auto" entries of a launch configuration from the split plan (shapes only)."""
+def _combine_block_s(S: int, per_thread: int = 4) -> int:
+    """Partials merged per unrolled step of the combine: as many as fit in flight (each is one
+    ``per_thread``-element load per thread; <= 32 loaded words per thread, at most 8 partials, keeps the
+    kernel under ~64 registers), spread evenly over the chunks so the last chunk is as full as the others."""
+    cap = max(1, min(8, 32 // max(1, per_thread)))
+    return triton.cdiv(S, triton.cdiv(max(S, 1), cap))
+
+
+def _combine_plan(T: int, H: int, S: int, num_sms: int, waves: float = 2.0, BLOCK_HC=None, BLOCK_D=None,
+                  warps=None, BLOCK_S=None):
+    """Combine launch ``(BLOCK_HC, BLOCK_D, BLOCK_S, warps)`` from the shapes and the SM count only;
+    arguments given (not None) are kept and the others chosen around them.
+
+    One head per program (``BLOCK_HC`` > 1: heads looped inside a program). Columns: the whole 512-wide
+    row, halved while the grid ``T x cdiv(H, BLOCK_HC) x 512/BLOCK_D`` has fewer than ``waves`` programs
+    per SM, down to 128 (T=1, H=16: 64 programs). Warps: 4 fp32 per thread (one 16-byte vector per
+    partial), so ``BLOCK_S`` = up to 8 partials in flight per thread."""
+    bhc = int(BLOCK_HC) if BLOCK_HC is not None else 1
+    if BLOCK_D is not None:
+        bd = int(BLOCK_D)
+    else:
+        bd = 512
+        while bd > 128 and T * triton.cdiv(H, bhc) * (512 // bd) < waves * max(1, num_sms):
+            bd //= 2
+    w = int(warps) if warps is not None else max(1, min(8, bd // 128))
+    bs = int(BLOCK_S) if BLOCK_S is not None else _combine_block_s(S, max(1, bd // (32 * w)))
+    return bhc, bd, bs, w
+
+
+def _resolve_auto(cfg, s1: int, c1: int, s2: int, c2: int, *, T=None, H=None, num_sms=None):
+    """Resolve the "auto" entries of a launch configuration from the split plan (shapes only).
+
+    The combine's entries need ``T``, ``H`` and ``num_sms``; without them they stay "auto" (the combine
+    launch resolves them)."""
     cfg = dict(cfg)
-    if cfg.get("BLOCK_S") == "auto":
-        cfg["BLOCK_S"] = _combine_block_s(s1 + s2)
     if cfg.get("num_stages") == "auto":
         bn = int(cfg["BLOCK_N"])
         blocks = max(c1 // bn, (c2 // bn) if s2 else 0)
         cfg["num_stages"] = 2 if cfg["impl"] == "tiled" and blocks >= 2 else 1
+    if T is not None and H is not None and num_sms is not None:
+        cfg = _resolve_combine(cfg, T, H, s1 + s2, num_sms)
     return cfg
+
+
+def _resolve_combine(cfg, T: int, H: int, S: int, num_sms: int):
+    """Fill the combine's "auto" (or missing) keys; explicit values (``CONFIG_OVERRIDE``, bench
+    ``--variants``) are kept and the rest chosen around them. ``combine_waves`` (default 2): target
+    programs per SM of the combine grid."""
+    if all(cfg.get(k, "auto") != "auto" for k in _COMBINE_KEYS):
+        return cfg
+    fixed = {k: (None if cfg.get(k, "auto") == "auto" else cfg[k]) for k in _COMBINE_KEYS}
+    bhc, bd, bs, w = _combine_plan(T, H, S, num_sms, float(cfg.get("combine_waves", 2.0)), fixed["BLOCK_HC"],
+                                   fixed["BLOCK_D"], fixed["combine_warps"], fixed["BLOCK_S"])
+    return dict(cfg, BLOCK_HC=bhc, BLOCK_D=bd, BLOCK_S=bs, combine_warps=w)
+
+
+def _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T: int, H: int, S: int, HP: int, num_sms: int):
+    """Merge the ``S`` partials of each (row, head) (workspace rows ``(t*S + s)*HP + h``; ``acc_ws`` fp32
+    or bf16, 512 values a row) with the sink into ``out`` [T, 1, H, 512] bf16 and ``lse`` [T, H, 1]."""
+    cfg = _resolve_combine(cfg, T, H, S, num_sms)
+    BHC, BD, BS = int(cfg["BLOCK_HC"]), int(cfg["BLOCK_D"]), int(cfg["BLOCK_S"])
+    if BHC < 1 or BHC & (BHC - 1) or BD < 1 or BD & (BD - 1) or BD > 512 or BS < 1:
+        raise DecodeInputError(f"combine: BLOCK_HC / BLOCK_D must be powers of two (BLOCK_D <= 512), BLOCK_S >= 1; "
+                               f"got {BHC}, {BD}, {BS}")
+    _dsv4_combine_kernel[(T, triton.cdiv(H, BHC), 512 // BD)](
+        acc_ws, m_ws, l_ws, attn_sink if attn_sink is not None else m_ws, out, lse, H, S, HP,
+        HAS_SINK=attn_sink is not None, BLOCK_HC=BHC, BLOCK_D=BD, BLOCK_S=BS,
+        num_warps=int(cfg["combine_warps"]),
+    )
 
 
 def _ws_words(cfg) -> int:
@@ -880,7 +954,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, nsm, float(cfg["waves"]), int(cfg.get("min_blocks", 1)))
     S = s1 + s2
     nrow = T * S * HP
-    cfg = _resolve_auto(cfg, s1, c1, s2, c2)
+    cfg = _resolve_auto(cfg, s1, c1, s2, c2, T=T, H=H, num_sms=nsm)
     part_bf16 = cfg["impl"] in ("pipe", "tiled") and bool(cfg.get("PART_BF16", 0))
     ws = _workspace(q.device, nrow * _ws_words(cfg))
     if part_bf16:
@@ -914,12 +988,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
         _dsv4_split_kernel[(T, S, HG)](
             *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
             **flags)
-    BHC, BD = int(cfg["BLOCK_HC"]), int(cfg["BLOCK_D"])
-    _dsv4_combine_kernel[(T, triton.cdiv(H, BHC), 512 // BD)](
-        acc_ws, m_ws, l_ws, attn_sink if attn_sink is not None else m_ws, out, lse, H, S, HP,
-        HAS_SINK=attn_sink is not None, BLOCK_HC=BHC, BLOCK_D=BD, BLOCK_S=int(cfg["BLOCK_S"]),
-        num_warps=int(cfg["combine_warps"]),
-    )
+    _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T, H, S, HP, nsm)
 
 
 def sparse_mla_decode(
