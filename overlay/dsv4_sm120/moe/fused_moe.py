@@ -30,10 +30,12 @@ ALOAD_ENV = "DSV4_SM120_MOE_ALOAD"
 # pairs itself (histogram + ranks over the routing, O(P) per program: decode sizes); "triton" = the
 # one-program align kernel (sorted, padded order); "torch" = stable sort + scans; "auto" (default) =
 # inkernel up to INKERNEL_MAX_PAIRS pairs, triton up to 2048, torch above (the one-program kernel walks
-# every pair twice on one SM; ncu on the H200: 47 us at 384 pairs, 9 us at 6).
+# every pair twice on one SM; ncu on the H200: 47 us at 384 pairs, 9 us at 6). H200 call 4 (DEQ 3): inkernel
+# 27.8 vs 32.2 us at M=1, a tie at M=4 (61.1 vs 60.4), slower from M=16 (206.9 vs 171.1; M=64 487 vs 382):
+# every program's walk over the routing is serial latency before its GEMM starts.
 ALIGN_ENV = "DSV4_SM120_MOE_ALIGN"
-INKERNEL_MAX_PAIRS = 1024
-DEFAULT_DEQ = 2  # measured best on the H200 (bench/results/moe_h200.md); 0 under the interpreter / off NVIDIA
+INKERNEL_MAX_PAIRS = 32
+DEFAULT_DEQ = 3  # H200 call 4 (bench/results/moe_h200_call4.md): shift decode 1.3-1.5x faster than DEQ 2; 0 under the interpreter / off NVIDIA
 
 
 class MoEInputError(ValueError):
