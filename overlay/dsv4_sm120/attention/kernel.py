@@ -826,12 +826,12 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
     if _interpreting():
         return dict(impl="tiled", BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
                     DEQ_BF16=0, BLOCK_D="auto", BLOCK_S="auto", BLOCK_HC="auto", combine_warps="auto",
-                    maxnreg=0)
+                    combine_maxnreg="auto", maxnreg=0)
     # sm_120: ptxas (triton 3.8) spills ~5.8 KB per thread for 64-row head blocks, none for 32
     bh = min(32 if _is_sm120(device) else 64, _pow2_at_least(H, 16))
     cfg = dict(impl="tiled", BLOCK_H=bh, BLOCK_N=32, num_warps=8, num_stages=1, waves=2.0, QK_SWAP=0,
                Q_RELOAD=0, DEQ_BF16=0, BLOCK_D="auto", BLOCK_S="auto", BLOCK_HC="auto", combine_warps="auto",
-               maxnreg=0)
+               combine_maxnreg="auto", maxnreg=0)
     # 16-row head blocks, 64 candidates per block, 8 warps, registers capped at 128 (2 CTAs per SM):
     # the best H=16 configuration of the H200 sweeps at B <= 16 and within ~10% of the best elsewhere
     small = dict(BLOCK_H=16, BLOCK_N=64, maxnreg=128)
@@ -852,14 +852,23 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
     return cfg
 
 
-_COMBINE_KEYS = ("BLOCK_HC", "BLOCK_D", "BLOCK_S", "combine_warps")
+_COMBINE_KEYS = ("BLOCK_HC", "BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 
 
-def _combine_block_s(S: int, per_thread: int = 4) -> int:
+def _combine_maxnreg(block_s: int, per_thread: int) -> int:
+    """Register cap for the combine. ptxas aims multi-warp programs at ~32 registers (full occupancy)
+    and then issues only the first 1-3 loads of a chunk before the math; a cap is also the target it
+    schedules to, so this one lets all ``block_s`` loads be in flight. Fitted on the CPU box
+    (triton 3.8, sm_90 and sm_120, 4 fp32 per thread): ~24 + (per_thread + 2) registers per split
+    (BLOCK_S = 3 / 5 / 6 / 8 / 16 needed 40 / 48 / 56 / 72 / 128); multiple of 8, 32..255."""
+    return min(255, max(32, 8 * triton.cdiv(24 + block_s * (per_thread + 2), 8)))
+
+
+def _combine_block_s(S: int, per_thread: int = 4, max_words: int = 32) -> int:
     """Partials merged per unrolled step of the combine: as many as fit in flight (each is one
-    ``per_thread``-element load per thread; <= 32 loaded words per thread, at most 8 partials, keeps the
-    kernel under ~64 registers), spread evenly over the chunks so the last chunk is as full as the others."""
-    cap = max(1, min(8, 32 // max(1, per_thread)))
+    ``per_thread``-element load per thread; <= ``max_words`` loaded words per thread, at most 16), spread
+    evenly over the chunks so the last chunk is as full as the others."""
+    cap = max(1, min(16, max_words // max(1, per_thread)))
     return triton.cdiv(S, triton.cdiv(max(S, 1), cap))
 
 
@@ -871,16 +880,20 @@ def _combine_plan(T: int, H: int, S: int, num_sms: int, waves: float = 2.0, BLOC
     One head per program (``BLOCK_HC`` > 1: heads looped inside a program). Columns: the whole 512-wide
     row, halved while the grid ``T x cdiv(H, BLOCK_HC) x 512/BLOCK_D`` has fewer than ``waves`` programs
     per SM, down to 128 (T=1, H=16: 64 programs). Warps: 4 fp32 per thread (one 16-byte vector per
-    partial), so ``BLOCK_S`` = up to 8 partials in flight per thread."""
+    partial). ``BLOCK_S``: up to 8 partials in flight per thread (32 words, ~32-48 registers), up to 16
+    (one round trip for S <= 16, ~70-125 registers) when the grid is that small anyway (registers do
+    not limit its occupancy; it is latency-bound)."""
     bhc = int(BLOCK_HC) if BLOCK_HC is not None else 1
+    target = waves * max(1, num_sms)
     if BLOCK_D is not None:
         bd = int(BLOCK_D)
     else:
         bd = 512
-        while bd > 128 and T * triton.cdiv(H, bhc) * (512 // bd) < waves * max(1, num_sms):
+        while bd > 128 and T * triton.cdiv(H, bhc) * (512 // bd) < target:
             bd //= 2
     w = int(warps) if warps is not None else max(1, min(8, bd // 128))
-    bs = int(BLOCK_S) if BLOCK_S is not None else _combine_block_s(S, max(1, bd // (32 * w)))
+    small = T * triton.cdiv(H, bhc) * (512 // bd) <= target
+    bs = int(BLOCK_S) if BLOCK_S is not None else _combine_block_s(S, max(1, bd // (32 * w)), 64 if small else 32)
     return bhc, bd, bs, w
 
 
@@ -902,13 +915,15 @@ def _resolve_auto(cfg, s1: int, c1: int, s2: int, c2: int, *, T=None, H=None, nu
 def _resolve_combine(cfg, T: int, H: int, S: int, num_sms: int):
     """Fill the combine's "auto" (or missing) keys; explicit values (``CONFIG_OVERRIDE``, bench
     ``--variants``) are kept and the rest chosen around them. ``combine_waves`` (default 2): target
-    programs per SM of the combine grid."""
+    programs per SM of the combine grid; ``combine_maxnreg=0``: no register cap."""
     if all(cfg.get(k, "auto") != "auto" for k in _COMBINE_KEYS):
         return cfg
     fixed = {k: (None if cfg.get(k, "auto") == "auto" else cfg[k]) for k in _COMBINE_KEYS}
     bhc, bd, bs, w = _combine_plan(T, H, S, num_sms, float(cfg.get("combine_waves", 2.0)), fixed["BLOCK_HC"],
                                    fixed["BLOCK_D"], fixed["combine_warps"], fixed["BLOCK_S"])
-    return dict(cfg, BLOCK_HC=bhc, BLOCK_D=bd, BLOCK_S=bs, combine_warps=w)
+    mr = fixed["combine_maxnreg"]
+    mr = _combine_maxnreg(bs, max(1, bd // (32 * w))) if mr is None else int(mr)
+    return dict(cfg, BLOCK_HC=bhc, BLOCK_D=bd, BLOCK_S=bs, combine_warps=w, combine_maxnreg=mr)
 
 
 def _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T: int, H: int, S: int, HP: int, num_sms: int):
@@ -919,10 +934,13 @@ def _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T: int, H: int
     if BHC < 1 or BHC & (BHC - 1) or BD < 1 or BD & (BD - 1) or BD > 512 or BS < 1:
         raise DecodeInputError(f"combine: BLOCK_HC / BLOCK_D must be powers of two (BLOCK_D <= 512), BLOCK_S >= 1; "
                                f"got {BHC}, {BD}, {BS}")
+    extra = {}
+    if int(cfg["combine_maxnreg"]) and not _interpreting():
+        extra["maxnreg"] = int(cfg["combine_maxnreg"])
     _dsv4_combine_kernel[(T, triton.cdiv(H, BHC), 512 // BD)](
         acc_ws, m_ws, l_ws, attn_sink if attn_sink is not None else m_ws, out, lse, H, S, HP,
         HAS_SINK=attn_sink is not None, BLOCK_HC=BHC, BLOCK_D=BD, BLOCK_S=BS,
-        num_warps=int(cfg["combine_warps"]),
+        num_warps=int(cfg["combine_warps"]), **extra,
     )
 
 
