@@ -268,6 +268,7 @@ COMBINE_CONFIGS = {
     "chunks-of-4": dict(BLOCK_S=4),  # S=10: 4+4+2, S=17: 4x4+1 (ragged last chunk)
     "chunks-of-3-d128": dict(BLOCK_S=3, BLOCK_D=128),
     "4-heads-per-program-d256": dict(BLOCK_HC=4, BLOCK_D=256, BLOCK_S=2),  # H=6: ragged last head block
+    "5-heads-per-program": dict(BLOCK_HC=5, BLOCK_S=7),  # not a power of two; S=10: 7 + 3
     "one-split-per-step-2warps": dict(BLOCK_S=1, BLOCK_D=256, combine_warps=2),
 }
 

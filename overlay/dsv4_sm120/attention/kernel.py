@@ -859,8 +859,9 @@ def _combine_maxnreg(block_s: int, per_thread: int) -> int:
     """Register cap for the combine. ptxas aims multi-warp programs at ~32 registers (full occupancy)
     and then issues only the first 1-3 loads of a chunk before the math; a cap is also the target it
     schedules to, so this one lets all ``block_s`` loads be in flight. Fitted on the CPU box
-    (triton 3.8, sm_90 and sm_120, 4 fp32 per thread): ~24 + (per_thread + 2) registers per split
-    (BLOCK_S = 3 / 5 / 6 / 8 / 16 needed 40 / 48 / 56 / 72 / 128); multiple of 8, 32..255."""
+    (triton 3.8 and 3.6, sm_90 and sm_120, 4 fp32 per thread): 24 + (per_thread + 2) registers per
+    split, a multiple of 8, 32..255; checked (all loads before the first FMA, no spill) for BLOCK_S = 2,
+    3, 4, 5, 6, 8, 9, 10, 12, 14, 16 with 1, 2 and 4 warps."""
     return min(255, max(32, 8 * triton.cdiv(24 + block_s * (per_thread + 2), 8)))
 
 
@@ -931,9 +932,9 @@ def _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T: int, H: int
     or bf16, 512 values a row) with the sink into ``out`` [T, 1, H, 512] bf16 and ``lse`` [T, H, 1]."""
     cfg = _resolve_combine(cfg, T, H, S, num_sms)
     BHC, BD, BS = int(cfg["BLOCK_HC"]), int(cfg["BLOCK_D"]), int(cfg["BLOCK_S"])
-    if BHC < 1 or BHC & (BHC - 1) or BD < 1 or BD & (BD - 1) or BD > 512 or BS < 1:
-        raise DecodeInputError(f"combine: BLOCK_HC / BLOCK_D must be powers of two (BLOCK_D <= 512), BLOCK_S >= 1; "
-                               f"got {BHC}, {BD}, {BS}")
+    if BHC < 1 or BD < 1 or BD & (BD - 1) or BD > 512 or BS < 1:
+        raise DecodeInputError(f"combine: BLOCK_D must be a power of two <= 512, BLOCK_HC and BLOCK_S >= 1; "
+                               f"got BLOCK_D={BD}, BLOCK_HC={BHC}, BLOCK_S={BS}")
     extra = {}
     if int(cfg["combine_maxnreg"]) and not _interpreting():
         extra["maxnreg"] = int(cfg["combine_maxnreg"])
