@@ -448,6 +448,11 @@ def test_launch_configuration_rules(monkeypatch):
         cap = 16 if T * 16 * 512 // cfg["BLOCK_D"] <= 264 else 8
         assert cfg["BLOCK_S"] == -(-S // -(-S // cap)), (T, plan, cfg)
         assert T * 16 * 512 // cfg["BLOCK_D"] >= min(264, T * 16 * 4) and cfg["combine_warps"] * 128 == cfg["BLOCK_D"]
+    # H <= 16 on Hopper (H200 call 6): bf16 partials; 4 waves of split programs on small grids, 1 on large
+    assert [K._default_config(16, dev, False, T, 132)["waves"] for T in (1, 64, 96, 100, 128, 512)] == \
+        [4.0, 4.0, 4.0, 2.0, 1.0, 1.0]
+    assert K._default_config(16, dev, False, 1, 132)["PART_BF16"] == 1
+    assert K._default_config(64, dev, False, 1, 132)["waves"] == 2.0
     assert resolved(64, 1)[0]["BLOCK_H"] == 16 and resolved(64, 16)[0]["impl"] == "tiled"
     big = resolved(64, 128)[0]
     assert (big["impl"], big["BLOCK_H"], big["num_stages"]) == ("flat", 64, 1)
