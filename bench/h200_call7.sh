@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# H200 call 7 (session 2, 2026-11-30): correctness of today's defaults on the GPU (attention: the whole GPU test
+# file; MoE: bf16 modes, fp4-emulated, graph replay, exact decodes), then the committed attention table with the
+# final defaults. ~6 min.
+# Usage (repo root, device): OUT=/some/dir bash bench/h200_call7.sh   (carry .whl_attn)
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/c7_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl_attn/sgl_flash_mla-*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/fm:$PWD/overlay
+t0=$(date +%s)
+timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gpu.py >"$OUT/pytest_attn.log" 2>&1 &
+timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py -k "not fp4-native" >"$OUT/pytest_moe.log" 2>&1 &
+wait
+{ echo "tests $(( $(date +%s) - t0 ))s"; tail -1 "$OUT/pytest_attn.log"; tail -1 "$OUT/pytest_moe.log"; } >>"$OUT/times.txt"
+timeout 150 python3 bench/bench_attention.py --replays 20 --impls ours,flashmla,upstream --upstream-max-batch 16 \
+  --torch-max-batch 0 --upstream-file .whl_attn/flash_mla_sm120_triton.py --out "$OUT/attn" >"$OUT/attn.log" 2>&1
+echo "attn rc=$? $(( $(date +%s) - t0 ))s" >>"$OUT/times.txt"
