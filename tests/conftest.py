@@ -85,3 +85,23 @@ def run_patched(patched_sglang_site):
     def run(code: str, env: dict | None = None, timeout: float = 600, overlay: bool = True):
         return _run(patched_sglang_site, code, env=env, timeout=timeout, overlay=overlay)
     return run
+
+
+def gpu_compile_result(code: str, timeout: float = 300) -> dict:
+    """Run ``code`` (a script that compiles Triton kernels for a ``GPUTarget`` on this CPU box and prints
+    ``RESULT<json>``) in a child without ``TRITON_INTERPRET``; return the JSON. Skips the calling test when
+    this Triton has no ASTSource/GPUTarget API or no usable ptxas."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+    if any("ptxas" in v.get("error", "").lower() for v in out.values()):
+        pytest.skip(f"no usable ptxas here: {out}")
+    return out

@@ -21,6 +21,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from conftest import gpu_compile_result  # noqa: E402
 from test_attention_cases import Case, build, lonely_rows  # noqa: E402
 from dsv4_sm120.attention import DecodeInputError, sparse_mla_decode  # noqa: E402
 from dsv4_sm120.attention import kernel as K  # noqa: E402
@@ -383,23 +384,7 @@ def test_combine_code_generation_for_sm90_and_sm120():
     in each thread), and, where cuobjdump can read the cubin, no stack, <= 64 registers for the
     multi-warp plans, and all BLOCK_S loads of a chunk issued before its first FMA (the register cap
     of the plan lets ptxas keep them in flight)."""
-    import json
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    r = subprocess.run([sys.executable, "-c", _COMBINE_COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
-    assert lines, r.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT"):])
-    if any("ptxas" in v.get("error", "").lower() for v in out.values()):
-        pytest.skip(f"no usable ptxas here: {out}")
+    out = gpu_compile_result(_COMBINE_COMPILE)
     for name, v in out.items():
         assert "error" not in v, (name, v)
         bs = int(name.split("_s")[1].split("_")[0])

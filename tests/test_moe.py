@@ -21,6 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
 
 import triton  # noqa: E402
 
+from conftest import gpu_compile_result  # noqa: E402
 from dsv4_sm120 import nvfp4  # noqa: E402
 from dsv4_sm120.moe import BACKEND_NAME, nvfp4_fused_moe  # noqa: E402
 from dsv4_sm120.moe import kernels as K  # noqa: E402
@@ -315,7 +316,8 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32"
        "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
        "swiglu_limit": "fp32", "E": "i32"}
 out = {}
-for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq2", 90, False, False, 2)):
+for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq2", 90, False, False, 2),
+                                   ("sm90_deq3", 90, False, False, 3)):
     cst = dict(HAS_LIMIT=True, BM=16, BN=32, BK=256, PATH_FP4=fp4, NATIVE=native, INTERP=False, DEQ=deq,
                ALOAD_SPLIT=True, GROUPED=True, P_PAD=512, E_PAD=256)
     s = dict(sig, **{k: "constexpr" for k in cst})
@@ -334,29 +336,13 @@ print("RESULT" + json.dumps(out))
 def test_gpu_code_generation_for_sm120_and_sm90():
     """Without a GPU: Triton compiles the FP4 path for sm_120 to the native FP4
     block-scaled MMA (e2m1 x e2m1, UE4M3 scales, K-packed) and the DEQ=2 upcast
-    path's inline PTX assembles for sm_90 (ptxas, cubin produced)."""
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
-    assert lines, r.stderr[-3000:]
-    import json
-
-    out = json.loads(lines[-1][len("RESULT"):])
-    if any("ptxas" in v.get("error", "").lower() for v in out.values()):
-        pytest.skip(f"no usable ptxas here: {out}")
+    path's inline PTX (DEQ 2 and the default DEQ 3) assembles for sm_90 (ptxas, cubin produced)."""
+    out = gpu_compile_result(_COMPILE)
     assert out["sm120_fp4"].get("cubin"), out
     assert out["sm120_fp4"]["fp4_mma"] > 0 and out["sm120_fp4"]["ue4m3"] > 0, out
     assert out["sm90_deq2"].get("cubin"), out
     assert out["sm90_deq2"]["bf16x2_fma"] > 0, out
+    assert out["sm90_deq3"].get("cubin") and out["sm90_deq3"]["bf16x2_fma"] > 0, out
 
 
 @pytest.mark.parametrize("path", ["bf16", "fp4"])

@@ -247,57 +247,42 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
     interp = _interpreting()
     has_limit = swiglu_limit is not None
     if grouped:
-        n_slots = min(E, P) + triton.cdiv(P, BM)  # row tiles: sum_e ceil(count_e / BM) <= this
-        p_pad = max(16, triton.next_power_of_2(P))
-        e_pad = max(16, triton.next_power_of_2(E))
-        h = torch.empty((P, I), dtype=torch.bfloat16, device=dev)
-        y = torch.empty((P, H), dtype=torch.float32, device=dev)
-        grp = dict(GROUPED=True, E=E, P_PAD=p_pad, E_PAD=e_pad)
-        K._gemm1_kernel[(n_slots, triton.cdiv(I, cfg.BN1))](
-            x, w13, w13_scale, w13_scale_2.contiguous(), ids, ids, h,
-            P, topk, H, I,
-            x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-            float(swiglu_limit) if has_limit else 0.0,
-            HAS_LIMIT=has_limit, BM=BM, BN=cfg.BN1, BK=cfg.BK1, PATH_FP4=fp4, NATIVE=native,
-            INTERP=interp, DEQ=cfg.deq, ALOAD_SPLIT=cfg.aload_split, **grp,
-            num_warps=cfg.warps1, num_stages=cfg.stages)
-        K._gemm2_kernel[(n_slots, triton.cdiv(H, cfg.BN2))](
-            h, w2, w2_scale, w2_scale_2.contiguous(), ids, ids, tw, y,
-            P, H, I,
-            w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp, DEQ=cfg.deq,
-            ALOAD_SPLIT=cfg.aload_split, **grp, num_warps=cfg.warps2, num_stages=cfg.stages)
-        rb = min(1024, triton.next_power_of_2(H))
-        K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb, INTERP=interp)
-        return out
-    max_blocks = triton.cdiv(P, BM) + min(E, P)
-    max_slots = max_blocks * BM
-    sorted_pair = torch.empty(max_slots, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    if align == "torch":
-        align_torch(ids, E, BM, sorted_pair, block_expert)
+        # no grouping launch: the GEMM programs are (expert, row tile) slots found in-kernel; h rows = pairs
+        grid_m = min(E, P) + triton.cdiv(P, BM)  # row tiles: sum_e ceil(count_e / BM) <= this
+        rows_ptr, blocks_ptr, h_rows = ids, ids, P
+        grp = dict(GROUPED=True, E=E, P_PAD=max(16, triton.next_power_of_2(P)),
+                   E_PAD=max(16, triton.next_power_of_2(E)))
     else:
-        e_pad = triton.next_power_of_2(E)
-        chunk = max(16, min(128, 16384 // e_pad))
-        bchunk = max(16, min(64, 8192 // e_pad))
-        K._align_kernel[(1,)](ids, sorted_pair, block_expert, P, E, max_slots, max_blocks,
-                              BM=BM, E_PAD=e_pad, CHUNK=chunk, FILL=1024, BCHUNK=bchunk,
-                              num_warps=4 if _interpreting() else 8)
-    h = torch.empty((max_slots, I), dtype=torch.bfloat16, device=dev)
+        grid_m = triton.cdiv(P, BM) + min(E, P)
+        h_rows = grid_m * BM
+        rows_ptr = torch.empty(h_rows, dtype=torch.int32, device=dev)  # sorted, padded pair order
+        blocks_ptr = torch.empty(grid_m, dtype=torch.int32, device=dev)  # expert of each row block
+        grp = {}
+        if align == "torch":
+            align_torch(ids, E, BM, rows_ptr, blocks_ptr)
+        else:
+            e_pad = triton.next_power_of_2(E)
+            chunk = max(16, min(128, 16384 // e_pad))
+            bchunk = max(16, min(64, 8192 // e_pad))
+            K._align_kernel[(1,)](ids, rows_ptr, blocks_ptr, P, E, h_rows, grid_m,
+                                  BM=BM, E_PAD=e_pad, CHUNK=chunk, FILL=1024, BCHUNK=bchunk,
+                                  num_warps=4 if _interpreting() else 8)
+    h = torch.empty((h_rows, I), dtype=torch.bfloat16, device=dev)
     y = torch.empty((P, H), dtype=torch.float32, device=dev)
-    K._gemm1_kernel[(max_blocks, triton.cdiv(I, cfg.BN1))](
-        x, w13, w13_scale, w13_scale_2.contiguous(), sorted_pair, block_expert, h,
+    K._gemm1_kernel[(grid_m, triton.cdiv(I, cfg.BN1))](
+        x, w13, w13_scale, w13_scale_2.contiguous(), rows_ptr, blocks_ptr, h,
         P, topk, H, I,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         float(swiglu_limit) if has_limit else 0.0,
         HAS_LIMIT=has_limit, BM=BM, BN=cfg.BN1, BK=cfg.BK1, PATH_FP4=fp4, NATIVE=native,
-        INTERP=interp, DEQ=cfg.deq, ALOAD_SPLIT=cfg.aload_split, num_warps=cfg.warps1, num_stages=cfg.stages)
-    K._gemm2_kernel[(max_blocks, triton.cdiv(H, cfg.BN2))](
-        h, w2, w2_scale, w2_scale_2.contiguous(), sorted_pair, block_expert, tw, y,
+        INTERP=interp, DEQ=cfg.deq, ALOAD_SPLIT=cfg.aload_split, **grp,
+        num_warps=cfg.warps1, num_stages=cfg.stages)
+    K._gemm2_kernel[(grid_m, triton.cdiv(H, cfg.BN2))](
+        h, w2, w2_scale, w2_scale_2.contiguous(), rows_ptr, blocks_ptr, tw, y,
         P, H, I,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp, DEQ=cfg.deq,
-        ALOAD_SPLIT=cfg.aload_split, num_warps=cfg.warps2, num_stages=cfg.stages)
+        ALOAD_SPLIT=cfg.aload_split, **grp, num_warps=cfg.warps2, num_stages=cfg.stages)
     rb = min(1024, triton.next_power_of_2(H))
     K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb, INTERP=interp)
     return out
