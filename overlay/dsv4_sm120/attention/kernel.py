@@ -580,6 +580,162 @@ def _dsv4_split_kernel_pipe(
 
 
 @triton.jit
+def _kv_tile_bf16(cache, row, valid, ksc, t: tl.constexpr, lanes, INTERP: tl.constexpr):
+    # nope tile t of BLOCK_N tokens, dequantized: [BLOCK_N, 64] (e4m3 x power-of-two scale: exact in bf16)
+    k8 = tl.load(cache + row[:, None] + t * 64 + lanes[None, :], mask=valid[:, None], other=0)
+    sc = tl.exp2(ksc.to(tl.float32) - 127.0)[:, None]
+    if INTERP:
+        return k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
+    return (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(tl.bfloat16)
+
+
+@triton.jit
+def _wg_body(
+    q_ptr, stride_qt, stride_qh, t, s, g,
+    cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
+):
+    # Candidates on the MMA M dimension (BLOCK_N = 64 per warpgroup: wgmma on Hopper), heads on N:
+    # S^T = K Q^T with the loop-invariant Q^T tiles as the B operands (shared memory, loaded once), P^T
+    # stored once per block as the B operand of every PV product O^T += V^T P^T, the dequantized K tile
+    # (scale folded in, exact) as the register A operand of both. Accumulators are transposed [64, BLOCK_H].
+    t64 = t.to(tl.int64)
+    idx_row = idx_ptr + t64 * idx_st
+    end = tl.minimum(start + chunk, K)
+    if HAS_LEN:
+        end = tl.minimum(end, tl.load(len_ptr + t))
+    cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
+    PB64 = PB.to(tl.int64)
+    PB2_64 = PB2.to(tl.int64)
+    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    lanes = tl.arange(0, 64)
+    q_row = q_ptr + t64 * stride_qt + offs_h[None, :].to(tl.int64) * stride_qh  # [1, BLOCK_H]
+    qT_r = tl.load(q_row + 448 + lanes[:, None], mask=hmask[None, :], other=0.0)  # [64, BLOCK_H]
+    qT_0 = tl.load(q_row + lanes[:, None], mask=hmask[None, :], other=0.0)
+    qT_1 = tl.load(q_row + 64 + lanes[:, None], mask=hmask[None, :], other=0.0)
+    qT_2 = tl.load(q_row + 128 + lanes[:, None], mask=hmask[None, :], other=0.0)
+    qT_3 = tl.load(q_row + 192 + lanes[:, None], mask=hmask[None, :], other=0.0)
+    qT_4 = tl.load(q_row + 256 + lanes[:, None], mask=hmask[None, :], other=0.0)
+    qT_5 = tl.load(q_row + 320 + lanes[:, None], mask=hmask[None, :], other=0.0)
+    qT_6 = tl.load(q_row + 384 + lanes[:, None], mask=hmask[None, :], other=0.0)
+    if INTERP:
+        qT_r = qT_r.to(tl.float32)
+        qT_0 = qT_0.to(tl.float32)
+        qT_1 = qT_1.to(tl.float32)
+        qT_2 = qT_2.to(tl.float32)
+        qT_3 = qT_3.to(tl.float32)
+        qT_4 = qT_4.to(tl.float32)
+        qT_5 = qT_5.to(tl.float32)
+        qT_6 = qT_6.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([64, BLOCK_H], tl.float32)
+    a1 = tl.zeros([64, BLOCK_H], tl.float32)
+    a2 = tl.zeros([64, BLOCK_H], tl.float32)
+    a3 = tl.zeros([64, BLOCK_H], tl.float32)
+    a4 = tl.zeros([64, BLOCK_H], tl.float32)
+    a5 = tl.zeros([64, BLOCK_H], tl.float32)
+    a6 = tl.zeros([64, BLOCK_H], tl.float32)
+    ar = tl.zeros([64, BLOCK_H], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        cand = n0 + offs_n
+        inb = cand < end
+        idx = tl.load(idx_row + cand, mask=inb, other=-1)
+        valid = inb & (idx >= 0)
+        idx32 = tl.maximum(idx, 0)
+        page32 = idx32 // P
+        off = (idx32 - page32 * P).to(tl.int64)
+        page = page32.to(tl.int64)
+        row = page * PB64 + off * 576
+        sbase = page * PB64 + P * 576 + off * 8
+        rope = tl.load(cache_bf16 + (page * PB2_64 + off * 288 + 224)[:, None] + lanes[None, :],
+                       mask=valid[:, None], other=0.0)
+        if INTERP:
+            rope = rope.to(tl.float32)
+        c0 = _k_scale(cache, sbase, valid, 0)
+        c1 = _k_scale(cache, sbase, valid, 1)
+        c2 = _k_scale(cache, sbase, valid, 2)
+        c3 = _k_scale(cache, sbase, valid, 3)
+        c4 = _k_scale(cache, sbase, valid, 4)
+        c5 = _k_scale(cache, sbase, valid, 5)
+        c6 = _k_scale(cache, sbase, valid, 6)
+        sT = tl.dot(rope, qT_r)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c0, 0, lanes, INTERP), qT_0, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c1, 1, lanes, INTERP), qT_1, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c2, 2, lanes, INTERP), qT_2, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c3, 3, lanes, INTERP), qT_3, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c4, 4, lanes, INTERP), qT_4, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c5, 5, lanes, INTERP), qT_5, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c6, 6, lanes, INTERP), qT_6, sT)
+        sT = sT * sm_scale_log2
+        sT = tl.where(valid[:, None], sT, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sT, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sT - m_use[None, :])  # [BLOCK_N, BLOCK_H]
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        al = alpha[None, :]
+        if INTERP:
+            pb = p.to(tl.bfloat16).to(tl.float32)
+        else:
+            pb = p.to(tl.bfloat16)
+        ar = tl.dot(tl.trans(rope), pb, ar * al)
+        a0 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c0, 0, lanes, INTERP)), pb, a0 * al)
+        a1 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c1, 1, lanes, INTERP)), pb, a1 * al)
+        a2 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c2, 2, lanes, INTERP)), pb, a2 * al)
+        a3 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c3, 3, lanes, INTERP)), pb, a3 * al)
+        a4 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c4, 4, lanes, INTERP)), pb, a4 * al)
+        a5 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c5, 5, lanes, INTERP)), pb, a5 * al)
+        a6 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c6, 6, lanes, INTERP)), pb, a6 * al)
+        m_i = m_new
+
+    base = (t64 * S + s) * HP + offs_h
+    optr = acc_ws + base[None, :] * 512 + lanes[:, None]
+    hm = hmask[None, :]
+    tl.store(optr, a0, mask=hm)
+    tl.store(optr + 64, a1, mask=hm)
+    tl.store(optr + 128, a2, mask=hm)
+    tl.store(optr + 192, a3, mask=hm)
+    tl.store(optr + 256, a4, mask=hm)
+    tl.store(optr + 320, a5, mask=hm)
+    tl.store(optr + 384, a6, mask=hm)
+    tl.store(optr + 448, ar, mask=hm)
+    tl.store(m_ws + base, m_i, mask=hmask)
+    tl.store(l_ws + base, l_i, mask=hmask)
+
+
+@triton.jit
+def _dsv4_split_kernel_wg(
+    q_ptr, stride_qt, stride_qh,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Same contract as _dsv4_split_kernel (bf16 QK only), body _wg_body (candidates on M)."""
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    is_extra = False
+    if HAS_EXTRA:
+        is_extra = s >= main_nsplit
+    if is_extra:
+        _wg_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                 extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
+                 extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
+                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP)
+    else:
+        _wg_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                 main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
+                 main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
+                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP)
+
+
+@triton.jit
 def _dsv4_split_kernel_tiled(
     q_ptr, stride_qt, stride_qh,
     main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
@@ -958,7 +1114,7 @@ def _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T: int, H: int
 
 def _ws_words(cfg) -> int:
     # 4-byte workspace words per (row, split, head): acc (fp32 or bf16) + m + l
-    return 258 if cfg["impl"] in ("pipe", "tiled") and cfg.get("PART_BF16", 0) else 514
+    return 258 if cfg["impl"] in ("pipe", "tiled", "wg") and cfg.get("PART_BF16", 0) else 514
 
 
 # Overrides for benchmarking variants (keys of _default_config); empty in production.
@@ -985,7 +1141,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     S = s1 + s2
     nrow = T * S * HP
     cfg = _resolve_auto(cfg, s1, c1, s2, c2, T=T, H=H, num_sms=nsm)
-    part_bf16 = cfg["impl"] in ("pipe", "tiled") and bool(cfg.get("PART_BF16", 0))
+    part_bf16 = cfg["impl"] in ("pipe", "tiled", "wg") and bool(cfg.get("PART_BF16", 0))
     ws = _workspace(q.device, nrow * _ws_words(cfg))
     if part_bf16:
         acc_ws = ws[: nrow * 256].view(torch.bfloat16)
@@ -1014,6 +1170,10 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
                                             PV_RELOAD=bool(cfg.get("PV_RELOAD", 0)), **flags)
     elif cfg["impl"] == "tiled":
         _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)), **flags)
+    elif cfg["impl"] == "wg":
+        if fp8:
+            raise DecodeInputError("impl=wg has no fp8 QK path (use qk_mode='bf16')")
+        _dsv4_split_kernel_wg[(T, S, HG)](*common, **flags)
     else:
         _dsv4_split_kernel[(T, S, HG)](
             *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
