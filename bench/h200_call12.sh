@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl_attn/sgl_flash_mla-*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/fm:$PWD/overlay
 t0=$(date +%s)
-W="impl=wg,num_warps=4,maxnreg=0,num_stages=1"
+W="impl=wg,num_warps=4,maxnreg=0,num_stages=1,BLOCK_H=16,BLOCK_N=64"
 timeout 150 python3 bench/bench_attention.py --layouts swa128+c4,single512 --heads 16 --batches 2,4,8,16,32 --impls ours \
   --layers 1 --replays 1 --variants "$W" >/dev/null 2>&1 &
 DSV4_ATTN_TEST_CONFIG="$W" timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gpu.py \
