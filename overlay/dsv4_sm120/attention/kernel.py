@@ -239,6 +239,19 @@ def _dsv4_split_kernel(
 
 
 @triton.jit
+def _token_rows(idx, inb, P, PB64, PB2_64):
+    """Page addressing of a block of candidates: (valid, byte offset of each token's 576-byte row,
+    byte offset of its 8 UE8M0 scales, bf16-element offset of its rope part). 32-bit division (slot
+    ids fit in int32), 64-bit byte offsets after."""
+    valid = inb & (idx >= 0)
+    idx32 = tl.maximum(idx, 0)
+    page32 = idx32 // P
+    off = (idx32 - page32 * P).to(tl.int64)
+    page = page32.to(tl.int64)
+    return valid, page * PB64 + off * 576, page * PB64 + P * 576 + off * 8, page * PB2_64 + off * 288 + 224
+
+
+@triton.jit
 def _k_tile(cache, row, valid, t: tl.constexpr, lanes):
     # raw e4m3 bytes of nope tile t of BLOCK_N tokens: [BLOCK_N, 64] uint8
     return tl.load(cache + row[:, None] + t * 64 + lanes[None, :], mask=valid[:, None], other=0)
@@ -349,14 +362,8 @@ def _tiled_body(
             idx_next = tl.load(idx_row + nxt, mask=nxt < cend, other=-1)
         else:
             idx = tl.load(idx_row + cand, mask=inb, other=-1)
-        valid = inb & (idx >= 0)
-        idx32 = tl.maximum(idx, 0)
-        page32 = idx32 // P  # 32-bit division (slot ids fit in int32); 64-bit byte offsets after
-        off = (idx32 - page32 * P).to(tl.int64)
-        page = page32.to(tl.int64)
-        row = page * PB64 + off * 576
-        sbase = page * PB64 + P * 576 + off * 8
-        rope = tl.load(cache_bf16 + (page * PB2_64 + off * 288 + 224)[:, None] + lanes[None, :],
+        valid, row, sbase, rope_off = _token_rows(idx, inb, P, PB64, PB2_64)
+        rope = tl.load(cache_bf16 + rope_off[:, None] + lanes[None, :],
                        mask=valid[:, None], other=0.0)
         if INTERP:
             rope = rope.to(tl.float32)
@@ -455,14 +462,8 @@ def _pipe_body(
         cand = n0 + offs_n
         inb = cand < end
         idx = tl.load(idx_row + cand, mask=inb, other=-1)
-        valid = inb & (idx >= 0)
-        idx32 = tl.maximum(idx, 0)
-        page32 = idx32 // P
-        off = (idx32 - page32 * P).to(tl.int64)
-        page = page32.to(tl.int64)
-        row = page * PB64 + off * 576
-        sbase = page * PB64 + P * 576 + off * 8
-        rope = tl.load(cache_bf16 + (page * PB2_64 + off * 288 + 224)[:, None] + lanes[None, :],
+        valid, row, sbase, rope_off = _token_rows(idx, inb, P, PB64, PB2_64)
+        rope = tl.load(cache_bf16 + rope_off[:, None] + lanes[None, :],
                        mask=valid[:, None], other=0.0)
         sc = tl.load(cache + sbase[:, None] + tiles[None, :], mask=valid[:, None], other=0)
         if INTERP:
@@ -644,14 +645,8 @@ def _wg_body(
         cand = n0 + offs_n
         inb = cand < end
         idx = tl.load(idx_row + cand, mask=inb, other=-1)
-        valid = inb & (idx >= 0)
-        idx32 = tl.maximum(idx, 0)
-        page32 = idx32 // P
-        off = (idx32 - page32 * P).to(tl.int64)
-        page = page32.to(tl.int64)
-        row = page * PB64 + off * 576
-        sbase = page * PB64 + P * 576 + off * 8
-        rope = tl.load(cache_bf16 + (page * PB2_64 + off * 288 + 224)[:, None] + lanes[None, :],
+        valid, row, sbase, rope_off = _token_rows(idx, inb, P, PB64, PB2_64)
+        rope = tl.load(cache_bf16 + rope_off[:, None] + lanes[None, :],
                        mask=valid[:, None], other=0.0)
         if INTERP:
             rope = rope.to(tl.float32)
