@@ -455,6 +455,9 @@ def test_launch_configuration_rules(monkeypatch):
         [4.0, 4.0, 4.0, 2.0, 1.0, 1.0]
     assert K._default_config(16, dev, False, 1, 132)["PART_BF16"] == 1
     assert [K._default_config(16, dev, False, T, 132)["PREFETCH"] for T in (1, 16, 64, 128)] == [0, 0, 1, 1]
+    # the thresholds scale with the SM count (an RTX PRO 6000 has 188 SMs)
+    assert [K._default_config(16, dev, False, T, 188)["waves"] for T in (128, 141, 142, 178, 179)] == \
+        [4.0, 4.0, 2.0, 2.0, 1.0]
     assert K._default_config(64, dev, False, 1, 132)["waves"] == 2.0
     assert resolved(64, 1)[0]["BLOCK_H"] == 16 and resolved(64, 16)[0]["impl"] == "tiled"
     big = resolved(64, 128)[0]

@@ -1001,11 +1001,13 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
             # split count by grid rows (H200 call 6, H=16 SWA128+c4 with bf16 partials): more splits while
             # the grid is small (B=64: 46.6 us at 4 waves vs 51.3 at 2), fewer once it is large (B=128:
             # 78.9 at 1 wave vs 82.5 at 2, 89.7 at 4); B <= 16 is capped by the candidate blocks anyway
+            # (relative to the SM count: 4 waves up to 3/4 of the SMs in grid rows, 1 from 95%, i.e. 99 and
+            # 126 rows on the H200's 132 SMs)
             rows = T * triton.cdiv(H, 16)
-            cfg["waves"] = 4.0 if rows <= 96 else (1.0 if rows >= 128 else 2.0)
+            cfg["waves"] = 4.0 if 4 * rows <= 3 * num_sms else (1.0 if 20 * rows >= 19 * num_sms else 2.0)
             # next block's indices read early (H200 call 8: B=64 45.5 vs 46.3 us, B=128 75.8 vs 77.7;
-            # B=16 16.9 vs 16.8, noise), so only where programs own several blocks
-            cfg["PREFETCH"] = 1 if rows >= 64 else 0
+            # B=16 16.9 vs 16.8, noise), so only where programs own several blocks: from a third of the SMs
+            cfg["PREFETCH"] = 1 if 3 * rows >= num_sms else 0
         if bh > 16:
             if T * triton.cdiv(H, 16) <= 2 * num_sms:
                 cfg.update(small)

@@ -1,9 +1,11 @@
 """Triton kernels of the NVFP4 fused MoE (see :mod:`dsv4_sm120.moe.fused_moe`).
 
-Four launches per call, all with grids that depend only on tensor shapes (no
-host synchronisation, CUDA-graph safe):
+Three or four launches per call, all with grids that depend only on tensor
+shapes (no host synchronisation, CUDA-graph safe):
 
-1. ``_align_kernel`` (one program): groups the ``P = M*k`` (token, slot) pairs
+1. ``_align_kernel`` (one program; skipped with in-kernel grouping, where each
+   GEMM program finds its (expert, row tile) itself: ``_slot_expert`` /
+   ``_expert_pairs``): groups the ``P = M*k`` (token, slot) pairs
    by expert, pads every expert's group to a multiple of ``BM`` rows and writes
    ``sorted_pair[slot]`` (``P`` = padding) and ``block_expert[b]`` (``-1`` =
    unused block). Ids outside ``[0, E)`` (``-1`` = dropped) are skipped.
