@@ -446,3 +446,49 @@ def test_slot_expert_and_pairs_kernel_helpers():
         v = valid_out[s * BM:(s + 1) * BM].tolist()
         assert v == [1] * len(wp) + [0] * (BM - len(wp))
         assert pair_out[s * BM:s * BM + len(wp)].tolist() == wp
+
+
+_SM120_CONFIGS = r"""
+import json
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from dsv4_sm120.moe import kernels as K
+from dsv4_sm120.moe.fused_moe import INKERNEL_MAX_PAIRS, choose_config
+sig1 = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
+        "block_expert_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "TOPK": "i32", "H": "i32", "I": "i32",
+        "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
+        "swiglu_limit": "fp32", "E": "i32"}
+sig2 = {"h_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
+        "block_expert_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": "*fp32", "P": "i32", "H": "i32", "I": "i32",
+        "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "E": "i32"}
+out = {}
+for M in (1, 16, 4096):
+    cfg = choose_config(M, 6, 256, 4096, 512, "fp4")
+    P = M * 6
+    for name, fn, sig, bn, bk, w in (("g1", K._gemm1_kernel, sig1, cfg.BN1, cfg.BK1, cfg.warps1),
+                                     ("g2", K._gemm2_kernel, sig2, cfg.BN2, cfg.BK2, cfg.warps2)):
+        cst = dict(BM=cfg.BM, BN=bn, BK=bk, PATH_FP4=True, NATIVE=True, INTERP=False, DEQ=0, ALOAD_SPLIT=True,
+                   GROUPED=P <= INKERNEL_MAX_PAIRS, P_PAD=max(16, triton.next_power_of_2(P)), E_PAD=256)
+        if name == "g1":
+            cst["HAS_LIMIT"] = True
+        s = dict(sig, **{k: "constexpr" for k in cst})
+        src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
+        try:
+            k = triton.compile(src, target=GPUTarget("cuda", 120, 32),
+                               options={"num_warps": w, "num_stages": cfg.stages})
+            out[f"M{M}_{name}"] = {"smem": k.metadata.shared, "cubin": bool(k.asm.get("cubin"))}
+        except Exception as e:
+            out[f"M{M}_{name}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_sm120_default_configs_compile_within_shared_memory():
+    """The launch configurations ``choose_config`` picks for the sm_120 FP4 path (decode with in-kernel
+    grouping, the 64-wide decode tile, prefill) compile for sm_120 and fit its ~99 KB of shared memory per
+    block (an RTX PRO 6000 would refuse the launch otherwise; nothing here can launch it)."""
+    out = gpu_compile_result(_SM120_CONFIGS, timeout=600)
+    for name, v in out.items():
+        assert "error" not in v and v["cubin"], (name, v)
+        assert v["smem"] <= 99 * 1024, (name, v)
