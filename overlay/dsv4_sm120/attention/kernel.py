@@ -583,7 +583,7 @@ def _dsv4_split_kernel_pipe(
 @triton.jit
 def _kv_tile_bf16(cache, row, valid, ksc, t: tl.constexpr, lanes, INTERP: tl.constexpr):
     # nope tile t of BLOCK_N tokens, dequantized: [BLOCK_N, 64] (e4m3 x power-of-two scale: exact in bf16)
-    k8 = tl.load(cache + row[:, None] + t * 64 + lanes[None, :], mask=valid[:, None], other=0)
+    k8 = _k_tile(cache, row, valid, t, lanes)
     sc = tl.exp2(ksc.to(tl.float32) - 127.0)[:, None]
     if INTERP:
         return k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc

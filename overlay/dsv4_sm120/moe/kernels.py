@@ -375,20 +375,15 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, MAX_SLOTS, MAX_BL
 
 
 @triton.jit
-def _load_routing(ids_ptr, P, E, P_PAD: tl.constexpr):
-    offs_p = tl.arange(0, P_PAD)
-    ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)
-    return ids, (ids >= 0) & (ids < E), offs_p
-
-
-@triton.jit
 def _slot_expert(ids_ptr, slot, P, E, BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
     """In-kernel grouping (no align launch): program ``slot`` owns one row tile
     of one expert. Row tiles are numbered expert by expert (increasing expert
     id, ``ceil(count / BM)`` tiles each); returns (expert, first rank of the
     tile), expert -1 for slots past the last tile. Grid: ``min(E, P) +
     cdiv(P, BM)`` slots always suffice."""
-    ids, ok, offs_p = _load_routing(ids_ptr, P, E, P_PAD)
+    offs_p = tl.arange(0, P_PAD)
+    ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)
+    ok = (ids >= 0) & (ids < E)
     hist = tl.histogram(tl.where(ok, ids, 0), E_PAD, mask=ok)
     tiles = (hist + BM - 1) // BM
     incl = tl.cumsum(tiles, axis=0)
