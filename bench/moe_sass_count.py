@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             continue
         ops = [m.group(2) for l in lines[loop[0]:loop[1] + 1]
                if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+ )?([A-Z0-9_]+)", l))]
-        top = ", ".join(f"{n} {o}" for o, n in collections.Counter(ops).most_common(8))
+        top = ", ".join(f"{n} {o}" for o, n in collections.Counter(ops).most_common(int(os.environ.get("TOPN", "8"))))
         per = 2 * args.bn * args.bk // 128
         print(f"DEQ {deq}: {len(ops)} loop instructions per {per} weight values per thread ({top})")
     return 0

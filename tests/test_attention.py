@@ -474,3 +474,73 @@ def test_launch_configuration_rules(monkeypatch):
     assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64)["BLOCK_S"] == 4
     assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64, T=1, H=16, num_sms=132)["BLOCK_S"] == 4
     assert K._resolve_auto(dict(cfg, BLOCK_S="auto"), 1, 64, 9, 64)["BLOCK_S"] == "auto"
+
+
+_TILED_KCVT_COMPILE = r"""
+import json, os, re, subprocess, tempfile
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from dsv4_sm120.attention import kernel as K
+fn = K._dsv4_split_kernel_tiled
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+out = {}
+for cap in (90, 120):
+    for kcvt in (0, 1):
+        cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=64, FP8_QK=False,
+                   INTERP=False, PREFETCH=True, KCVT=bool(kcvt))
+        sig = {}
+        for n in fn.arg_names:
+            if n in cst:
+                sig[n] = "constexpr"
+            elif n in ("q_ptr", "acc_ws"):
+                sig[n] = "*bf16"
+            elif n in ("m_ws", "l_ws"):
+                sig[n] = "*fp32"
+            elif n.endswith("_ptr"):
+                sig[n] = "*i32" if ("idx" in n or "len" in n) else "*u8"
+            else:
+                sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
+        div = [n for n, v in sig.items() if v.startswith("*") or n.startswith("stride") or n.endswith(("_PB", "_PB2"))]
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()},
+                        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div})
+        name = f"sm{cap}_kcvt{kcvt}"
+        opts = {"num_warps": 8, "num_stages": 2 if cap == 90 else 1, "maxnreg": 128}
+        try:
+            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        r = {"f2f_bf16_f16": len(re.findall(r"F2F\.BF16\.F16", sass)),
+             "f2fp_e4m3": len(re.findall(r"F2FP\.F16\.E4M3", sass)),
+             "hfma2_or_hmul2": len(re.findall(r"\bH(?:FMA2|MUL2)\b", sass)), "sass": len(sass)}
+        mm = re.search(r"REG:(\d+) STACK:(\d+)", ru)
+        if mm:
+            r["regs"], r["stack"] = int(mm.group(1)), int(mm.group(2))
+        out[name] = r
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_tiled_kcvt_moves_fp8_conversion_off_the_conversion_pipe():
+    """Without a GPU: with KCVT=1 the tiled split kernel compiles for sm_90 and sm_120 under the default
+    register cap (128) and its SASS has no e4m3 -> f16 or f16 -> bf16 conversion instructions left (the
+    default cast uses 2 per value pair plus one per value; bench/attn_sass_count.py counts them), while
+    the KCVT=0 build still has them (the check sees what it claims to). The asm's bit-exactness is
+    tests/test_ptx_decoders.py; its speed is a device measurement (docs/attention.md)."""
+    out = gpu_compile_result(_TILED_KCVT_COMPILE, timeout=900)
+    for cap in (90, 120):
+        base, new = out[f"sm{cap}_kcvt0"], out[f"sm{cap}_kcvt1"]
+        assert "error" not in base and "error" not in new, (base, new)
+        if base["sass"] == 0:
+            pytest.skip("cuobjdump gave no SASS here")
+        assert base["f2f_bf16_f16"] + base["f2fp_e4m3"] >= 100, base
+        assert new["f2f_bf16_f16"] == 0 and new["f2fp_e4m3"] == 0, new
+        assert new["hfma2_or_hmul2"] >= 100, new
+        if "stack" in new:
+            assert new["stack"] <= base["stack"], (base, new)

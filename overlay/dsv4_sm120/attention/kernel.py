@@ -36,6 +36,45 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+# e4m3 -> bf16 on the integer pipes (KCVT=1). Triton's cast is one packed e4m3x2 -> f16x2 conversion
+# plus one f16 -> bf16 conversion per value, all on the conversion pipe (16 results per SM per clock on
+# sm_90; 336 per thread per 64-candidate block in the tiled body, the largest single cost of its loop).
+# Here: a byte ``s eeee mmm`` moved to bf16 bits 15 (sign) and 10..4 (eeee mmm) is a bf16 equal to its
+# e4m3 value times 2^-120 (eeee = 0 lands on the bf16 subnormals, also exact); one bf16x2 multiply by
+# 2^120 gives the value, exactly, for all 254 finite codes (0x7F / 0xFF, e4m3 NaN, give +-480: the KV
+# cache never holds them). Four values per 32-bit input: 2 PRMT, 2 SHF, 6 LOP3, 2 HFMA2.
+_E4M3_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 z, x, a, b, s, nz;
+mov.b32 z, 0;
+mov.b32 s, 0x7B807B80;
+mov.b32 nz, 0x80008000;
+prmt.b32 x, $2, z, 0x1404;
+shr.b32 a, x, 4;
+and.b32 a, a, 0x07F007F0;
+and.b32 b, x, 0x80008000;
+or.b32 a, a, b;
+fma.rn.bf16x2 $0, a, s, nz;
+prmt.b32 x, $2, z, 0x3424;
+shr.b32 a, x, 4;
+and.b32 a, a, 0x07F007F0;
+and.b32 b, x, 0x80008000;
+or.b32 a, a, b;
+fma.rn.bf16x2 $1, a, s, nz;
+}
+""")
+
+
+@triton.jit
+def _e4m3_bf16(k8, KCVT: tl.constexpr):
+    """uint8 tensor of e4m3 codes -> bfloat16 values (exact). KCVT: integer-pipe bit moves (inline PTX;
+    needs >= 4 consecutive values per thread) instead of Triton's conversion-pipe cast."""
+    if KCVT:
+        return tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,=r,r", [k8], dtype=tl.bfloat16, is_pure=True,
+                                         pack=4)
+    return k8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+
+
 @triton.jit
 def _round_to_e4m3_grid(x):
     # Triton's CPU interpreter converts fp32 -> e4m3 without carrying a mantissa round-up into the
@@ -273,7 +312,7 @@ def _k_scale(cache, sbase, valid, t: tl.constexpr):
 
 @triton.jit
 def _qk_tile(q_row, hmask, k8, ksc, t: tl.constexpr, lanes, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-             FP8_QK: tl.constexpr, INTERP: tl.constexpr):
+             FP8_QK: tl.constexpr, INTERP: tl.constexpr, KCVT: tl.constexpr = False):
     # q_h . k_n over nope tile t, K scale included: [BLOCK_H, BLOCK_N] fp32
     # volatile: keep the compiler from hoisting the seven q tiles out of the candidate loop, where
     # they would pin 16x512 bf16 per warp (128 registers per thread) for the whole loop
@@ -295,18 +334,18 @@ def _qk_tile(q_row, hmask, k8, ksc, t: tl.constexpr, lanes, BLOCK_H: tl.constexp
             kt = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             qk = tl.dot(qt.to(tl.float32), tl.trans(kt))
         else:
-            kt = k8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            kt = _e4m3_bf16(k8, KCVT)
             qk = tl.dot(qt, tl.trans(kt))
         return qk * tl.exp2(ksc.to(tl.float32) - 127.0)[None, :]
 
 
 @triton.jit
-def _pv_tile(acc, p, k8, ksc, INTERP: tl.constexpr):
+def _pv_tile(acc, p, k8, ksc, INTERP: tl.constexpr, KCVT: tl.constexpr = False):
     # acc_t += (p * scale_t) @ e4m3 values of tile t; the power-of-two tile scale rides on p
     pv = (p * tl.exp2(ksc.to(tl.float32) - 127.0)[None, :]).to(tl.bfloat16)
     if INTERP:
         return acc + tl.dot(pv.to(tl.float32), k8.to(tl.float8e4nv, bitcast=True).to(tl.float32))
-    return acc + tl.dot(pv, k8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16))
+    return acc + tl.dot(pv, _e4m3_bf16(k8, KCVT))
 
 
 @triton.jit
@@ -315,7 +354,7 @@ def _tiled_body(
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr,
-    INTERP: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERP: tl.constexpr, PREFETCH: tl.constexpr, KCVT: tl.constexpr = False,
 ):
     # One (row, split, head-group) of one cache. Called once per cache from the kernel so each
     # call site keeps the argument alignment facts (16-byte aligned pages and rows) that let the
@@ -382,13 +421,13 @@ def _tiled_body(
         c5 = _k_scale(cache, sbase, valid, 5)
         c6 = _k_scale(cache, sbase, valid, 6)
         qk = tl.dot(q_rope, tl.trans(rope))
-        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
         qk = qk * sm_scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -401,13 +440,13 @@ def _tiled_body(
             acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16).to(tl.float32), rope)
         else:
             acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16), rope)
-        acc0 = _pv_tile(acc0 * a2, p, _k_tile_again(cache, row, valid, 0, lanes), c0, INTERP)
-        acc1 = _pv_tile(acc1 * a2, p, _k_tile_again(cache, row, valid, 1, lanes), c1, INTERP)
-        acc2 = _pv_tile(acc2 * a2, p, _k_tile_again(cache, row, valid, 2, lanes), c2, INTERP)
-        acc3 = _pv_tile(acc3 * a2, p, _k_tile_again(cache, row, valid, 3, lanes), c3, INTERP)
-        acc4 = _pv_tile(acc4 * a2, p, _k_tile_again(cache, row, valid, 4, lanes), c4, INTERP)
-        acc5 = _pv_tile(acc5 * a2, p, _k_tile_again(cache, row, valid, 5, lanes), c5, INTERP)
-        acc6 = _pv_tile(acc6 * a2, p, _k_tile_again(cache, row, valid, 6, lanes), c6, INTERP)
+        acc0 = _pv_tile(acc0 * a2, p, _k_tile_again(cache, row, valid, 0, lanes), c0, INTERP, KCVT)
+        acc1 = _pv_tile(acc1 * a2, p, _k_tile_again(cache, row, valid, 1, lanes), c1, INTERP, KCVT)
+        acc2 = _pv_tile(acc2 * a2, p, _k_tile_again(cache, row, valid, 2, lanes), c2, INTERP, KCVT)
+        acc3 = _pv_tile(acc3 * a2, p, _k_tile_again(cache, row, valid, 3, lanes), c3, INTERP, KCVT)
+        acc4 = _pv_tile(acc4 * a2, p, _k_tile_again(cache, row, valid, 4, lanes), c4, INTERP, KCVT)
+        acc5 = _pv_tile(acc5 * a2, p, _k_tile_again(cache, row, valid, 5, lanes), c5, INTERP, KCVT)
+        acc6 = _pv_tile(acc6 * a2, p, _k_tile_again(cache, row, valid, 6, lanes), c6, INTERP, KCVT)
         m_i = m_new
 
     base = (t64 * S + s) * HP + offs_h
@@ -477,13 +516,13 @@ def _pipe_body(
         k6 = _k_tile(cache, row, valid, 6, lanes)
         c0, c1, c2, c3, c4, c5, c6, _c7 = _split8(sc)
         qk = tl.dot(q_rope, tl.trans(rope))
-        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
-        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP)
+        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
         qk = qk * sm_scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -738,7 +777,7 @@ def _dsv4_split_kernel_tiled(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, KCVT: tl.constexpr = False,
 ):
     """Same contract as _dsv4_split_kernel, but the nope part is processed in its seven 64-wide
     tiles: K/V tiles stay e4m3 bytes, converted straight to MMA operands, the UE8M0 scale is
@@ -755,13 +794,13 @@ def _dsv4_split_kernel_tiled(
                     extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                     extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH)
+                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT)
     else:
         _tiled_body(q_ptr, stride_qt, stride_qh, t, s, g,
                     main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                     main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH)
+                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT)
 
 
 @triton.jit
@@ -1166,7 +1205,8 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
         _dsv4_split_kernel_pipe[(T, S, HG)](*common, NUM_STAGES=int(cfg.get("NUM_STAGES", 2)), PART_BF16=part_bf16,
                                             PV_RELOAD=bool(cfg.get("PV_RELOAD", 0)), **flags)
     elif cfg["impl"] == "tiled":
-        _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)), **flags)
+        _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)),
+                                             KCVT=bool(cfg.get("KCVT", 0)) and not interp, **flags)
     elif cfg["impl"] == "wg":
         if fp8:
             raise DecodeInputError("impl=wg has no fp8 QK path (use qk_mode='bf16')")
