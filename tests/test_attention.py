@@ -237,6 +237,24 @@ def test_wg_split_body(variant):
         K.CONFIG_OVERRIDE.clear()
 
 
+@pytest.mark.parametrize("variant", [dict(impl="bt"), dict(impl="bt", PART_BF16=1, PREFETCH=1, BLOCK_N=32)])
+def test_bt_split_body(variant):
+    """The opt-in batched body (impl=bt: one 64-dim tile per warp, rope as the eighth tile) against the
+    float64 reference: c4 extra with lengths, a head slice, an all-invalid row; c128 on odd pages; main
+    cache only with a -inf sink; its fp8 QK request is refused with a clear error."""
+    K.CONFIG_OVERRIDE.clear()
+    K.CONFIG_OVERRIDE.update(variant)
+    try:
+        check(build(Case(T=3, H=8, K=24, extra="c4", extra_K=20, lengths="random", head_slice=True,
+                         all_invalid_rows=(1,), seed=80)), "bf16")
+        check(build(Case(T=2, H=5, K=17, main_page=3, extra="c128", extra_page=2, extra_K=40, seed=81)), "bf16")
+        check(build(Case(T=2, H=16, K=40, sink="-inf", seed=82)), "bf16")
+        with pytest.raises(DecodeInputError, match="impl=bt"):
+            sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=83)), qk_mode="fp8")
+    finally:
+        K.CONFIG_OVERRIDE.clear()
+
+
 def _combine_inputs(T, H, S, HP, part_bf16, sink, gen):
     """Random partials in the split kernel's workspace layout (row (t*S + s)*HP + h): base-2 maxima
     spread over ~40 (so the weights span many binades), l >= 1 where a split saw a candidate, empty

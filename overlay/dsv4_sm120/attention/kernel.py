@@ -770,6 +770,122 @@ def _dsv4_split_kernel_wg(
 
 
 @triton.jit
+def _bt_body(
+    q_ptr, stride_qt, stride_qh, t, s, g,
+    cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERP: tl.constexpr, PREFETCH: tl.constexpr, KCVT: tl.constexpr,
+):
+    # Batched body: the 512 q/k/v dims as 8 tiles of 64 (7 e4m3 nope tiles, then the bf16 rope tile) on
+    # the batch dimension of 3-D dots, which Triton gives one warp each (8 warps). Each warp keeps its
+    # Q tile as a register A operand for the whole loop, decodes only its own K tile once per block (used
+    # for QK as K^T and for PV as V), and owns its 64 output dims: the only cross-warp step per block is
+    # the sum of the eight partial QK products (tile scales applied per tile before it).
+    t64 = t.to(tl.int64)
+    idx_row = idx_ptr + t64 * idx_st
+    cend = tl.minimum(start + chunk, K)
+    end = cend
+    if HAS_LEN:
+        end = tl.minimum(end, tl.load(len_ptr + t))
+    cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
+    PB64 = PB.to(tl.int64)
+    PB2_64 = PB2.to(tl.int64)
+    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    lanes = tl.arange(0, 64)
+    tiles = tl.arange(0, 8)
+    t3 = tiles[:, None, None]
+    is_nope3 = t3 < 7
+    # Q as [8 tiles, BLOCK_H, 64]: dims tile * 64 + lane (tile 7 = dims 448..511 = rope)
+    q3 = tl.load(q_ptr + t64 * stride_qt + offs_h[None, :, None].to(tl.int64) * stride_qh
+                 + t3 * 64 + lanes[None, None, :], mask=hmask[None, :, None], other=0.0)
+    if INTERP:
+        q3 = q3.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([8, BLOCK_H, 64], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        idx_next = tl.load(idx_row + start + offs_n, mask=start + offs_n < cend, other=-1)
+    for n0 in range(start, end, BLOCK_N):
+        cand = n0 + offs_n
+        inb = cand < end
+        if PREFETCH:
+            idx = tl.where(inb, idx_next, -1)
+            nxt = cand + BLOCK_N
+            idx_next = tl.load(idx_row + nxt, mask=nxt < cend, other=-1)
+        else:
+            idx = tl.load(idx_row + cand, mask=inb, other=-1)
+        valid, row, sbase, rope_off = _token_rows(idx, inb, P, PB64, PB2_64)
+        v3 = valid[None, :, None]
+        # [8, BLOCK_N, 64]: e4m3 bytes of tiles 0..6, the bf16 rope in tile 7 (each zero where the other is)
+        k8 = tl.load(cache + row[None, :, None] + t3 * 64 + lanes[None, None, :], mask=v3 & is_nope3, other=0)
+        rope = tl.load(cache_bf16 + rope_off[None, :, None] + lanes[None, None, :] + t3 * 0,
+                       mask=v3 & (t3 == 7), other=0.0)
+        sc = tl.load(cache + sbase[None, :] + tiles[:, None], mask=valid[None, :] & (tiles[:, None] < 7),
+                     other=127)
+        scale = tl.exp2(sc.to(tl.float32) - 127.0)  # [8, BLOCK_N]; 1 for the rope tile and masked tokens
+        if INTERP:
+            kv = tl.where(is_nope3, k8.to(tl.float8e4nv, bitcast=True).to(tl.float32), rope.to(tl.float32))
+        else:
+            kv = tl.where(is_nope3, _e4m3_bf16(k8, KCVT), rope)
+        qk3 = tl.dot(q3, tl.permute(kv, (0, 2, 1)))  # [8, BLOCK_H, BLOCK_N]
+        qk = tl.sum(qk3 * scale[:, None, :], axis=0) * sm_scale_log2
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p3 = p[None, :, :] * scale[:, None, :]
+        if INTERP:
+            pv = tl.dot(p3.to(tl.bfloat16).to(tl.float32), kv)
+        else:
+            pv = tl.dot(p3.to(tl.bfloat16), kv)
+        acc = acc * alpha[None, :, None] + pv
+        m_i = m_new
+
+    base = (t64 * S + s) * HP + offs_h
+    optr = acc_ws + base[None, :, None] * 512 + t3 * 64 + lanes[None, None, :]
+    tl.store(optr, acc, mask=hmask[None, :, None])
+    tl.store(m_ws + base, m_i, mask=hmask)
+    tl.store(l_ws + base, l_i, mask=hmask)
+
+
+@triton.jit
+def _dsv4_split_kernel_bt(
+    q_ptr, stride_qt, stride_qh,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
+    PREFETCH: tl.constexpr = False, KCVT: tl.constexpr = False,
+):
+    """Same contract as _dsv4_split_kernel_tiled (bf16 QK only), with the batched body (_bt_body)."""
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    is_extra = False
+    if HAS_EXTRA:
+        is_extra = s >= main_nsplit
+    if is_extra:
+        _bt_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                 extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
+                 extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
+                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                 HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, PREFETCH, KCVT)
+    else:
+        _bt_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                 main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
+                 main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
+                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                 HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, PREFETCH, KCVT)
+
+
+@triton.jit
 def _dsv4_split_kernel_tiled(
     q_ptr, stride_qt, stride_qh,
     main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
@@ -1150,7 +1266,7 @@ def _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T: int, H: int
 
 def _ws_words(cfg) -> int:
     # 4-byte workspace words per (row, split, head): acc (fp32 or bf16) + m + l
-    return 258 if cfg["impl"] in ("pipe", "tiled", "wg") and cfg.get("PART_BF16", 0) else 514
+    return 258 if cfg["impl"] in ("pipe", "tiled", "wg", "bt") and cfg.get("PART_BF16", 0) else 514
 
 
 # Overrides for benchmarking variants (keys of _default_config); empty in production.
@@ -1177,7 +1293,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     S = s1 + s2
     nrow = T * S * HP
     cfg = _resolve_auto(cfg, s1, c1, s2, c2, T=T, H=H, num_sms=nsm)
-    part_bf16 = cfg["impl"] in ("pipe", "tiled", "wg") and bool(cfg.get("PART_BF16", 0))
+    part_bf16 = cfg["impl"] in ("pipe", "tiled", "wg", "bt") and bool(cfg.get("PART_BF16", 0))
     ws = _workspace(q.device, nrow * _ws_words(cfg))
     if part_bf16:
         acc_ws = ws[: nrow * 256].view(torch.bfloat16)
@@ -1207,6 +1323,11 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     elif cfg["impl"] == "tiled":
         _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)),
                                              KCVT=bool(cfg.get("KCVT", 0)) and not interp, **flags)
+    elif cfg["impl"] == "bt":
+        if fp8:
+            raise DecodeInputError("impl=bt has no fp8 QK path (use qk_mode='bf16')")
+        _dsv4_split_kernel_bt[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)),
+                                          KCVT=bool(cfg.get("KCVT", 0)) and not interp, **flags)
     elif cfg["impl"] == "wg":
         if fp8:
             raise DecodeInputError("impl=wg has no fp8 QK path (use qk_mode='bf16')")
