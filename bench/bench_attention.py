@@ -187,18 +187,25 @@ def main(argv=None):
     args = parse_args(argv)
     import torch
 
+    from dsv4_sm120.attention import kernel as K
+
+    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
+    for v in variants:
+        try:
+            K.parse_config(v, f"--variants item {v!r}")  # a typo fails here, before any GPU work
+        except K.DecodeInputError as exc:
+            print(f"bench_attention: error: {exc}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA device; nothing to measure", file=sys.stderr)
         return 2
     import triton
 
-    from dsv4_sm120.attention import kernel as K
     from dsv4_sm120.attention.reference import rel_fro, sparse_mla_decode_ref
 
     dev = torch.device("cuda")
     bl = Baselines(args, torch)
     impls = [s for s in args.impls.split(",") if s]
-    variants = [v for v in args.variants.split(";") if v.strip()]
     qk_modes = [m for m in args.qk_modes.split(",") if m]
     gen = torch.Generator(device=dev).manual_seed(1234)
     meta = dict(
@@ -233,15 +240,7 @@ def main(argv=None):
         if "ours" in impls:
             for mi, mode in enumerate(qk_modes):
                 for v in [""] + (variants if mi == 0 else []):
-                    ov = {}
-                    for item in v.split(","):
-                        if "=" in item:
-                            k_, val = item.split("=")
-                            k_, val = k_.strip(), val.strip()
-                            try:
-                                ov[k_] = float(val) if k_ == "waves" else int(val)
-                            except ValueError:
-                                ov[k_] = val
+                    ov = K.parse_config(v, f"--variants item {v!r}")
                     name = f"ours-{mode}" + (f"[{v}]" if v else "")
 
                     def f(i, mode=mode, ov=ov):
@@ -396,12 +395,51 @@ def render(meta, rows):
                     cells.append(f"{r['us']:.1f} ({r['gbps']:.0f}, {r['rel_err']:.1e})")
             lines.append(f"| {im} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += best_variants(rows)
     errs = [r for r in rows if "error" in r]
     if errs:
         lines.append("Errors:")
         for r in errs:
             lines.append(f"- {r['layout']} B={r['B']} H={r['H']} {r['impl']}: {r['error']}")
     return "\n".join(lines) + "\n"
+
+
+def best_variants(rows):
+    """Per (layout, H, qk mode): the fastest of ours' default and its --variants rows at each B, and the
+    DSV4_SM120_ATTN_CONFIG line that picks a variant which is never slower than the default by more than 2%
+    and faster by more than 3% somewhere (so the user's box can adopt what won there)."""
+    ours = [r for r in rows if r["impl"].startswith("ours-") and "error" not in r and "us" in r]
+    groups = sorted({(r["layout"], r["H"], r["impl"].split("[")[0]) for r in ours})
+    lines = []
+    for layout, H, base in groups:
+        sel = [r for r in ours if r["layout"] == layout and r["H"] == H and r["impl"].split("[")[0] == base]
+        variants = sorted({r["impl"][len(base) + 1:-1] for r in sel if "[" in r["impl"]})
+        if not variants:
+            continue
+        Bs = sorted({r["B"] for r in sel})
+        default = {r["B"]: r["us"] for r in sel if r["impl"] == base}
+        cells, candidates = [], []
+        for b in Bs:
+            at_b = [r for r in sel if r["B"] == b]
+            best = min(at_b, key=lambda r: r["us"])
+            name = best["impl"][len(base) + 1:-1] if "[" in best["impl"] else "default"
+            ref = default.get(b)
+            cells.append(f"B={b}: {name} {best['us']:.1f} us" + (f" ({ref / best['us']:.2f}x)" if ref else ""))
+        for v in variants:
+            us = {r["B"]: r["us"] for r in sel if r["impl"] == f"{base}[{v}]"}
+            if all(b in us and b in default for b in Bs):
+                ratios = [default[b] / us[b] for b in Bs]
+                if min(ratios) >= 0.98 and max(ratios) > 1.03:
+                    candidates.append((sum(ratios) / len(ratios), v))
+        lines.append(f"Best of ours at {layout}, H={H}, {base}: " + "; ".join(cells) + ".")
+        if candidates:
+            gain, v = max(candidates)
+            lines.append(f"Variant never >2% slower and >3% faster somewhere (mean {gain:.2f}x): "
+                         f"`DSV4_SM120_ATTN_CONFIG='{v}'` (serve scripts pass the environment through).")
+        else:
+            lines.append("No variant beats the default across these batch sizes: keep the default.")
+        lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -562,3 +563,80 @@ def test_tiled_kcvt_moves_fp8_conversion_off_the_conversion_pipe():
         assert new["hfma2_or_hmul2"] >= 100, new
         if "stack" in new:
             assert new["stack"] <= base["stack"], (base, new)
+
+
+def test_parse_config_accepts_the_documented_keys_and_refuses_typos():
+    got = K.parse_config(" KCVT=1, maxnreg=0 ,impl=bt,waves=1.5,BLOCK_S=auto,BLOCK_N=32 ")
+    assert got == {"KCVT": 1, "maxnreg": 0, "impl": "bt", "waves": 1.5, "BLOCK_S": "auto", "BLOCK_N": 32}
+    assert K.parse_config("") == {}
+    for bad, needle in [("BLOCKN=32", "unknown key 'BLOCKN'"), ("impl=fast", "impl must be one of"),
+                        ("KCVT", "key=value"), ("BLOCK_N=48", "power of two"), ("num_warps=0", "power of two"),
+                        ("waves=0", "out of range"), ("maxnreg=-1", "out of range"), ("PREFETCH=yes", "integer"),
+                        ("waves=fast", "a number"), ("BLOCK_N=auto", "integer")]:
+        with pytest.raises(DecodeInputError, match=needle):
+            K.parse_config(bad, "DSV4_SM120_ATTN_CONFIG")
+
+
+def test_env_config_selects_the_launch_and_refuses_bad_values(monkeypatch):
+    """DSV4_SM120_ATTN_CONFIG reaches the launch (here: the batched body, seen by its kernel being the one
+    launched, with the float64 reference still matched); a typo is an error naming the variable, not a
+    silent default; an fp8 request on a bf16-only body is refused."""
+    launched = []
+    real = K._dsv4_split_kernel_bt
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(K, "_dsv4_split_kernel_bt", Spy())
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=bt,PREFETCH=1")
+    K.CONFIG_OVERRIDE.clear()
+    check(build(Case(T=2, H=8, K=24, extra="c4", extra_K=20, lengths="random", seed=90)), "bf16")
+    assert launched, "DSV4_SM120_ATTN_CONFIG=impl=bt did not reach the launch"
+    with pytest.raises(DecodeInputError, match="impl=bt has no fp8"):
+        sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=91)), qk_mode="fp8")
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=bt,BLOKC_N=32")
+    with pytest.raises(DecodeInputError, match="DSV4_SM120_ATTN_CONFIG: unknown key 'BLOKC_N'"):
+        sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=92)), qk_mode="bf16")
+    monkeypatch.delenv("DSV4_SM120_ATTN_CONFIG")
+    launched.clear()
+    check(build(Case(T=1, H=4, K=16, seed=93)), "bf16")
+    assert not launched  # default launch again once the variable is gone
+
+
+def _bench_module():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention_for_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_best_variant_summary():
+    """The bench's closing lines name the fastest row per batch size and suggest a DSV4_SM120_ATTN_CONFIG only
+    for a variant that is never >2% slower than the default and >3% faster somewhere."""
+    B = _bench_module()
+
+    def rows(us_by_impl):
+        return [dict(layout="swa128+c4", H=16, B=b, impl=impl, us=us)
+                for impl, per_b in us_by_impl.items() for b, us in per_b.items()]
+
+    lines = "\n".join(B.best_variants(rows({
+        "ours-bf16": {16: 17.0, 128: 76.0}, "ours-bf16[KCVT=1]": {16: 17.1, 128: 60.0},
+        "ours-bf16[impl=bt]": {16: 25.0, 128: 50.0}, "flashmla(64 heads)": {16: 17.7, 128: 45.9}})))
+    assert "B=16: default 17.0 us" in lines and "B=128: impl=bt 50.0 us (1.52x)" in lines
+    assert "DSV4_SM120_ATTN_CONFIG='KCVT=1'" in lines  # bt is faster at 128 but 47% slower at 16
+    lines = "\n".join(B.best_variants(rows({"ours-bf16": {16: 17.0}, "ours-bf16[KCVT=1]": {16: 18.0}})))
+    assert "keep the default" in lines and "DSV4_SM120_ATTN_CONFIG" not in lines
+    assert B.best_variants(rows({"ours-bf16": {16: 17.0}})) == []
+
+
+def test_bench_refuses_a_variant_typo_before_touching_the_gpu():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "bench_attention.py"),
+                        "--variants", "KCVT=1;BLOCKN=32"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "unknown key 'BLOCKN'" in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr

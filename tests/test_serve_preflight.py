@@ -153,3 +153,21 @@ def test_env_files(tmp_path):
     shipped = dict((k, v) for k, v, _ in load_env_dir(REPO / "serve" / "env", {}))
     assert shipped["NCCL_PROTO"] == "LL" and shipped["NCCL_ALGO"] == "Ring"
     assert shipped["SGLANG_DISAGGREGATION_NIXL_BACKEND"] == "UCX"
+
+
+def test_overlay_env_check_catches_attention_typos_before_start(tmp_path):
+    """A typo in DSV4_SM120_ATTN_CONFIG / DSV4_SM120_ATTN_QK fails the preflight (never skippable) instead of
+    surfacing at the first decode after the model has loaded; valid settings pass."""
+    assert pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_CONFIG="KCVT=1,maxnreg=0"), base={}) == []
+    bad = pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_CONFIG="KCVT=1,BLOCKN=32"), base={})
+    assert len(bad) == 1 and "unknown key 'BLOCKN'" in bad[0] and "DSV4_SM120_ATTN_CONFIG" in bad[0]
+    bad = pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_QK="fp16"), base={})
+    assert len(bad) == 1 and "DSV4_SM120_ATTN_QK" in bad[0]
+    bad = pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_QK="fp8", DSV4_SM120_ATTN_CONFIG="impl=bt"), base={})
+    assert len(bad) == 1 and "no fp8 QK path" in bad[0]
+    # the caller's environment counts too (it reaches the servers)
+    assert pf.check_overlay_env(plan_for(), base={"DSV4_SM120_ATTN_CONFIG": "impl=fast"})
+    p = plan_for(DSV4_SM120_ATTN_CONFIG="BLOCK_N=48", PREFLIGHT_SKIP="patches,nixl,gpu,model,ports,router")
+    said = []
+    out = pf.run_preflight(p, say=said.append)
+    assert "preflight env: FAILED" in said and any("power of two" in x for x in out)

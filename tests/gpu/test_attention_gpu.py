@@ -25,16 +25,11 @@ ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_le
 
 def _env_config():
     """DSV4_ATTN_TEST_CONFIG='impl=pipe,NUM_STAGES=2' runs every test of this file with that launch
-    configuration (keys of kernel._default_config), to check a benchmark variant before using it."""
-    ov = {}
-    for item in os.environ.get("DSV4_ATTN_TEST_CONFIG", "").split(","):
-        if "=" in item:
-            k, v = (x.strip() for x in item.split("=", 1))
-            try:
-                ov[k] = float(v) if k == "waves" else int(v)
-            except ValueError:
-                ov[k] = v
-    return ov
+    configuration (validated by kernel.parse_config, as DSV4_SM120_ATTN_CONFIG is), to check a benchmark
+    variant before using it."""
+    from dsv4_sm120.attention import kernel as K
+
+    return K.parse_config(os.environ.get("DSV4_ATTN_TEST_CONFIG", ""), "DSV4_ATTN_TEST_CONFIG")
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,8 @@ per-head sink (natural-log logit). Returns ``out [T,1,H,512]`` bf16 (zeros for r
 candidate) and ``lse [T,H,1]`` fp32 (natural log, sink excluded, -inf for such rows).
 
 Keyword-only ``qk_mode``: ``"bf16"`` | ``"fp8"`` | ``None`` (env ``DSV4_SM120_ATTN_QK``, default
-``auto`` = fp8 block-scaled QK on sm_120, bf16 elsewhere).
+``auto`` = bf16 on every architecture; ``fp8`` = block-scaled QK, native on sm_120). Env
+``DSV4_SM120_ATTN_CONFIG`` (``launch_config``) overrides the per-shape launch configuration.
 
 ``dsv4_sm120.attention.reference`` holds a float64 reference; ``dsv4_sm120.attention.cache``
 builds paged caches for tests and benchmarks.

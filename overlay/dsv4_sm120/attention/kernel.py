@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_config
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -1272,6 +1274,21 @@ def _ws_words(cfg) -> int:
 # Overrides for benchmarking variants (keys of _default_config); empty in production.
 CONFIG_OVERRIDE: Dict[str, object] = {}
 
+IMPLS = launch_config.IMPLS
+_ENV_CONFIG_CACHE: Dict[str, Dict[str, object]] = {}
+
+
+def parse_config(text: str, source: str = "config") -> Dict[str, object]:
+    """``launch_config.parse_config`` raising ``DecodeInputError``."""
+    return launch_config.parse_config(text, source, error=DecodeInputError)
+
+
+def _env_config() -> Dict[str, object]:
+    text = os.environ.get("DSV4_SM120_ATTN_CONFIG", "")
+    if text not in _ENV_CONFIG_CACHE:
+        _ENV_CONFIG_CACHE[text] = parse_config(text, "DSV4_SM120_ATTN_CONFIG")
+    return _ENV_CONFIG_CACHE[text]
+
 
 def _qk_mode(device: torch.device, qk_mode) -> bool:
     mode = qk_mode or os.environ.get("DSV4_SM120_ATTN_QK", "auto")
@@ -1397,7 +1414,10 @@ def sparse_mla_decode(
     fp8 = _qk_mode(device, qk_mode)
     nsm = _num_sms(device)
     cfg = dict(_default_config(H, device, fp8, T, nsm))
+    cfg.update(_env_config())
     cfg.update(CONFIG_OVERRIDE)
+    if fp8 and cfg["impl"] in launch_config.BF16_ONLY_IMPLS:
+        raise DecodeInputError(f"impl={cfg['impl']} has no fp8 QK path (use qk_mode='bf16')")
     BH, BN = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"])
     HG = triton.cdiv(H, BH)
     HP = HG * BH

@@ -2,6 +2,8 @@
 
 Checks (names usable in ``PREFLIGHT_SKIP``):
   python   the environment's python exists (never skippable)
+  env      the overlay's attention variables parse (DSV4_SM120_ATTN_CONFIG, DSV4_SM120_ATTN_QK; never skippable:
+           a typo would otherwise surface only after the model has loaded)
   ports    every port this host will bind is free, no port configured twice
   gpu      nvidia-smi sees the chosen GPUs, compute capability 12.x, enough free memory
   model    MODEL_PATH is a readable checkpoint directory with config.json, or a Hugging Face id
@@ -237,6 +239,15 @@ def check_python(plan: Plan) -> List[str]:
     return []
 
 
+def check_overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> List[str]:
+    from ..attention.launch_config import check_env
+
+    env = dict(os.environ if base is None else base)
+    for k, v, _ in plan.common_env:
+        env.setdefault(k, v)
+    return check_env(env)
+
+
 RUNNERS: Dict[str, Callable[[Plan], List[str]]] = {
     "ports": check_ports, "gpu": check_gpu, "model": check_model,
     "patches": check_patches, "nixl": check_nixl, "router": check_router,
@@ -249,6 +260,8 @@ def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
     failures = check_python(plan)
     if failures:
         return failures  # nothing else can run without the environment
+    failures = check_overlay_env(plan)
+    say(f"preflight env: {'ok' if not failures else 'FAILED'}")
     for name in CHECKS:
         if name in skip:
             say(f"preflight {name}: skipped")
