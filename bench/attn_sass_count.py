@@ -34,12 +34,8 @@ def _load_kernel_module():
     except ImportError:
         from unittest.mock import MagicMock
         sys.modules["torch"] = MagicMock()
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "overlay" / "dsv4_sm120" / "attention" / "kernel.py"
-    spec = importlib.util.spec_from_file_location("_dsv4_attn_kernel", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from dsv4_sm120.attention import kernel
+    return kernel
 
 
 def main(argv=None) -> int:
@@ -51,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, default=8)
     p.add_argument("--num-stages", type=int, default=0, help="0: 2 on sm_90, 1 elsewhere (the defaults)")
     p.add_argument("--maxnreg", type=int, default=128, help="0: no cap")
+    p.add_argument("--extra", default="", help="more constexprs of the kernel, e.g. PREFETCH=0")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     try:
@@ -76,6 +73,9 @@ def main(argv=None) -> int:
                 cst["PREFETCH"] = True
             if "KCVT" in fn.arg_names:
                 cst["KCVT"] = bool(kcvt)
+            for kv in (x for x in args.extra.split(",") if x):
+                k_, v_ = kv.split("=")
+                cst[k_] = bool(int(v_)) if k_ in ("PREFETCH", "KCVT") else int(v_)
             sig = {}
             for n in fn.arg_names:
                 if n in cst:
