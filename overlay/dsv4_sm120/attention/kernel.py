@@ -313,6 +313,16 @@ def _k_scale(cache, sbase, valid, t: tl.constexpr):
 
 
 @triton.jit
+def _ue8m0(ksc, KCVT: tl.constexpr):
+    # UE8M0 byte -> 2^(byte - 127) as fp32. KCVT: the byte shifted into the fp32 exponent field (one integer
+    # op; byte 0, 2^-127, becomes 0 and 255 becomes +inf instead of NaN: neither is a real KV tile scale);
+    # else int -> float, subtract, MUFU exp2 (conversion and special-function pipes).
+    if KCVT:
+        return (ksc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return tl.exp2(ksc.to(tl.float32) - 127.0)
+
+
+@triton.jit
 def _qk_tile(q_row, hmask, k8, ksc, t: tl.constexpr, lanes, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
              FP8_QK: tl.constexpr, INTERP: tl.constexpr, KCVT: tl.constexpr = False):
     # q_h . k_n over nope tile t, K scale included: [BLOCK_H, BLOCK_N] fp32
@@ -338,13 +348,13 @@ def _qk_tile(q_row, hmask, k8, ksc, t: tl.constexpr, lanes, BLOCK_H: tl.constexp
         else:
             kt = _e4m3_bf16(k8, KCVT)
             qk = tl.dot(qt, tl.trans(kt))
-        return qk * tl.exp2(ksc.to(tl.float32) - 127.0)[None, :]
+        return qk * _ue8m0(ksc, KCVT)[None, :]
 
 
 @triton.jit
 def _pv_tile(acc, p, k8, ksc, INTERP: tl.constexpr, KCVT: tl.constexpr = False):
     # acc_t += (p * scale_t) @ e4m3 values of tile t; the power-of-two tile scale rides on p
-    pv = (p * tl.exp2(ksc.to(tl.float32) - 127.0)[None, :]).to(tl.bfloat16)
+    pv = (p * _ue8m0(ksc, KCVT)[None, :]).to(tl.bfloat16)
     if INTERP:
         return acc + tl.dot(pv.to(tl.float32), k8.to(tl.float8e4nv, bitcast=True).to(tl.float32))
     return acc + tl.dot(pv, _e4m3_bf16(k8, KCVT))
@@ -464,6 +474,7 @@ def _pipe_body(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr,
     INTERP: tl.constexpr, NUM_STAGES: tl.constexpr, PART_BF16: tl.constexpr, PV_RELOAD: tl.constexpr,
+    KCVT: tl.constexpr = False,
 ):
     # Like _tiled_body, written for Triton's software pipeliner: the candidate loop is a
     # tl.range with NUM_STAGES stages, so the index load and the gathers of the next block(s)
@@ -537,13 +548,13 @@ def _pipe_body(
             acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16).to(tl.float32), rope)
         else:
             acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16), rope)
-        acc0 = _pv_tile(acc0 * a2, p, _pv_src(cache, row, valid, 0, lanes, k0, PV_RELOAD), c0, INTERP)
-        acc1 = _pv_tile(acc1 * a2, p, _pv_src(cache, row, valid, 1, lanes, k1, PV_RELOAD), c1, INTERP)
-        acc2 = _pv_tile(acc2 * a2, p, _pv_src(cache, row, valid, 2, lanes, k2, PV_RELOAD), c2, INTERP)
-        acc3 = _pv_tile(acc3 * a2, p, _pv_src(cache, row, valid, 3, lanes, k3, PV_RELOAD), c3, INTERP)
-        acc4 = _pv_tile(acc4 * a2, p, _pv_src(cache, row, valid, 4, lanes, k4, PV_RELOAD), c4, INTERP)
-        acc5 = _pv_tile(acc5 * a2, p, _pv_src(cache, row, valid, 5, lanes, k5, PV_RELOAD), c5, INTERP)
-        acc6 = _pv_tile(acc6 * a2, p, _pv_src(cache, row, valid, 6, lanes, k6, PV_RELOAD), c6, INTERP)
+        acc0 = _pv_tile(acc0 * a2, p, _pv_src(cache, row, valid, 0, lanes, k0, PV_RELOAD), c0, INTERP, KCVT)
+        acc1 = _pv_tile(acc1 * a2, p, _pv_src(cache, row, valid, 1, lanes, k1, PV_RELOAD), c1, INTERP, KCVT)
+        acc2 = _pv_tile(acc2 * a2, p, _pv_src(cache, row, valid, 2, lanes, k2, PV_RELOAD), c2, INTERP, KCVT)
+        acc3 = _pv_tile(acc3 * a2, p, _pv_src(cache, row, valid, 3, lanes, k3, PV_RELOAD), c3, INTERP, KCVT)
+        acc4 = _pv_tile(acc4 * a2, p, _pv_src(cache, row, valid, 4, lanes, k4, PV_RELOAD), c4, INTERP, KCVT)
+        acc5 = _pv_tile(acc5 * a2, p, _pv_src(cache, row, valid, 5, lanes, k5, PV_RELOAD), c5, INTERP, KCVT)
+        acc6 = _pv_tile(acc6 * a2, p, _pv_src(cache, row, valid, 6, lanes, k6, PV_RELOAD), c6, INTERP, KCVT)
         m_i = m_new
 
     base = (t64 * S + s) * HP + offs_h
@@ -599,6 +610,7 @@ def _dsv4_split_kernel_pipe(
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
     NUM_STAGES: tl.constexpr = 2, PART_BF16: tl.constexpr = False, PV_RELOAD: tl.constexpr = False,
+    KCVT: tl.constexpr = False,
 ):
     """Same contract as _dsv4_split_kernel_tiled, with the software-pipelined body _pipe_body."""
     t = tl.program_id(0)
@@ -612,13 +624,13 @@ def _dsv4_split_kernel_pipe(
                    extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                    extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                   HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, NUM_STAGES, PART_BF16, PV_RELOAD)
+                   HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, NUM_STAGES, PART_BF16, PV_RELOAD, KCVT)
     else:
         _pipe_body(q_ptr, stride_qt, stride_qh, t, s, g,
                    main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                    main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                   HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, NUM_STAGES, PART_BF16, PV_RELOAD)
+                   HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, NUM_STAGES, PART_BF16, PV_RELOAD, KCVT)
 
 
 @triton.jit
@@ -828,7 +840,7 @@ def _bt_body(
                        mask=v3 & (t3 == 7), other=0.0)
         sc = tl.load(cache + sbase[None, :] + tiles[:, None], mask=valid[None, :] & (tiles[:, None] < 7),
                      other=127)
-        scale = tl.exp2(sc.to(tl.float32) - 127.0)  # [8, BLOCK_N]; 1 for the rope tile and masked tokens
+        scale = _ue8m0(sc, KCVT)  # [8, BLOCK_N]; 1 for the rope tile and masked tokens
         if INTERP:
             kv = tl.where(is_nope3, k8.to(tl.float8e4nv, bitcast=True).to(tl.float32), rope.to(tl.float32))
         else:
@@ -1336,15 +1348,16 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
         flags["maxnreg"] = int(cfg["maxnreg"])
     if cfg["impl"] == "pipe":
         _dsv4_split_kernel_pipe[(T, S, HG)](*common, NUM_STAGES=int(cfg.get("NUM_STAGES", 2)), PART_BF16=part_bf16,
-                                            PV_RELOAD=bool(cfg.get("PV_RELOAD", 0)), **flags)
+                                            PV_RELOAD=bool(cfg.get("PV_RELOAD", 0)), KCVT=bool(cfg.get("KCVT", 0)),
+                                            **flags)
     elif cfg["impl"] == "tiled":
         _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)),
-                                             KCVT=bool(cfg.get("KCVT", 0)) and not interp, **flags)
+                                             KCVT=bool(cfg.get("KCVT", 0)), **flags)
     elif cfg["impl"] == "bt":
         if fp8:
             raise DecodeInputError("impl=bt has no fp8 QK path (use qk_mode='bf16')")
         _dsv4_split_kernel_bt[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)),
-                                          KCVT=bool(cfg.get("KCVT", 0)) and not interp, **flags)
+                                          KCVT=bool(cfg.get("KCVT", 0)), **flags)
     elif cfg["impl"] == "wg":
         if fp8:
             raise DecodeInputError("impl=wg has no fp8 QK path (use qk_mode='bf16')")
