@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                 cst["KCVT"] = bool(kcvt)
             for kv in (x for x in args.extra.split(",") if x):
                 k_, v_ = kv.split("=")
-                cst[k_] = bool(int(v_)) if k_ in ("PREFETCH", "KCVT") else int(v_)
+                cst[k_] = bool(int(v_)) if k_ == "KCVT" else int(v_)
             sig = {}
             for n in fn.arg_names:
                 if n in cst:

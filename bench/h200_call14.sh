@@ -5,6 +5,7 @@
 #     bench/attn_sass_count.py). Expectation: B >= 64 faster by 5-25% (the loop issues 1810 instead of 1662
 #     instructions per warp and block, but 336 conversion-pipe ops per thread and block go away; at 16 per SM
 #     and clock they need ~5.6k cycles per block against ~3.3k issue cycles), B <= 16 unchanged within noise.
+#   - PREFETCH=2: the next block's tile-scale bytes read one block early (they are synchronous byte loads).
 #   - impl=bt: the batched body (one 64-dim tile per warp). Expectation: unclear (2436 instructions per 64
 #     candidates vs 1662, but 9 barriers per 32 candidates vs 22 per 64); if it loses everywhere, delete it.
 # Steps: bf16 GPU attention tests under KCVT=1 (~2.5 min) and under bt (~2.5 min, background), then the H=16
@@ -17,7 +18,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl_attn/sgl_flash_mla-*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/fm:$PWD/overlay
 t0=$(date +%s)
-VA="KCVT=1;impl=bt,BLOCK_N=32,maxnreg=0;impl=bt,BLOCK_N=32,maxnreg=0,KCVT=1;impl=bt,BLOCK_N=32,maxnreg=0,waves=1"
+VA="KCVT=1;KCVT=1,PREFETCH=2;PREFETCH=2;impl=bt,BLOCK_N=32,maxnreg=0;impl=bt,BLOCK_N=32,maxnreg=0,KCVT=1"
 # warm the Triton cache for every variant in parallel (compiles dominate a cold call)
 IFS=';' read -ra A <<<"$VA"
 for v in "${A[@]}"; do

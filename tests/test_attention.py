@@ -201,6 +201,8 @@ SPLIT_IMPLS = {
     "tiled": dict(impl="tiled"),
     "tiled+prefetch": dict(impl="tiled", PREFETCH=1),
     "tiled+kcvt": dict(impl="tiled", KCVT=1, PREFETCH=1),
+    "tiled+kcvt+scale-prefetch": dict(impl="tiled", KCVT=1, PREFETCH=2),
+    "tiled+scale-prefetch": dict(impl="tiled", PREFETCH=2, BLOCK_N=32),
     "pipe": dict(impl="pipe", NUM_STAGES=2),
     "pipe+bf16part": dict(impl="pipe", NUM_STAGES=3, PART_BF16=1, BLOCK_S=16),
     "pipe+pvreload": dict(impl="pipe", NUM_STAGES=2, PV_RELOAD=1, BLOCK_N=32),
@@ -219,6 +221,22 @@ def test_all_split_implementations(impl):
         for mode in ("bf16", "fp8"):
             check(build(Case(T=2, H=8, K=24, extra="c4", extra_K=20, lengths="random", head_slice=True,
                              seed=50 + (mode == "fp8"))), mode)
+    finally:
+        K.CONFIG_OVERRIDE.clear()
+
+
+@pytest.mark.parametrize("kcvt", [0, 1])
+def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt):
+    """PREFETCH=2 reads the next block's tile scales one block early: rows whose length ends inside a block,
+    zero-length rows, all-invalid rows, odd pages and several blocks per program still match float64 (scale
+    bytes past a row's length are never read as if valid)."""
+    K.CONFIG_OVERRIDE.clear()
+    K.CONFIG_OVERRIDE.update(impl="tiled", PREFETCH=2, KCVT=kcvt, waves=0.25)
+    try:
+        check(build(Case(T=4, H=8, K=64, lengths="zero_some", extra="c4", extra_K=40, all_invalid_rows=(2,),
+                         seed=95 + kcvt)), "bf16")
+        check(build(Case(T=3, H=5, K=50, main_page=3, lengths="random", extra="c128", extra_page=2, extra_K=70,
+                         seed=97 + kcvt)), "bf16")
     finally:
         K.CONFIG_OVERRIDE.clear()
 
@@ -577,7 +595,8 @@ def test_parse_config_accepts_the_documented_keys_and_refuses_typos():
     for bad, needle in [("BLOCKN=32", "unknown key 'BLOCKN'"), ("impl=fast", "impl must be one of"),
                         ("KCVT", "key=value"), ("BLOCK_N=48", "power of two"), ("num_warps=0", "power of two"),
                         ("waves=0", "out of range"), ("maxnreg=-1", "out of range"), ("PREFETCH=yes", "integer"),
-                        ("waves=fast", "a number"), ("BLOCK_N=auto", "integer")]:
+                        ("waves=fast", "a number"), ("BLOCK_N=auto", "integer"),
+                        ("PREFETCH=3", r"out of range \(0..2\)"), ("KCVT=2", "out of range")]:
         with pytest.raises(DecodeInputError, match=needle):
             K.parse_config(bad, "DSV4_SM120_ATTN_CONFIG")
 

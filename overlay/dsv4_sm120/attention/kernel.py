@@ -404,6 +404,17 @@ def _tiled_body(
         # the first block's indices are read without waiting for the row length, and each block
         # reads the next block's indices before its own gathers: one dependent round trip less
         idx_next = tl.load(idx_row + start + offs_n, mask=start + offs_n < cend, other=-1)
+    if PREFETCH == 2:
+        # PREFETCH=2: the next block's UE8M0 scale bytes too (byte loads cannot be staged by cp.async,
+        # so read in the block itself they wait a full memory round trip)
+        vf, _r, sbf, _o = _token_rows(idx_next, start + offs_n < end, P, PB64, PB2_64)
+        n0s = _k_scale(cache, sbf, vf, 0)
+        n1s = _k_scale(cache, sbf, vf, 1)
+        n2s = _k_scale(cache, sbf, vf, 2)
+        n3s = _k_scale(cache, sbf, vf, 3)
+        n4s = _k_scale(cache, sbf, vf, 4)
+        n5s = _k_scale(cache, sbf, vf, 5)
+        n6s = _k_scale(cache, sbf, vf, 6)
     for n0 in range(start, end, BLOCK_N):
         cand = n0 + offs_n
         inb = cand < end
@@ -414,6 +425,16 @@ def _tiled_body(
         else:
             idx = tl.load(idx_row + cand, mask=inb, other=-1)
         valid, row, sbase, rope_off = _token_rows(idx, inb, P, PB64, PB2_64)
+        if PREFETCH == 2:
+            c0, c1, c2, c3, c4, c5, c6 = n0s, n1s, n2s, n3s, n4s, n5s, n6s
+            vn, _rn, sbn, _on = _token_rows(idx_next, nxt < end, P, PB64, PB2_64)
+            n0s = _k_scale(cache, sbn, vn, 0)
+            n1s = _k_scale(cache, sbn, vn, 1)
+            n2s = _k_scale(cache, sbn, vn, 2)
+            n3s = _k_scale(cache, sbn, vn, 3)
+            n4s = _k_scale(cache, sbn, vn, 4)
+            n5s = _k_scale(cache, sbn, vn, 5)
+            n6s = _k_scale(cache, sbn, vn, 6)
         rope = tl.load(cache_bf16 + rope_off[:, None] + lanes[None, :],
                        mask=valid[:, None], other=0.0)
         if INTERP:
@@ -425,13 +446,14 @@ def _tiled_body(
         k4 = _k_tile(cache, row, valid, 4, lanes)
         k5 = _k_tile(cache, row, valid, 5, lanes)
         k6 = _k_tile(cache, row, valid, 6, lanes)
-        c0 = _k_scale(cache, sbase, valid, 0)
-        c1 = _k_scale(cache, sbase, valid, 1)
-        c2 = _k_scale(cache, sbase, valid, 2)
-        c3 = _k_scale(cache, sbase, valid, 3)
-        c4 = _k_scale(cache, sbase, valid, 4)
-        c5 = _k_scale(cache, sbase, valid, 5)
-        c6 = _k_scale(cache, sbase, valid, 6)
+        if PREFETCH != 2:
+            c0 = _k_scale(cache, sbase, valid, 0)
+            c1 = _k_scale(cache, sbase, valid, 1)
+            c2 = _k_scale(cache, sbase, valid, 2)
+            c3 = _k_scale(cache, sbase, valid, 3)
+            c4 = _k_scale(cache, sbase, valid, 4)
+            c5 = _k_scale(cache, sbase, valid, 5)
+            c6 = _k_scale(cache, sbase, valid, 6)
         qk = tl.dot(q_rope, tl.trans(rope))
         qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
         qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
@@ -1351,7 +1373,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
                                             PV_RELOAD=bool(cfg.get("PV_RELOAD", 0)), KCVT=bool(cfg.get("KCVT", 0)),
                                             **flags)
     elif cfg["impl"] == "tiled":
-        _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)),
+        _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=int(cfg.get("PREFETCH", 0)),
                                              KCVT=bool(cfg.get("KCVT", 0)), **flags)
     elif cfg["impl"] == "bt":
         if fp8:

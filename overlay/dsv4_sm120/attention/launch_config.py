@@ -19,6 +19,8 @@ KEYS = {
 }
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D", "BLOCK_HC")
 BF16_ONLY_IMPLS = ("wg", "bt")
+# flags: 0/1; PREFETCH 2 = the next block's tile scales too (tiled body)
+MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "PART_BF16": 1, "PV_RELOAD": 1, "QK_SWAP": 1, "Q_RELOAD": 1, "DEQ_BF16": 1}
 
 
 def parse_config(text: str, source: str = "config", error: Type[Exception] = ValueError) -> Dict[str, object]:
@@ -48,6 +50,8 @@ def parse_config(text: str, source: str = "config", error: Type[Exception] = Val
         except ValueError:
             raise error(f"{source}: {key} needs {'a number' if kind == 'float' else 'an integer'}, "
                         f"got {val!r}") from None
+        if key in MAX_VALUE and num > MAX_VALUE[key]:
+            raise error(f"{source}: {key}={val} is out of range (0..{MAX_VALUE[key]})")
         if num < 0 or (kind == "float" and not num > 0) or (key in POW2_KEYS and (num < 1 or num & (num - 1))):
             raise error(f"{source}: {key}={val} is out of range" + (" (a power of two)" if key in POW2_KEYS else ""))
         out[key] = num
