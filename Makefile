@@ -59,8 +59,10 @@ bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); ta
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_attention.py --qk-modes bf16,fp8 --variants '$(ATTN_VARIANTS)' \
 		--out $(BENCH_OUT)_attention $(ARGS)
 
+# apre=0: the fp4 path with the activation quantization inside every GEMM program (before session 3's default)
+MOE_VARIANTS ?= apre=0
 bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU)
-	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_moe.py $(ARGS)
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_moe.py --variants '$(MOE_VARIANTS)' $(ARGS)
 
 tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARGS=... for more); writes configs/fp8/
 	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(or $(ARGS),--quick)

@@ -331,13 +331,15 @@ def run(args, ms):
                 try:
                     if "align" in kv:
                         os.environ["DSV4_SM120_MOE_ALIGN"] = kv.pop("align")
+                    apre = bool(int(kv.pop("apre"))) if "apre" in kv else None
                     cfg = choose_config(M, k, E, H, I, dpath)
                     cfg = dataclasses.replace(cfg, **{f: int(v) for f, v in kv.items()})
                     o = nvfp4_fused_moe_impl(x0, **W, topk_weights=tw0, topk_ids=ids0, swiglu_limit=limit,
-                                             path=dpath, config=cfg)
+                                             path=dpath, config=cfg, apre=apre)
                     err = rel_err(o, ref)
                     fns = [lambda tw=tw, ids=ids, cfg=cfg: nvfp4_fused_moe_impl(
-                        x0, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, path=dpath, config=cfg)
+                        x0, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, path=dpath, config=cfg,
+                        apre=apre)
                         for (tw, ids) in routs]
                     t = time_graph(fns, args.reps)
                     line = (f"variant M={M} [{spec}] {cfg}: {t:.1f} us, {fp4_bytes * active / t / 1e3:.0f} GB/s "
@@ -446,9 +448,10 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="first time tile / weight-decode variants of the bf16 path at M=1 and M=64")
     p.add_argument("--variants", default="",
-                   help="';'-separated launch variants of the bf16 path timed at --variant-m, each a ','-list of "
-                        "Config fields (deq, BN1, BK1, BN2, BK2, warps1, warps2, stages, BM) and align=..., "
-                        "e.g. 'deq=3;deq=3,align=triton;deq=4,stages=4'")
+                   help="';'-separated launch variants of the default path timed at --variant-m, each a ','-list "
+                        "of Config fields (deq, BN1, BK1, BN2, BK2, warps1, warps2, stages, BM), align=... and "
+                        "apre=0|1 (fp4 path: activations quantized in every GEMM program / once per row), "
+                        "e.g. 'deq=3;deq=3,align=triton;apre=0'")
     p.add_argument("--variant-m", default="1,4,16,64", help="token counts for --variants")
     p.add_argument("--deq", default="default", choices=("default", "auto", "0", "1", "2", "3", "4"),
                    help="weight decode of the bf16 path for the table (auto: fastest at M=64 in --sweep)")

@@ -47,7 +47,7 @@ RULES: List[Tuple[str, "re.Pattern[str]"]] = [
     ("MoE", re.compile(
         r"moe|expert|grouped_?gemm|group_?gemm|mxfp4|nvfp4|e2m1|fp4|topk_?softmax|topk_?sigmoid|"
         r"biased_?grouped_?topk|grouped_?topk|routing|router|marlin|humming|"
-        r"^_(align|gemm1|gemm2|reduce)_kernel$", re.I)),
+        r"^_(align|gemm1|gemm2|reduce|quant_rows)_kernel$", re.I)),
     ("dense GEMM", re.compile(
         r"gemm|matmul|gemv|sgemm|hgemm|cutlass|cublas|nvjet|xmma|wgmma|hmma|w8a8|_mm_|\bmm_|bmm|"
         r"splitk|deep_?gemm|fp8_blockwise|scaled_mm|linear", re.I)),

@@ -322,7 +322,8 @@ out = {}
 for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq2", 90, False, False, 2),
                                    ("sm90_deq3", 90, False, False, 3)):
     cst = dict(HAS_LIMIT=True, BM=16, BN=32, BK=256, PATH_FP4=fp4, NATIVE=native, INTERP=False, DEQ=deq,
-               ALOAD_SPLIT=True, GROUPED=True, P_PAD=512, E_PAD=256)
+               ALOAD_SPLIT=True, GROUPED=True, P_PAD=512, E_PAD=256, APRE=False, xq_ptr=None, xs_ptr=None,
+               xgs_ptr=None)
     s = dict(sig, **{k: "constexpr" for k in cst})
     src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
     try:
@@ -465,33 +466,109 @@ sig1 = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32
 sig2 = {"h_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
         "block_expert_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": "*fp32", "P": "i32", "H": "i32", "I": "i32",
         "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "E": "i32"}
+pre1 = {"xq_ptr": "*u8", "xs_ptr": "*fp8e4nv", "xgs_ptr": "*fp32"}
+pre2 = {"hq_ptr": "*u8", "hs_ptr": "*fp8e4nv", "hgs_ptr": "*fp32"}
+sigq = {"a_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "R": "i32", "K": "i32",
+        "stride_a": "i32", "sel_ptr": "*i32", "P": "i32"}
 out = {}
+
+
+def build(key, fn, sig, cst, w, stages):
+    s = dict(sig, **{k: "constexpr" for k in cst})
+    src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 120, 32), options={"num_warps": w, "num_stages": stages})
+        out[key] = {"smem": k.metadata.shared, "cubin": bool(k.asm.get("cubin")),
+                    "setp": k.asm["ptx"].count("setp.")}
+    except Exception as e:
+        out[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 for M in (1, 16, 4096):
     cfg = choose_config(M, 6, 256, 4096, 512, "fp4")
     P = M * 6
-    for name, fn, sig, bn, bk, w in (("g1", K._gemm1_kernel, sig1, cfg.BN1, cfg.BK1, cfg.warps1),
-                                     ("g2", K._gemm2_kernel, sig2, cfg.BN2, cfg.BK2, cfg.warps2)):
-        cst = dict(BM=cfg.BM, BN=bn, BK=bk, PATH_FP4=True, NATIVE=True, INTERP=False, DEQ=0, ALOAD_SPLIT=True,
-                   GROUPED=P <= INKERNEL_MAX_PAIRS, P_PAD=max(16, triton.next_power_of_2(P)), E_PAD=256)
-        if name == "g1":
-            cst["HAS_LIMIT"] = True
-        s = dict(sig, **{k: "constexpr" for k in cst})
-        src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
-        try:
-            k = triton.compile(src, target=GPUTarget("cuda", 120, 32),
-                               options={"num_warps": w, "num_stages": cfg.stages})
-            out[f"M{M}_{name}"] = {"smem": k.metadata.shared, "cubin": bool(k.asm.get("cubin"))}
-        except Exception as e:
-            out[f"M{M}_{name}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    for name, fn, sig, pre, bn, bk, w in (("g1", K._gemm1_kernel, sig1, pre1, cfg.BN1, cfg.BK1, cfg.warps1),
+                                          ("g2", K._gemm2_kernel, sig2, pre2, cfg.BN2, cfg.BK2, cfg.warps2)):
+        for apre in (False, True):  # True: the default (DSV4_SM120_MOE_APRE=1)
+            cst = dict(BM=cfg.BM, BN=bn, BK=bk, PATH_FP4=True, NATIVE=True, INTERP=False, DEQ=0, ALOAD_SPLIT=True,
+                       GROUPED=P <= INKERNEL_MAX_PAIRS, P_PAD=max(16, triton.next_power_of_2(P)), E_PAD=256,
+                       APRE=apre)
+            if name == "g1":
+                cst["HAS_LIMIT"] = True
+            if not apre:
+                cst.update({k: None for k in pre})
+            build(f"M{M}_{name}" + ("_apre" if apre else ""), fn, dict(sig, **(pre if apre else {})), cst, w,
+                  cfg.stages)
+    for name, kd, bk in (("qx", 4096, cfg.BK1), ("qh", 512, cfg.BK2)):
+        build(f"M{M}_{name}", K._quant_rows_kernel, sigq, dict(BR=16, BK=bk, ALOAD_SPLIT=True, HAS_SEL=name == "qh"),
+              4, 1)
 print("RESULT" + json.dumps(out))
 """
 
 
 def test_sm120_default_configs_compile_within_shared_memory():
     """The launch configurations ``choose_config`` picks for the sm_120 FP4 path (decode with in-kernel
-    grouping, the 64-wide decode tile, prefill) compile for sm_120 and fit its ~99 KB of shared memory per
-    block (an RTX PRO 6000 would refuse the launch otherwise; nothing here can launch it)."""
-    out = gpu_compile_result(_SM120_CONFIGS, timeout=600)
+    grouping, the 64-wide decode tile, prefill), with and without pre-quantized activations, and the
+    activation quantization kernel compile for sm_120 and fit its ~99 KB of shared memory per block (an RTX
+    PRO 6000 would refuse the launch otherwise; nothing here can launch it)."""
+    out = gpu_compile_result(_SM120_CONFIGS, timeout=900)
     for name, v in out.items():
         assert "error" not in v and v["cubin"], (name, v)
         assert v["smem"] <= 99 * 1024, (name, v)
+    # with the activations pre-quantized (the default) the GEMMs no longer carry the quantizer's compares
+    for M in (1, 16, 4096):
+        for g in ("g1", "g2"):
+            assert out[f"M{M}_{g}_apre"]["setp"] * 4 < out[f"M{M}_{g}"]["setp"], (M, g, out[f"M{M}_{g}_apre"])
+
+
+@pytest.mark.parametrize("M,E,kind,align", [(3, 8, "mixed", "inkernel"), (7, 8, "repeat", "triton"),
+                                              (9, 256, "dropped", "torch"), (6, 8, "one", "triton")])
+def test_fp4_pre_quantized_activations_are_bit_identical(M, E, kind, align, monkeypatch):
+    """APRE (activations NVFP4-quantized once per row before each GEMM) gives the fp4 path's in-loop result
+    bit for bit: same quantizer, same operands, in every grouping mode (the aligned order quantizes only
+    its real h rows). Also against float64 with the same activation quantization."""
+    monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", align)
+    seed = _seed()
+    W = make_experts(E, H, 64, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn((M, H), generator=g) * 2).to(torch.bfloat16)
+    x[1] = 0
+    tw, ids = random_routing(M, E, 6, seed + 2, kind=kind)
+    kw = dict(**W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path="fp4")
+    inloop = nvfp4_fused_moe_impl(x, apre=False, **kw)
+    pre = nvfp4_fused_moe_impl(x, apre=True, **kw)
+    assert torch.equal(pre, inloop)
+    refq = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, act_quant=True)
+    assert rel_err(pre, refq) < TOL_FP4_KERNEL
+    monkeypatch.setenv("DSV4_SM120_MOE_APRE", "maybe")
+    with pytest.raises(MoEInputError, match="DSV4_SM120_MOE_APRE"):
+        nvfp4_fused_moe_impl(x, **kw)
+
+
+def test_quant_rows_kernel_matches_the_reference_quantizer():
+    """The pre-pass kernel's packed codes / scales / global scale decode to exactly the reference
+    quantizer's values (``quantize_rows_nvfp4``), zero rows and a large dynamic range included; rows not
+    selected by ``sel`` are left untouched."""
+    from dsv4_sm120.moe.fused_moe import _quantize_rows
+
+    g = torch.Generator().manual_seed(_seed())
+    R, Kd = 5, 64
+    a = (torch.randn((R, Kd), generator=g) * torch.logspace(-3, 2, R)[:, None]).to(torch.bfloat16)
+    a[3] = 0
+    q, s, gs = _quantize_rows(a, R, Kd, 32, True)
+    lo = torch.tensor([_e2m1v(c) for c in range(16)], dtype=torch.float64)
+    codes = torch.stack([q & 15, q >> 4], dim=-1).reshape(R, Kd).long()
+    # (e2m1 x block scale) is exact in float32; the row scale last, as the reference applies it
+    deq = (lo[codes].float() * s.float().repeat_interleave(16, dim=1)) * gs[:, None]
+    ref = quantize_rows_nvfp4(a.float())
+    assert torch.equal(deq, ref)
+    assert torch.equal(gs[3], torch.tensor(1.0)) and not q[3].any()  # zero row: gs 1, all codes 0
+    sel = torch.tensor([0, 9, 2, 9, 4], dtype=torch.int32)  # rows 1 and 3 are padding (>= P = 5)
+    q2, s2, gs2 = _quantize_rows(a, R, Kd, 32, True, sel=sel, P=5)
+    for r in (0, 2, 4):
+        assert torch.equal(q2[r], q[r]) and torch.equal(gs2[r], gs[r])
+
+
+def _e2m1v(c):
+    v = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][c & 7]
+    return -v if c & 8 else v

@@ -32,6 +32,7 @@ NAMES = {
     "fused_moe_kernel": "MoE",
     "_gemm1_kernel": "MoE",
     "_align_kernel": "MoE",
+    "_quant_rows_kernel": "MoE",
     "void moe_align_block_size_kernel<int>(...)": "MoE",
     "void tensorrt_llm::kernels::cutlass_kernels::moe_gemm<...>": "MoE",
     "void topk_softmax<...>": "MoE",

@@ -69,20 +69,23 @@ CASES += [(64, 256, 512, "random"), (257, 256, 512, "dropped"), (64, 8, 512, "re
 
 @pytest.mark.parametrize("M,E,I,kind", CASES)
 @pytest.mark.parametrize("mode", ["bf16-deq0", "bf16-deq1", "bf16-deq2", "bf16-deq3", "bf16-deq4", "fp4-native",
-                                  "fp4-emulated"])
+                                  "fp4-emulated", "fp4-native-inloop", "fp4-emulated-inloop"])
 def test_matrix(M, E, I, kind, mode):
+    """fp4 modes: activations pre-quantized once per row (the default, DSV4_SM120_MOE_APRE=1) or, with
+    -inloop, inside every GEMM program."""
     x, W, tw, ids, ref, refq = _data(M, E, I, kind)
     path = "bf16" if mode.startswith("bf16") else "fp4"
-    sd = "emulated" if mode == "fp4-emulated" else "native"
+    sd = "emulated" if mode.startswith("fp4-emulated") else "native"
+    apre = None if path == "bf16" else not mode.endswith("-inloop")
     cfg = None
     if path == "bf16":
         cfg = dataclasses.replace(choose_config(M, 6, E, H, I, path), deq=int(mode[-1]))
     try:
         out = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=LIMIT, path=path,
-                                   scaled_dot=sd, config=cfg)
+                                   scaled_dot=sd, config=cfg, apre=apre)
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001
-        if mode == "fp4-native" and CAP[0] not in (10, 12):
+        if mode.startswith("fp4-native") and CAP[0] not in (10, 12):
             pytest.skip(f"native dot_scaled nvfp4 does not compile on sm_{CAP[0]}{CAP[1]}: "
                         f"{type(exc).__name__}: {str(exc)[:200]}")
         raise
@@ -98,6 +101,19 @@ def test_matrix(M, E, I, kind, mode):
         assert err_k < TOL_FP4_KERNEL
         assert err_t < TOL_ACT_QUANT
         assert err_t <= TOL_FP4_TOTAL_OVER_ACT * act + 1e-3
+
+
+@pytest.mark.parametrize("sd", ["emulated", "native"])
+@pytest.mark.parametrize("M,E,kind", [(1, 256, "random"), (64, 256, "random"), (257, 256, "dropped")])
+def test_fp4_pre_quantized_activations_bit_identical(M, E, kind, sd):
+    """Activations quantized once per row (default) == quantized inside every GEMM program, bit for bit."""
+    if sd == "native" and CAP[0] not in (10, 12):
+        pytest.skip(f"native dot_scaled nvfp4 needs sm_100 / sm_120 (this is sm_{CAP[0]}{CAP[1]})")
+    x, W, tw, ids, ref, refq = _data(M, E, 512, kind)
+    kw = dict(**W, topk_weights=tw, topk_ids=ids, swiglu_limit=LIMIT, path="fp4", scaled_dot=sd)
+    a = nvfp4_fused_moe_impl(x, apre=True, **kw)
+    b = nvfp4_fused_moe_impl(x, apre=False, **kw)
+    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("path", ["bf16", "fp4"])

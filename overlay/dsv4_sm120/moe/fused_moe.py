@@ -35,6 +35,12 @@ ALOAD_ENV = "DSV4_SM120_MOE_ALOAD"
 # every program's walk over the routing is serial latency before its GEMM starts.
 ALIGN_ENV = "DSV4_SM120_MOE_ALIGN"
 INKERNEL_MAX_PAIRS = 32
+# fp4 path, activation quantization: "1" (default) = once per row before each GEMM (kernels._quant_rows_kernel:
+# x before w13, h before w2) and the GEMMs load packed e2m1 + e4m3 scales; "0" = inside every GEMM program
+# (each of the N/BN programs of an expert re-quantizes the same tile: on sm_120, triton 3.8, the w13 loop is
+# 1949 SASS instructions per K step that way against ~250 with the tile pre-quantized,
+# bench/moe_sass_count.py --path fp4). Same operands bit for bit (tests); unmeasured on sm_120 hardware.
+APRE_ENV = "DSV4_SM120_MOE_APRE"
 DEFAULT_DEQ = 3  # H200 call 4 (bench/results/moe_h200_call4.md): shift decode 1.3-1.5x faster than DEQ 2; 0 under the interpreter / off NVIDIA
 
 
@@ -213,11 +219,35 @@ def _check(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weight
     return M, H, E, I
 
 
+def default_apre() -> bool:
+    v = os.environ.get(APRE_ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise MoEInputError(f"{APRE_ENV}={v!r}: expected 0 or 1")
+    return v != "0"
+
+
+def _quantize_rows(a: torch.Tensor, R: int, K_: int, BK: int, split: bool, sel=None, P: int = 0):
+    """NVFP4 of rows ``a[:R, :K_]`` (bf16): packed e2m1 ``[R, K_/2]`` u8, e4m3 block scales ``[R, K_/16]``,
+    per-row global scale ``[R]`` fp32 (the fp4 path's own quantization, run once per row); with ``sel``
+    only the rows whose ``sel`` entry is a real pair (``< P``)."""
+    if K_ % BK:
+        raise MoEInputError(f"nvfp4_fused_moe: activation quantization chunk {BK} must divide K={K_}")
+    q = torch.empty((R, K_ // 2), dtype=torch.uint8, device=a.device)
+    s = torch.empty((R, K_ // 16), dtype=torch.float8_e4m3fn, device=a.device)
+    gs = torch.empty((R,), dtype=torch.float32, device=a.device)
+    BR = 16
+    K._quant_rows_kernel[(triton.cdiv(R, BR), K_ // BK)](
+        a, q, s, gs, R, K_, a.stride(0), sel if sel is not None else gs, P,
+        BR=BR, BK=BK, ALOAD_SPLIT=split, HAS_SEL=sel is not None, num_warps=4)
+    return q, s, gs
+
+
 def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
                          topk_weights, topk_ids, swiglu_limit: Optional[float] = None,
                          path: Optional[str] = None, scaled_dot: Optional[str] = None,
-                         config: Optional[Config] = None) -> torch.Tensor:
-    """:func:`nvfp4_fused_moe` with the path / scaled-dot mode / tiles explicit."""
+                         config: Optional[Config] = None, apre: Optional[bool] = None) -> torch.Tensor:
+    """:func:`nvfp4_fused_moe` with the path / scaled-dot mode / tiles / activation pre-quantization
+    (fp4 path; default ``DSV4_SM120_MOE_APRE``, on) explicit."""
     M, H, E, I = _check(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids)
     topk = topk_ids.shape[1]
     dev = x.device
@@ -269,20 +299,30 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
                                   num_warps=4 if _interpreting() else 8)
     h = torch.empty((h_rows, I), dtype=torch.bfloat16, device=dev)
     y = torch.empty((P, H), dtype=torch.float32, device=dev)
+    apre = fp4 and (apre if apre is not None else default_apre())
+    pre1, pre2 = {}, {}
+    if apre:
+        xq, xs, xgs = _quantize_rows(x, M, H, cfg.BK1, cfg.aload_split)
+        pre1 = dict(APRE=True, xq_ptr=xq, xs_ptr=xs, xgs_ptr=xgs)
     K._gemm1_kernel[(grid_m, triton.cdiv(I, cfg.BN1))](
         x, w13, w13_scale, w13_scale_2.contiguous(), rows_ptr, blocks_ptr, h,
         P, topk, H, I,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         float(swiglu_limit) if has_limit else 0.0,
         HAS_LIMIT=has_limit, BM=BM, BN=cfg.BN1, BK=cfg.BK1, PATH_FP4=fp4, NATIVE=native,
-        INTERP=interp, DEQ=cfg.deq, ALOAD_SPLIT=cfg.aload_split, **grp,
+        INTERP=interp, DEQ=cfg.deq, ALOAD_SPLIT=cfg.aload_split, **grp, **pre1,
         num_warps=cfg.warps1, num_stages=cfg.stages)
+    if apre:
+        # the h rows of real pairs (grouped: all P rows; aligned: the sorted order's non-padding rows)
+        hq, hs, hgs = _quantize_rows(h, h_rows, I, cfg.BK2, cfg.aload_split,
+                                     None if grouped else rows_ptr, P)
+        pre2 = dict(APRE=True, hq_ptr=hq, hs_ptr=hs, hgs_ptr=hgs)
     K._gemm2_kernel[(grid_m, triton.cdiv(H, cfg.BN2))](
         h, w2, w2_scale, w2_scale_2.contiguous(), rows_ptr, blocks_ptr, tw, y,
         P, H, I,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp, DEQ=cfg.deq,
-        ALOAD_SPLIT=cfg.aload_split, **grp, num_warps=cfg.warps2, num_stages=cfg.stages)
+        ALOAD_SPLIT=cfg.aload_split, **grp, **pre2, num_warps=cfg.warps2, num_stages=cfg.stages)
     rb = min(1024, triton.next_power_of_2(H))
     K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb, INTERP=interp)
     return out

@@ -333,6 +333,57 @@ def _load_a_pairs(a_ptrs_row, row_mask, BM: tl.constexpr, BK: tl.constexpr, SPLI
 
 
 @triton.jit
+def _quant_rows_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, R, K, stride_a, sel_ptr, P,
+                       BR: tl.constexpr, BK: tl.constexpr, ALOAD_SPLIT: tl.constexpr, HAS_SEL: tl.constexpr):
+    """APRE: NVFP4-quantize rows ``a[r, :K]`` (bf16) once, for every GEMM program that reads them:
+    ``q [R, K/2]`` u8 (K-packed, low nibble = even k), ``s [R, K/16]`` e4m3 block scales, ``gs [R]`` fp32
+    per-row global scale. Same functions (``_row_gs``, ``_quant_tile``) as the in-loop quantization of
+    the fp4 path, so the GEMMs see bit-identical operands. HAS_SEL: only rows ``r`` with ``sel[r] < P``
+    (the aligned order's real pairs; its padding rows of h are never written nor read as valid)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    if HAS_SEL:
+        rmask &= tl.load(sel_ptr + rows, mask=rmask, other=P) < P
+    r64 = tl.where(rmask, rows, 0).to(tl.int64)
+    a_row = a_ptr + r64[:, None] * stride_a
+    # program (row block, K chunk): each reads its rows whole for the global scale (cheap next to the
+    # quantization math) and quantizes one BK chunk, so small M still spreads over K / BK programs
+    gs = _row_gs(a_row, rmask, K, BR, BK)
+    jj = tl.arange(0, BK // 2)
+    gg = tl.arange(0, BK // 16)
+    k0 = tl.program_id(1) * BK
+    a_even, a_odd = _load_a_pairs(a_row + k0, rmask, BR, BK, ALOAD_SPLIT)
+    packed, bs8, _bsf = _quant_tile(a_even.to(tl.float32), a_odd.to(tl.float32), gs, BR, BK)
+    tl.store(q_ptr + r64[:, None] * (K // 2) + (k0 // 2 + jj)[None, :], packed, mask=rmask[:, None])
+    tl.store(s_ptr + r64[:, None] * (K // 16) + (k0 // 16 + gg)[None, :], bs8, mask=rmask[:, None])
+    tl.store(gs_ptr + r64, gs, mask=rmask & (tl.program_id(1) == 0))
+
+
+@triton.jit
+def _fp4_pre_dot(acc, aq, as8, wq, ws_ptrs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 NATIVE: tl.constexpr):
+    """:func:`_fp4_pair_dot` with the activation tile already quantized (APRE): ``aq`` u8 [BM, BK/2],
+    ``as8`` e4m3 [BM, BK/16]."""
+    G: tl.constexpr = BK // 16
+    if NATIVE:
+        ws = tl.load(ws_ptrs)
+        acc = tl.dot_scaled(aq, as8, "e2m1", wq, ws, "e2m1", acc)
+    else:
+        aqi = aq.to(tl.int32)
+        asb = _bcast8(as8.to(tl.float32) * 16384.0, BM, G)
+        a_lo = _e2m1_f32(aqi & 15) * asb
+        a_hi = _e2m1_f32(aqi >> 4) * asb
+        wsf = tl.trans(tl.load(ws_ptrs).to(tl.float32))  # [G, BN]
+        wsb = _bcast8_rows(wsf * 16384.0, G, BN)
+        wqi = wq.to(tl.int32)
+        w_lo = _e2m1_f32(wqi & 15) * wsb
+        w_hi = _e2m1_f32(wqi >> 4) * wsb
+        acc += tl.dot(a_lo, w_lo, input_precision="ieee")
+        acc += tl.dot(a_hi, w_hi, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, MAX_SLOTS, MAX_BLOCKS,
                   BM: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
                   FILL: tl.constexpr, BCHUNK: tl.constexpr):
@@ -421,7 +472,8 @@ def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pi
                 TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
                 HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
-                INTERP: tl.constexpr, DEQ: tl.constexpr, ALOAD_SPLIT: tl.constexpr):
+                INTERP: tl.constexpr, DEQ: tl.constexpr, ALOAD_SPLIT: tl.constexpr,
+                APRE: tl.constexpr = False, xq_ptr=None, xs_ptr=None, xgs_ptr=None):
     tok = tl.where(rvalid, pair // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < I
@@ -436,7 +488,12 @@ def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pi
     if PATH_FP4:
         # scales as [BN, BK/16] (what dot_scaled wants for rhs)
         sg_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
-        gs = _row_gs(a_row, rvalid, H, BM, BK)
+        if APRE:
+            gs = tl.load(xgs_ptr + tok, mask=rvalid, other=1.0)
+            aq_row = xq_ptr + tok[:, None] * (H // 2) + jj[None, :]
+            as_row = xs_ptr + tok[:, None] * (H // 16) + gg[None, :]
+        else:
+            gs = _row_gs(a_row, rvalid, H, BM, BK)
     else:
         sg_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
     su_p = sg_p + I * stride_sn
@@ -449,6 +506,11 @@ def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pi
             a_nat = tl.load(a_row + k0 + kk_nat[None, :], mask=rvalid[:, None], other=0.0)
             acc_g = _upcast_nat_dot(acc_g, a_nat, wqg, sg_p + k0 // 16, BN, BK)
             acc_u = _upcast_nat_dot(acc_u, a_nat, wqu, su_p + k0 // 16, BN, BK)
+        elif PATH_FP4 and APRE:
+            aq = tl.load(aq_row + k0 // 2, mask=rvalid[:, None], other=0)
+            as8 = tl.load(as_row + k0 // 16, mask=rvalid[:, None], other=0.0)
+            acc_g = _fp4_pre_dot(acc_g, aq, as8, wqg, sg_p + k0 // 16, BM, BN, BK, NATIVE)
+            acc_u = _fp4_pre_dot(acc_u, aq, as8, wqu, su_p + k0 // 16, BM, BN, BK, NATIVE)
         elif PATH_FP4:
             a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
             ae = a_even.to(tl.float32)
@@ -485,7 +547,8 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
                   INTERP: tl.constexpr, DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False,
-                  GROUPED: tl.constexpr = False, E=0, P_PAD: tl.constexpr = 16, E_PAD: tl.constexpr = 16):
+                  GROUPED: tl.constexpr = False, E=0, P_PAD: tl.constexpr = 16, E_PAD: tl.constexpr = 16,
+                  APRE: tl.constexpr = False, xq_ptr=None, xs_ptr=None, xgs_ptr=None):
     """GROUPED=False: row block ``pid_m`` of the align kernel's padded sorted
     order (h rows in that order). GROUPED=True: ``pid_m`` is an expert slot,
     the pairs are found in-kernel from ``sorted_ptr`` = the routing ids, and h
@@ -498,7 +561,8 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
             pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
             _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, rvalid, pair, pid_n,
                         TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
-                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT)
+                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT,
+                        APRE, xq_ptr, xs_ptr, xgs_ptr)
     else:
         e = tl.load(block_expert_ptr + pid_m)
         if e >= 0:
@@ -506,7 +570,8 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
             pair = tl.load(sorted_ptr + rows)
             _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, pair < P, rows, pid_n,
                         TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
-                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT)
+                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT,
+                        APRE, xq_ptr, xs_ptr, xgs_ptr)
 
 
 @triton.jit
@@ -514,7 +579,8 @@ def _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e64, pair, rvalid, 
                 H, I, stride_we, stride_wn, stride_se, stride_sn,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr,
-                DEQ: tl.constexpr, ALOAD_SPLIT: tl.constexpr):
+                DEQ: tl.constexpr, ALOAD_SPLIT: tl.constexpr,
+                APRE: tl.constexpr = False, hq_ptr=None, hs_ptr=None, hgs_ptr=None):
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < H
     offs_n = tl.where(nmask, offs_n, 0)
@@ -525,7 +591,13 @@ def _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e64, pair, rvalid, 
     w_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
     if PATH_FP4:
         s_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
-        gs = _row_gs(a_row, rvalid, I, BM, BK)
+        if APRE:
+            h64 = tl.where(rvalid, hrow, 0).to(tl.int64)
+            gs = tl.load(hgs_ptr + h64, mask=rvalid, other=1.0)
+            aq_row = hq_ptr + h64[:, None] * (I // 2) + jj[None, :]
+            as_row = hs_ptr + h64[:, None] * (I // 16) + gg[None, :]
+        else:
+            gs = _row_gs(a_row, rvalid, I, BM, BK)
     else:
         s_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -534,6 +606,10 @@ def _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e64, pair, rvalid, 
         if DEQ == 4 and not PATH_FP4:
             a_nat = tl.load(a_row + k0 + kk_nat[None, :], mask=rvalid[:, None], other=0.0)
             acc = _upcast_nat_dot(acc, a_nat, wq, s_p + k0 // 16, BN, BK)
+        elif PATH_FP4 and APRE:
+            aq = tl.load(aq_row + k0 // 2, mask=rvalid[:, None], other=0)
+            as8 = tl.load(as_row + k0 // 16, mask=rvalid[:, None], other=0.0)
+            acc = _fp4_pre_dot(acc, aq, as8, wq, s_p + k0 // 16, BM, BN, BK, NATIVE)
         elif PATH_FP4:
             a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
             acc = _fp4_pair_dot(acc, a_even.to(tl.float32), a_odd.to(tl.float32), gs, wq,
@@ -560,7 +636,8 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr,
                   DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False,
-                  GROUPED: tl.constexpr = False, E=0, P_PAD: tl.constexpr = 16, E_PAD: tl.constexpr = 16):
+                  GROUPED: tl.constexpr = False, E=0, P_PAD: tl.constexpr = 16, E_PAD: tl.constexpr = 16,
+                  APRE: tl.constexpr = False, hq_ptr=None, hs_ptr=None, hgs_ptr=None):
     """See :func:`_gemm1_kernel` for GROUPED (h rows are then pair indices)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -570,7 +647,8 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
             pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
             _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, rvalid, pair,
                         pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
-                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT)
+                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT,
+                        APRE, hq_ptr, hs_ptr, hgs_ptr)
     else:
         e = tl.load(block_expert_ptr + pid_m)
         if e >= 0:
@@ -578,7 +656,8 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
             pair = tl.load(sorted_ptr + rows)
             _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, pair < P, rows,
                         pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
-                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT)
+                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT,
+                        APRE, hq_ptr, hs_ptr, hgs_ptr)
 
 
 @triton.jit
