@@ -8,7 +8,9 @@
 #   - PREFETCH=2: the next block's tile-scale bytes read one block early (they are synchronous byte loads).
 #   - impl=bt: the batched body (one 64-dim tile per warp). Expectation: unclear (2436 instructions per 64
 #     candidates vs 1662, but 9 barriers per 32 candidates vs 22 per 64); if it loses everywhere, delete it.
-# Steps: bf16 GPU attention tests under KCVT=1 (~2.5 min) and under bt (~2.5 min, background), then the H=16
+#   - MoE: the fp4 path's activations quantized once per row (APRE, now the default there) must give the in-loop
+#     result bit for bit on the GPU too (fp4 runs emulated on sm_90; the speed question is sm_120's).
+# Steps: bf16 GPU attention tests under KCVT=1 and under bt, the MoE APRE tests (all in the background, ~3-4 min), then the H=16
 # SWA128+c4 sweep at B = 1..128 against FlashMLA (~2 min). Everything lands in $OUT (<= 8 files).
 # Usage (repo root, device): OUT=/some/dir bash bench/h200_call14.sh   (carry .whl_attn)
 set -u
@@ -29,8 +31,11 @@ DSV4_ATTN_TEST_CONFIG='KCVT=1' timeout 280 python3 -m pytest -q -p no:cacheprovi
   -k "bf16" >"$OUT/pytest_kcvt.log" 2>&1 &
 DSV4_ATTN_TEST_CONFIG='impl=bt,BLOCK_N=32,maxnreg=0' timeout 280 python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_attention_gpu.py -k "bf16" >"$OUT/pytest_bt.log" 2>&1 &
+timeout 280 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py -k "pre_quantized or fp4-emulated" \
+  >"$OUT/pytest_moe_apre.log" 2>&1 &
 wait
-{ echo "tests+warm $(( $(date +%s) - t0 ))s"; tail -1 "$OUT/pytest_kcvt.log"; tail -1 "$OUT/pytest_bt.log"; } >>"$OUT/times.txt"
+{ echo "tests+warm $(( $(date +%s) - t0 ))s"; tail -1 "$OUT/pytest_kcvt.log"; tail -1 "$OUT/pytest_bt.log";
+  tail -1 "$OUT/pytest_moe_apre.log"; } >>"$OUT/times.txt"
 timeout 200 python3 bench/bench_attention.py --layouts swa128+c4 --heads 16 --batches 1,4,16,32,64,128 --replays 20 \
   --impls ours,flashmla --variants "$VA" --out "$OUT/attn_sweep" >"$OUT/attn.log" 2>&1
 echo "attn rc=$? $(( $(date +%s) - t0 ))s" >>"$OUT/times.txt"
