@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, default=8)
     p.add_argument("--num-stages", type=int, default=0, help="0: 2 on sm_90, 1 elsewhere (the defaults)")
     p.add_argument("--maxnreg", type=int, default=128, help="0: no cap")
+    p.add_argument("--qk", default="bf16", choices=("bf16", "fp8"), help="QK path (fp8: dot_scaled, native on sm_120)")
     p.add_argument("--extra", default="", help="more constexprs of the kernel, e.g. PREFETCH=0")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     for arch in [int(a) for a in args.arch.split(",") if a]:
         for kcvt in [int(c) for c in args.kcvt.split(",") if c]:
             cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=args.block_n,
-                       FP8_QK=False, INTERP=False)
+                       FP8_QK=args.qk == "fp8", INTERP=False)
             if "PREFETCH" in fn.arg_names:
                 cst["PREFETCH"] = True
             if "KCVT" in fn.arg_names:
