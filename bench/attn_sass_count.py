@@ -74,13 +74,19 @@ def main(argv=None) -> int:
                 cst["PREFETCH"] = True
             if "KCVT" in fn.arg_names:
                 cst["KCVT"] = bool(kcvt)
+            if "QPRE" in fn.arg_names:
+                cst["QPRE"] = args.qk == "fp8"  # the fp8 path's default: Q quantized before the launch
             for kv in (x for x in args.extra.split(",") if x):
                 k_, v_ = kv.split("=")
-                cst[k_] = bool(int(v_)) if k_ == "KCVT" else int(v_)
+                cst[k_] = bool(int(v_)) if k_ in ("KCVT", "QPRE") else int(v_)
+            if not cst.get("QPRE", True):
+                cst.update(q8_ptr=None, qsc_ptr=None)
             sig = {}
             for n in fn.arg_names:
                 if n in cst:
                     sig[n] = "constexpr"
+                elif n in ("q8_ptr", "qsc_ptr"):
+                    sig[n] = "*u8"
                 elif n in ("q_ptr", "acc_ws"):
                     sig[n] = "*bf16"
                 elif n in ("m_ws", "l_ws"):

@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--impls", default="ours,flashmla,flashinfer,upstream,torch",
                    help="comma list; missing baselines are skipped with a note")
     p.add_argument("--variants", default="", help="';'-separated kernel overrides for ours, e.g. "
-                   "'BLOCK_N=64,num_warps=4;waves=4' (each becomes an extra row 'ours[...]')")
+                   "'BLOCK_N=64,num_warps=4;waves=4' (each becomes an extra row 'ours-<qk mode>[...]' for every "
+                   "--qk-modes entry; bf16-only bodies skip fp8)")
     p.add_argument("--qk-modes", default="bf16", help="comma list of ours' qk modes (bf16, fp8)")
     p.add_argument("--layers", type=int, default=4, help="caches per graph (defeats L2 reuse)")
     p.add_argument("--context", type=int, default=16384, help="tokens of context per row (c4 range = context/4)")
@@ -238,9 +239,11 @@ def main(argv=None):
         # callables: name -> f(layer_i) returning out [B,1,H,512]
         calls = {}
         if "ours" in impls:
-            for mi, mode in enumerate(qk_modes):
-                for v in [""] + (variants if mi == 0 else []):
+            for mode in qk_modes:
+                for v in [""] + variants:
                     ov = K.parse_config(v, f"--variants item {v!r}")
+                    if mode == "fp8" and ov.get("impl") in K.launch_config.BF16_ONLY_IMPLS:
+                        continue  # bf16-only bodies (they refuse fp8 QK)
                     name = f"ours-{mode}" + (f"[{v}]" if v else "")
 
                     def f(i, mode=mode, ov=ov):
@@ -434,8 +437,9 @@ def best_variants(rows):
         lines.append(f"Best of ours at {layout}, H={H}, {base}: " + "; ".join(cells) + ".")
         if candidates:
             gain, v = max(candidates)
+            qk = " DSV4_SM120_ATTN_QK=fp8" if base == "ours-fp8" else ""
             lines.append(f"Variant never >2% slower and >3% faster somewhere (mean {gain:.2f}x): "
-                         f"`DSV4_SM120_ATTN_CONFIG='{v}'` (serve scripts pass the environment through).")
+                         f"`DSV4_SM120_ATTN_CONFIG='{v}'{qk}` (serve scripts pass the environment through).")
         else:
             lines.append("No variant beats the default across these batch sizes: keep the default.")
         lines.append("")

@@ -225,6 +225,25 @@ def test_all_split_implementations(impl):
         K.CONFIG_OVERRIDE.clear()
 
 
+def test_fp8_q_quantized_once_is_bit_identical():
+    """QPRE (default of the fp8 QK path, tiled body): Q quantized once per (row, head) by _q_fp8_kernel gives
+    the in-loop quantization's output and lse bit for bit (head slice, padded heads, c4 extra, all-invalid
+    row), and QPRE=0 still works."""
+    kw = build(Case(T=3, H=12, K=40, extra="c4", extra_K=24, lengths="random", head_slice=True,
+                    all_invalid_rows=(1,), seed=120))
+    outs = []
+    for qpre in (1, 0):
+        K.CONFIG_OVERRIDE.clear()
+        K.CONFIG_OVERRIDE.update(impl="tiled", QPRE=qpre)
+        try:
+            outs.append(sparse_mla_decode(**kw, qk_mode="fp8"))
+        finally:
+            K.CONFIG_OVERRIDE.clear()
+    (o1, l1), (o0, l0) = outs
+    assert torch.equal(o1, o0) and torch.equal(l1, l0)
+    check(kw, "fp8")
+
+
 @pytest.mark.parametrize("kcvt", [0, 1])
 def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt):
     """PREFETCH=2 reads the next block's tile scales one block early: rows whose length ends inside a block,

@@ -323,22 +323,56 @@ def _ue8m0(ksc, KCVT: tl.constexpr):
 
 
 @triton.jit
+def _q_fp8_tile(qt, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+    # a [BLOCK_H, 64] q tile -> (e4m3 values, UE8M0 scale per 32 values [BLOCK_H, 2]): the MX quantization
+    # of the fp8 QK path (reference.quantize_q_mx)
+    qf = tl.reshape(qt.to(tl.float32), [BLOCK_H, 2, 32])
+    amax = tl.max(tl.abs(qf), axis=2)
+    qexp = tl.ceil(tl.log2(tl.maximum(amax, 1e-30) / 448.0))
+    qexp = tl.minimum(tl.maximum(qexp, -126.0), 127.0)
+    qs = qf * tl.exp2(-qexp)[:, :, None]
+    if INTERP:
+        qs = _round_to_e4m3_grid(qs)
+    return tl.reshape(qs.to(tl.float8e4nv), [BLOCK_H, 64]), (qexp + 127.0).to(tl.uint8)
+
+
+@triton.jit
+def _q_fp8_kernel(q_ptr, stride_qt, stride_qh, q8_ptr, qsc_ptr, H, HP,
+                  BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+    """QPRE: the fp8 QK path's Q quantization done once per (row, head) instead of once per candidate block:
+    ``q8 [T, HP, 448]`` e4m3 bytes and ``qsc [T, HP, 14]`` UE8M0 (one per 32 dims), same function
+    (``_q_fp8_tile``) as the in-loop form, so the split kernel sees identical operands."""
+    t64 = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    lanes = tl.arange(0, 64)
+    q_row = q_ptr + t64 * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
+    o_row = (t64 * HP + offs_h)[:, None]
+    for tile in tl.static_range(7):
+        qt = tl.load(q_row + tile * 64 + lanes[None, :], mask=hmask[:, None], other=0.0)
+        q8, q_sc = _q_fp8_tile(qt, BLOCK_H, INTERP)
+        tl.store(q8_ptr + o_row * 448 + tile * 64 + lanes[None, :], q8.to(tl.uint8, bitcast=True),
+                 mask=hmask[:, None])
+        tl.store(qsc_ptr + o_row * 14 + tile * 2 + tl.arange(0, 2)[None, :], q_sc, mask=hmask[:, None])
+
+
+@triton.jit
 def _qk_tile(q_row, hmask, k8, ksc, t: tl.constexpr, lanes, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-             FP8_QK: tl.constexpr, INTERP: tl.constexpr, KCVT: tl.constexpr = False):
+             FP8_QK: tl.constexpr, INTERP: tl.constexpr, KCVT: tl.constexpr = False, QPRE: tl.constexpr = False,
+             q8_row=None, qsc_row=None):
     # q_h . k_n over nope tile t, K scale included: [BLOCK_H, BLOCK_N] fp32
     # volatile: keep the compiler from hoisting the seven q tiles out of the candidate loop, where
     # they would pin 16x512 bf16 per warp (128 registers per thread) for the whole loop
+    if FP8_QK and QPRE:
+        # Q quantized before the launch (_q_fp8_kernel): load the e4m3 tile and its scales
+        q8 = tl.load(q8_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0, volatile=True)
+        q8 = q8.to(tl.float8e4nv, bitcast=True)
+        q_sc = tl.load(qsc_row + t * 2 + tl.arange(0, 2)[None, :], mask=hmask[:, None], other=127, volatile=True)
+        k_sc = tl.broadcast_to(ksc[:, None], [BLOCK_N, 2])
+        return tl.dot_scaled(q8, q_sc, "e4m3", tl.trans(k8.to(tl.float8e4nv, bitcast=True)), k_sc, "e4m3")
     qt = tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0, volatile=True)
     if FP8_QK:
-        qf = tl.reshape(qt.to(tl.float32), [BLOCK_H, 2, 32])
-        amax = tl.max(tl.abs(qf), axis=2)
-        qexp = tl.ceil(tl.log2(tl.maximum(amax, 1e-30) / 448.0))
-        qexp = tl.minimum(tl.maximum(qexp, -126.0), 127.0)
-        qs = qf * tl.exp2(-qexp)[:, :, None]
-        if INTERP:
-            qs = _round_to_e4m3_grid(qs)
-        q8 = tl.reshape(qs.to(tl.float8e4nv), [BLOCK_H, 64])
-        q_sc = (qexp + 127.0).to(tl.uint8)
+        q8, q_sc = _q_fp8_tile(qt, BLOCK_H, INTERP)
         k_sc = tl.broadcast_to(ksc[:, None], [BLOCK_N, 2])
         return tl.dot_scaled(q8, q_sc, "e4m3", tl.trans(k8.to(tl.float8e4nv, bitcast=True)), k_sc, "e4m3")
     else:
@@ -366,7 +400,8 @@ def _tiled_body(
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr,
-    INTERP: tl.constexpr, PREFETCH: tl.constexpr, KCVT: tl.constexpr = False,
+    INTERP: tl.constexpr, PREFETCH: tl.constexpr, KCVT: tl.constexpr = False, QPRE: tl.constexpr = False,
+    q8_ptr=None, qsc_ptr=None,
 ):
     # One (row, split, head-group) of one cache. Called once per cache from the kernel so each
     # call site keeps the argument alignment facts (16-byte aligned pages and rows) that let the
@@ -385,6 +420,11 @@ def _tiled_body(
     hmask = offs_h < H
     lanes = tl.arange(0, 64)
     q_row = q_ptr + t64 * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
+    q8_row = q8_ptr
+    qsc_row = qsc_ptr
+    if QPRE:
+        q8_row = q8_ptr + (t64 * HP + offs_h)[:, None] * 448
+        qsc_row = qsc_ptr + (t64 * HP + offs_h)[:, None] * 14
     q_rope = tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0)
     if INTERP:
         q_rope = q_rope.to(tl.float32)
@@ -455,13 +495,20 @@ def _tiled_body(
             c5 = _k_scale(cache, sbase, valid, 5)
             c6 = _k_scale(cache, sbase, valid, 6)
         qk = tl.dot(q_rope, tl.trans(rope))
-        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
+        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, QPRE,
+                       q8_row, qsc_row)
+        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, QPRE,
+                       q8_row, qsc_row)
+        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, QPRE,
+                       q8_row, qsc_row)
+        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, QPRE,
+                       q8_row, qsc_row)
+        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, QPRE,
+                       q8_row, qsc_row)
+        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, QPRE,
+                       q8_row, qsc_row)
+        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, QPRE,
+                       q8_row, qsc_row)
         qk = qk * sm_scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -929,7 +976,8 @@ def _dsv4_split_kernel_tiled(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
-    PREFETCH: tl.constexpr = False, KCVT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, KCVT: tl.constexpr = False, QPRE: tl.constexpr = False, q8_ptr=None,
+    qsc_ptr=None,
 ):
     """Same contract as _dsv4_split_kernel, but the nope part is processed in its seven 64-wide
     tiles: K/V tiles stay e4m3 bytes, converted straight to MMA operands, the UE8M0 scale is
@@ -946,13 +994,13 @@ def _dsv4_split_kernel_tiled(
                     extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                     extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT)
+                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT, QPRE, q8_ptr, qsc_ptr)
     else:
         _tiled_body(q_ptr, stride_qt, stride_qh, t, s, g,
                     main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                     main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT)
+                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT, QPRE, q8_ptr, qsc_ptr)
 
 
 @triton.jit
@@ -1373,8 +1421,16 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
                                             PV_RELOAD=bool(cfg.get("PV_RELOAD", 0)), KCVT=bool(cfg.get("KCVT", 0)),
                                             **flags)
     elif cfg["impl"] == "tiled":
+        qpre = {}
+        if fp8 and int(cfg.get("QPRE", 1)):
+            # the fp8 path's Q quantization once per (row, head), not once per candidate block
+            q8 = torch.empty((T * HP * 448,), dtype=torch.uint8, device=q.device)
+            qsc = torch.empty((T * HP * 14,), dtype=torch.uint8, device=q.device)
+            _q_fp8_kernel[(T, HG)](q, q.stride(0), q.stride(2), q8, qsc, H, HP, BLOCK_H=BH, INTERP=interp,
+                                   num_warps=4)
+            qpre = dict(QPRE=True, q8_ptr=q8, qsc_ptr=qsc)
         _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=int(cfg.get("PREFETCH", 0)),
-                                             KCVT=bool(cfg.get("KCVT", 0)), **flags)
+                                             KCVT=bool(cfg.get("KCVT", 0)), **qpre, **flags)
     elif cfg["impl"] == "bt":
         if fp8:
             raise DecodeInputError("impl=bt has no fp8 QK path (use qk_mode='bf16')")
