@@ -6,6 +6,8 @@
 #     instructions per warp and block, but 336 conversion-pipe ops per thread and block go away; at 16 per SM
 #     and clock they need ~5.6k cycles per block against ~3.3k issue cycles), B <= 16 unchanged within noise.
 #   - PREFETCH=2: the next block's tile-scale bytes read one block early (they are synchronous byte loads).
+#   - impl=wg with PV_AGAIN=1: the wgmma-shaped body without its spills (STACK 80 -> 0 B: the PV re-read is no
+#     longer merged with the QK read). Session 2 measured it spilling: 15.7 us at B=16 (best), 100 us at B=128.
 #   - impl=bt: the batched body (one 64-dim tile per warp). Expectation: unclear (2436 instructions per 64
 #     candidates vs 1662, but 9 barriers per 32 candidates vs 22 per 64); if it loses everywhere, delete it.
 #   - MoE: the fp4 path's activations quantized once per row (APRE, now the default there) must give the in-loop
@@ -20,7 +22,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl_attn/sgl_flash_mla-*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/fm:$PWD/overlay
 t0=$(date +%s)
-VA="KCVT=1;KCVT=1,PREFETCH=2;PREFETCH=2;impl=bt,BLOCK_N=32,maxnreg=0;impl=bt,BLOCK_N=32,maxnreg=0,KCVT=1"
+VA="KCVT=1;KCVT=1,PREFETCH=2;PREFETCH=2;impl=bt,BLOCK_N=32,maxnreg=0;impl=bt,BLOCK_N=32,maxnreg=0,KCVT=1;impl=wg,num_warps=4,maxnreg=0,num_stages=1,BLOCK_N=64,PV_AGAIN=1;impl=wg,num_warps=4,maxnreg=0,num_stages=1,BLOCK_N=64,PV_AGAIN=1,KCVT=1"
 # warm the Triton cache for every variant in parallel (compiles dominate a cold call)
 IFS=';' read -ra A <<<"$VA"
 for v in "${A[@]}"; do
@@ -39,6 +41,6 @@ DSV4_ATTN_TEST_CONFIG='KCVT=1' timeout 280 python3 -m pytest -q -p no:cacheprovi
 wait
 { echo "tests+warm $(( $(date +%s) - t0 ))s"; tail -1 "$OUT/pytest_kcvt.log"; tail -1 "$OUT/pytest_bt.log";
   tail -1 "$OUT/pytest_moe_apre.log"; tail -1 "$OUT/pytest_fp8_qpre.log"; } >>"$OUT/times.txt"
-timeout 200 python3 bench/bench_attention.py --layouts swa128+c4 --heads 16 --batches 1,4,16,32,64,128 --replays 20 \
+timeout 280 python3 bench/bench_attention.py --layouts swa128+c4 --heads 16 --batches 1,16,32,64,128 --replays 20 \
   --impls ours,flashmla --variants "$VA" --out "$OUT/attn_sweep" >"$OUT/attn.log" 2>&1
 echo "attn rc=$? $(( $(date +%s) - t0 ))s" >>"$OUT/times.txt"

@@ -260,7 +260,8 @@ def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt):
         K.CONFIG_OVERRIDE.clear()
 
 
-@pytest.mark.parametrize("variant", [dict(impl="wg"), dict(impl="wg", PART_BF16=1, BLOCK_N=32)])
+@pytest.mark.parametrize("variant", [dict(impl="wg"), dict(impl="wg", PART_BF16=1, BLOCK_N=32),
+                                     dict(impl="wg", PV_AGAIN=1, KCVT=1)])
 def test_wg_split_body(variant):
     """The opt-in candidates-on-M body (impl=wg: wgmma-shaped on Hopper) against the float64 reference:
     c4 extra with lengths, a head slice, an all-invalid row; c128 on odd pages; its fp8 QK request is

@@ -703,12 +703,21 @@ def _dsv4_split_kernel_pipe(
 
 
 @triton.jit
-def _kv_tile_bf16(cache, row, valid, ksc, t: tl.constexpr, lanes, INTERP: tl.constexpr):
-    # nope tile t of BLOCK_N tokens, dequantized: [BLOCK_N, 64] (e4m3 x power-of-two scale: exact in bf16)
-    k8 = _k_tile(cache, row, valid, t, lanes)
-    sc = tl.exp2(ksc.to(tl.float32) - 127.0)[:, None]
+def _kv_tile_bf16(cache, row, valid, ksc, t: tl.constexpr, lanes, INTERP: tl.constexpr, KCVT: tl.constexpr = False,
+                  AGAIN: tl.constexpr = False):
+    # nope tile t of BLOCK_N tokens, dequantized: [BLOCK_N, 64] (e4m3 x power-of-two scale: exact in bf16).
+    # AGAIN: the PV re-read (an L1 hit with another cache modifier, so the compiler does not merge it with
+    # the QK read and keep all eight dequantized tiles live across the softmax). KCVT: integer-pipe decode
+    # and a bf16 multiply by the power-of-two scale (exact) instead of fp32 math.
+    if AGAIN:
+        k8 = _k_tile_again(cache, row, valid, t, lanes)
+    else:
+        k8 = _k_tile(cache, row, valid, t, lanes)
+    sc = _ue8m0(ksc, KCVT and not INTERP)[:, None]
     if INTERP:
         return k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
+    if KCVT:
+        return _e4m3_bf16(k8, True) * sc.to(tl.bfloat16)
     return (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(tl.bfloat16)
 
 
@@ -718,6 +727,7 @@ def _wg_body(
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
+    KCVT: tl.constexpr = False, PV_AGAIN: tl.constexpr = False,
 ):
     # Candidates on the MMA M dimension (BLOCK_N = 64 per warpgroup: wgmma on Hopper), heads on N:
     # S^T = K Q^T with the loop-invariant Q^T tiles as the B operands (shared memory, loaded once), P^T
@@ -780,13 +790,13 @@ def _wg_body(
         c5 = _k_scale(cache, sbase, valid, 5)
         c6 = _k_scale(cache, sbase, valid, 6)
         sT = tl.dot(rope, qT_r)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c0, 0, lanes, INTERP), qT_0, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c1, 1, lanes, INTERP), qT_1, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c2, 2, lanes, INTERP), qT_2, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c3, 3, lanes, INTERP), qT_3, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c4, 4, lanes, INTERP), qT_4, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c5, 5, lanes, INTERP), qT_5, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c6, 6, lanes, INTERP), qT_6, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c0, 0, lanes, INTERP, KCVT), qT_0, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c1, 1, lanes, INTERP, KCVT), qT_1, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c2, 2, lanes, INTERP, KCVT), qT_2, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c3, 3, lanes, INTERP, KCVT), qT_3, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c4, 4, lanes, INTERP, KCVT), qT_4, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c5, 5, lanes, INTERP, KCVT), qT_5, sT)
+        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c6, 6, lanes, INTERP, KCVT), qT_6, sT)
         sT = sT * sm_scale_log2
         sT = tl.where(valid[:, None], sT, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sT, axis=0))
@@ -800,13 +810,20 @@ def _wg_body(
         else:
             pb = p.to(tl.bfloat16)
         ar = tl.dot(tl.trans(rope), pb, ar * al)
-        a0 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c0, 0, lanes, INTERP)), pb, a0 * al)
-        a1 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c1, 1, lanes, INTERP)), pb, a1 * al)
-        a2 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c2, 2, lanes, INTERP)), pb, a2 * al)
-        a3 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c3, 3, lanes, INTERP)), pb, a3 * al)
-        a4 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c4, 4, lanes, INTERP)), pb, a4 * al)
-        a5 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c5, 5, lanes, INTERP)), pb, a5 * al)
-        a6 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c6, 6, lanes, INTERP)), pb, a6 * al)
+        a0 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c0, 0, lanes, INTERP, KCVT, PV_AGAIN)), pb,
+                        a0 * al)
+        a1 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c1, 1, lanes, INTERP, KCVT, PV_AGAIN)), pb,
+                        a1 * al)
+        a2 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c2, 2, lanes, INTERP, KCVT, PV_AGAIN)), pb,
+                        a2 * al)
+        a3 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c3, 3, lanes, INTERP, KCVT, PV_AGAIN)), pb,
+                        a3 * al)
+        a4 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c4, 4, lanes, INTERP, KCVT, PV_AGAIN)), pb,
+                        a4 * al)
+        a5 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c5, 5, lanes, INTERP, KCVT, PV_AGAIN)), pb,
+                        a5 * al)
+        a6 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c6, 6, lanes, INTERP, KCVT, PV_AGAIN)), pb,
+                        a6 * al)
         m_i = m_new
 
     base = (t64 * S + s) * HP + offs_h
@@ -832,6 +849,7 @@ def _dsv4_split_kernel_wg(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
+    KCVT: tl.constexpr = False, PV_AGAIN: tl.constexpr = False,
 ):
     """Same contract as _dsv4_split_kernel (bf16 QK only), body _wg_body (candidates on M)."""
     t = tl.program_id(0)
@@ -844,12 +862,14 @@ def _dsv4_split_kernel_wg(
         _wg_body(q_ptr, stride_qt, stride_qh, t, s, g,
                  extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                  extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
-                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP)
+                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP,
+                 KCVT, PV_AGAIN)
     else:
         _wg_body(q_ptr, stride_qt, stride_qh, t, s, g,
                  main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                  main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
-                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP)
+                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP,
+                 KCVT, PV_AGAIN)
 
 
 @triton.jit
@@ -1439,7 +1459,8 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     elif cfg["impl"] == "wg":
         if fp8:
             raise DecodeInputError("impl=wg has no fp8 QK path (use qk_mode='bf16')")
-        _dsv4_split_kernel_wg[(T, S, HG)](*common, **flags)
+        _dsv4_split_kernel_wg[(T, S, HG)](*common, KCVT=bool(cfg.get("KCVT", 0)),
+                                          PV_AGAIN=bool(cfg.get("PV_AGAIN", 0)), **flags)
     else:
         _dsv4_split_kernel[(T, S, HG)](
             *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
