@@ -29,18 +29,18 @@ for v in "${A[@]}"; do
   timeout 150 python3 bench/bench_attention.py --layouts swa128+c4 --heads 16 --batches 16,128 --impls ours --layers 1 \
     --replays 1 --variants "$v" >/dev/null 2>&1 &
 done
-DSV4_ATTN_TEST_CONFIG='KCVT=1' timeout 280 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gpu.py \
+DSV4_ATTN_TEST_CONFIG='KCVT=1' timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gpu.py \
   -k "bf16" >"$OUT/pytest_kcvt.log" 2>&1 &
-DSV4_ATTN_TEST_CONFIG='impl=bt,BLOCK_N=32,maxnreg=0' timeout 280 python3 -m pytest -q -p no:cacheprovider \
+DSV4_ATTN_TEST_CONFIG='impl=bt,BLOCK_N=32,maxnreg=0' timeout 240 python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_attention_gpu.py -k "bf16" >"$OUT/pytest_bt.log" 2>&1 &
-timeout 280 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py -k "pre_quantized or fp4-emulated" \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py -k "pre_quantized or fp4-emulated" \
   >"$OUT/pytest_moe_apre.log" 2>&1 &
 # fp8 QK now quantizes Q once per (row, head) before the launch (QPRE, default of that path): its GPU subset
-DSV4_ATTN_TEST_CONFIG='KCVT=1' timeout 280 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gpu.py \
+DSV4_ATTN_TEST_CONFIG='KCVT=1' timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gpu.py \
   -k "fp8" >"$OUT/pytest_fp8_qpre.log" 2>&1 &
 wait
 { echo "tests+warm $(( $(date +%s) - t0 ))s"; tail -1 "$OUT/pytest_kcvt.log"; tail -1 "$OUT/pytest_bt.log";
   tail -1 "$OUT/pytest_moe_apre.log"; tail -1 "$OUT/pytest_fp8_qpre.log"; } >>"$OUT/times.txt"
-timeout 280 python3 bench/bench_attention.py --layouts swa128+c4 --heads 16 --batches 1,16,32,64,128 --replays 20 \
+timeout 240 python3 bench/bench_attention.py --layouts swa128+c4 --heads 16 --batches 1,16,32,64,128 --replays 20 \
   --impls ours,flashmla --variants "$VA" --out "$OUT/attn_sweep" >"$OUT/attn.log" 2>&1
 echo "attn rc=$? $(( $(date +%s) - t0 ))s" >>"$OUT/times.txt"
