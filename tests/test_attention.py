@@ -547,7 +547,7 @@ out = {}
 for cap in (90, 120):
     for kcvt in (0, 1):
         cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=64, FP8_QK=False,
-                   INTERP=False, PREFETCH=True, KCVT=bool(kcvt))
+                   INTERP=False, PREFETCH=True, KCVT=bool(kcvt), QPRE=False, q8_ptr=None, qsc_ptr=None)
         sig = {}
         for n in fn.arg_names:
             if n in cst:
