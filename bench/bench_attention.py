@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="", help="';'-separated kernel overrides for ours, e.g. "
                    "'BLOCK_N=64,num_warps=4;waves=4' (each becomes an extra row 'ours-<qk mode>[...]' for every "
                    "--qk-modes entry; bf16-only bodies skip fp8)")
+    p.add_argument("--variant-layouts", default="swa128+c4",
+                   help="layouts at which --variants run (each variant is a few Triton compiles per shape)")
+    p.add_argument("--variant-heads", default="16", help="per-rank head counts at which --variants run")
     p.add_argument("--qk-modes", default="bf16", help="comma list of ours' qk modes (bf16, fp8)")
     p.add_argument("--layers", type=int, default=4, help="caches per graph (defeats L2 reuse)")
     p.add_argument("--context", type=int, default=16384, help="tokens of context per row (c4 range = context/4)")
@@ -239,8 +242,10 @@ def main(argv=None):
         # callables: name -> f(layer_i) returning out [B,1,H,512]
         calls = {}
         if "ours" in impls:
+            with_variants = (layout in args.variant_layouts.split(",")
+                             and str(H) in args.variant_heads.split(","))
             for mode in qk_modes:
-                for v in [""] + variants:
+                for v in [""] + (variants if with_variants else []):
                     ov = K.parse_config(v, f"--variants item {v!r}")
                     if mode == "fp8" and ov.get("impl") in K.launch_config.BF16_ONLY_IMPLS:
                         continue  # bf16-only bodies (they refuse fp8 QK)
