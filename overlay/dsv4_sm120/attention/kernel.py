@@ -11,8 +11,8 @@ Two kernels:
    online softmax (base 2). It writes the un-normalized partial ``acc`` and its ``(m, l)``.
    QK runs either as bf16 ``tl.dot`` (nope dequantized to bf16, exact) or, for sm_120, as
    ``tl.dot_scaled`` e4m3 x e4m3 with UE8M0 scales (Q quantized per 32 values, once per row and head by
-   ``_q_fp8_kernel`` before the tiled launch, K used as stored) plus a bf16 dot for rope. PV is always a bf16 dot (the V scales run along the
-   candidate axis, which block-scaled MMA cannot express).
+   ``_q_fp8_kernel`` before the tiled launch, K used as stored) plus a bf16 dot for rope. PV is always
+   a bf16 dot (the V scales run along the candidate axis, which block-scaled MMA cannot express).
 2. ``_dsv4_combine_kernel``: grid ``(T, cdiv(H, BLOCK_HC), 512 / BLOCK_D)``: merges the ``S``
    partials (online, ``BLOCK_S`` per unrolled step, the reduction inside each thread) and the
    sink, writes bf16 ``out`` and the natural-log ``lse`` without the sink; rows with no valid

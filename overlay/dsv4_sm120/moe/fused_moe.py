@@ -38,7 +38,7 @@ INKERNEL_MAX_PAIRS = 32
 # fp4 path, activation quantization: "1" (default) = once per row before each GEMM (kernels._quant_rows_kernel:
 # x before w13, h before w2) and the GEMMs load packed e2m1 + e4m3 scales; "0" = inside every GEMM program
 # (each of the N/BN programs of an expert re-quantizes the same tile: on sm_120, triton 3.8, the w13 loop is
-# 1949 SASS instructions per K step that way against ~250 with the tile pre-quantized,
+# 1949 SASS instructions per K step that way against 119 with the tile pre-quantized,
 # bench/moe_sass_count.py --path fp4). Same operands bit for bit (tests); unmeasured on sm_120 hardware.
 APRE_ENV = "DSV4_SM120_MOE_APRE"
 DEFAULT_DEQ = 3  # H200 call 4 (bench/results/moe_h200_call4.md): shift decode 1.3-1.5x faster than DEQ 2; 0 under the interpreter / off NVIDIA
