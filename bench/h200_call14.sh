@@ -12,7 +12,8 @@
 #     candidates vs 1662, but 9 barriers per 32 candidates vs 22 per 64); if it loses everywhere, delete it.
 #   - MoE: the fp4 path's activations quantized once per row (APRE, now the default there) must give the in-loop
 #     result bit for bit on the GPU too (fp4 runs emulated on sm_90; the speed question is sm_120's).
-# Steps: bf16 GPU attention tests under KCVT=1 and under bt, the MoE APRE tests (all in the background, ~3-4 min), then the H=16
+# Steps: bf16 GPU attention tests under KCVT=1 and under bt, the MoE APRE tests (all in the background, ~3-4
+# min), then the H=16
 # SWA128+c4 sweep at B = 1..128 against FlashMLA (~2 min). Everything lands in $OUT (<= 8 files).
 # Usage (repo root, device): OUT=/some/dir bash bench/h200_call14.sh   (carry .whl_attn)
 set -u
@@ -22,7 +23,8 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl_attn/sgl_flash_mla-*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/fm:$PWD/overlay
 t0=$(date +%s)
-VA="KCVT=1;KCVT=1,PREFETCH=2;PREFETCH=2;impl=bt,BLOCK_N=32,maxnreg=0;impl=bt,BLOCK_N=32,maxnreg=0,KCVT=1;impl=wg,num_warps=4,maxnreg=0,num_stages=1,BLOCK_N=64,PV_AGAIN=1;impl=wg,num_warps=4,maxnreg=0,num_stages=1,BLOCK_N=64,PV_AGAIN=1,KCVT=1"
+WG="impl=wg,num_warps=4,maxnreg=0,num_stages=1,BLOCK_N=64,PV_AGAIN=1"
+VA="KCVT=1;KCVT=1,PREFETCH=2;PREFETCH=2;impl=bt,BLOCK_N=32,maxnreg=0;impl=bt,BLOCK_N=32,maxnreg=0,KCVT=1;$WG;$WG,KCVT=1"
 # warm the Triton cache for every variant in parallel (compiles dominate a cold call)
 IFS=';' read -ra A <<<"$VA"
 for v in "${A[@]}"; do
