@@ -22,6 +22,7 @@ help: ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
 	@echo
 	@echo "Variables: VENV=$(VENV) (environment), SGLANG_ROOT=<sglang package dir> (patch another tree), DSV4_CACHE=$(DSV4_CACHE)"
+	@echo "           ATTN_VARIANTS / MOE_VARIANTS (launch variants bench-attention / bench-moe time next to the defaults; empty = none), ARGS=... (more bench options)"
 
 setup: ## create the pinned environment in VENV (sglang==0.5.23, router, nixl); no system-wide installs
 	@scripts/setup_env.sh $(VENV)
