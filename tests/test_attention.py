@@ -684,3 +684,60 @@ def test_bench_refuses_a_variant_typo_before_touching_the_gpu():
                         "--variants", "KCVT=1;BLOCKN=32"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "unknown key 'BLOCKN'" in r.stderr, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr
+
+
+_FP8_QPRE_COMPILE = r"""
+import json
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from dsv4_sm120.attention import kernel as K
+out = {}
+for cap in (90, 120):
+    fn = K._q_fp8_kernel
+    sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "q8_ptr": "*u8", "qsc_ptr": "*u8", "H": "i32",
+           "HP": "i32", "BLOCK_H": "constexpr", "INTERP": "constexpr"}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index("BLOCK_H"),): 16,
+                                                       (fn.arg_names.index("INTERP"),): False})
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+        out[f"sm{cap}_qfp8"] = {"ok": bool(k.asm.get("cubin"))}
+    except Exception as e:
+        out[f"sm{cap}_qfp8"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    fn = K._dsv4_split_kernel_tiled
+    cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=64, FP8_QK=True,
+               INTERP=False, PREFETCH=False, KCVT=True, QPRE=True)
+    sig = {}
+    for n in fn.arg_names:
+        if n in cst:
+            sig[n] = "constexpr"
+        elif n in ("q_ptr", "acc_ws"):
+            sig[n] = "*bf16"
+        elif n in ("m_ws", "l_ws"):
+            sig[n] = "*fp32"
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32" if ("idx" in n or "len" in n) else "*u8"
+        else:
+            sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                           options={"num_warps": 8, "num_stages": 1, "maxnreg": 128})
+        ptx = k.asm["ptx"]
+        out[f"sm{cap}_split"] = {"ok": bool(k.asm.get("cubin")), "block_scale_mma": "block_scale" in ptx,
+                                 "smem": k.metadata.shared}
+    except Exception as e:
+        out[f"sm{cap}_split"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_fp8_qk_with_q_prequantized_compiles_for_sm90_and_sm120():
+    """Without a GPU: the fp8 QK path as launched by default (Q quantized by _q_fp8_kernel, the tiled body
+    loading it, KCVT on) compiles for sm_90 and sm_120; on sm_120 its QK is the native block-scaled MMA in
+    the PTX and the launch fits sm_120's 99 KB of shared memory."""
+    out = gpu_compile_result(_FP8_QPRE_COMPILE, timeout=900)
+    for name, v in out.items():
+        assert "error" not in v and v["ok"], (name, v)
+    assert out["sm120_split"]["block_scale_mma"], out["sm120_split"]
+    assert out["sm120_split"]["smem"] <= 99 * 1024, out["sm120_split"]
