@@ -8,7 +8,8 @@ One subprocess (PYTHONPATH=<patched site>:overlay, TRITON_INTERPRET=1) checks:
 * ``ModelOptNvFp4FusedMoEMethod`` with that backend: ``create_moe_runner`` builds
   no FlashInfer runner, ``process_weights_after_loading`` keeps the loaded NVFP4
   tensors untouched, ``apply`` returns the routed-experts output, which matches
-  the float64 reference (dropped ids included);
+  the float64 reference (dropped ids included); the fp4 path (sm_120's) through the same ``apply``
+  matches the activation-quantized reference, with activations quantized once per row or in every program;
 and, as a control, that with the overlay disabled the name is rejected.
 """
 
@@ -113,6 +114,15 @@ PROBE = textwrap.dedent(r"""
     out["shape"] = list(y.shape)
     out["err"] = rel_err(y, ref)
     out["err_no_clamp"] = rel_err(y, moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=None))
+    # the sm_120 default path (fp4, activations quantized once per row) through the same SGLang entry point,
+    # and the in-every-program form (DSV4_SM120_MOE_APRE=0): same bits, and the act-quant reference matched
+    os.environ["DSV4_SM120_MOE_PATH"] = "fp4"
+    y4 = method.apply(layer, d).hidden_states
+    os.environ["DSV4_SM120_MOE_APRE"] = "0"
+    y4_inloop = method.apply(layer, d).hidden_states
+    refq = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, act_quant=True)
+    out["fp4_err_vs_actquant"] = rel_err(y4, refq)
+    out["fp4_apre_equals_inloop"] = bool(torch.equal(y4, y4_inloop))
     print("RESULT" + json.dumps(out))
 """)
 
@@ -150,6 +160,8 @@ def test_patched_sglang_runs_routed_experts_through_overlay(run_patched, hybrid_
     assert out["shape"] == [5, 64]
     assert out["err"] < 1.5e-2
     assert out["err_no_clamp"] > 5e-2  # the clamp really was applied
+    assert out["fp4_err_vs_actquant"] < 3e-2
+    assert out["fp4_apre_equals_inloop"] is True
 
 
 def test_overlay_disabled_rejects_the_backend_name(run_patched, hybrid_ckpt):
