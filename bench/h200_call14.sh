@@ -9,7 +9,7 @@
 #   - impl=wg with PV_AGAIN=1: the wgmma-shaped body without its spills (STACK 80 -> 0 B: the PV re-read is no
 #     longer merged with the QK read). Session 2 measured it spilling: 15.7 us at B=16 (best), 100 us at B=128.
 #   - impl=bt: the batched body (one 64-dim tile per warp). Expectation: unclear (2436 instructions per 64
-#     candidates vs 1662, but 9 barriers per 32 candidates vs 22 per 64); if it loses everywhere, delete it.
+#     candidates vs 1662, but 7 barriers per 32 candidates vs 22 per 64); if it loses everywhere, delete it.
 #   - MoE: the fp4 path's activations quantized once per row (APRE, now the default there) must give the in-loop
 #     result bit for bit on the GPU too (fp4 runs emulated on sm_90; the speed question is sm_120's).
 # Steps: bf16 GPU attention tests under KCVT=1 and under bt, the MoE APRE tests (all in the background, ~3-4
