@@ -18,14 +18,12 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
-
-OP = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+ )?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sass_tools import disassemble, hot_loop_ops, split_kernel_source  # noqa: E402
 
 
 def _load_kernel_module():
@@ -54,7 +52,7 @@ def main(argv=None) -> int:
     try:
         import triton
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+        from triton.compiler import ASTSource  # noqa: F401  (the API the compile below needs)
     except ImportError as exc:
         print(f"needs triton with the ASTSource/GPUTarget API: {exc}", file=sys.stderr)
         return 2
@@ -63,7 +61,6 @@ def main(argv=None) -> int:
     if fn is None:
         print(f"no kernel _dsv4_split_kernel_{args.impl}", file=sys.stderr)
         return 2
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     print(f"triton {triton.__version__}, impl={args.impl}, BLOCK_H=16 BLOCK_N={args.block_n}, "
           f"{args.num_warps} warps, maxnreg {args.maxnreg or 'none'}")
     for arch in [int(a) for a in args.arch.split(",") if a]:
@@ -81,24 +78,7 @@ def main(argv=None) -> int:
                 cst[k_] = bool(int(v_)) if k_ in ("KCVT", "QPRE") else int(v_)
             if not cst.get("QPRE", True):
                 cst.update(q8_ptr=None, qsc_ptr=None)
-            sig = {}
-            for n in fn.arg_names:
-                if n in cst:
-                    sig[n] = "constexpr"
-                elif n in ("q8_ptr", "qsc_ptr"):
-                    sig[n] = "*u8"
-                elif n in ("q_ptr", "acc_ws"):
-                    sig[n] = "*bf16"
-                elif n in ("m_ws", "l_ws"):
-                    sig[n] = "*fp32"
-                elif n.endswith("_ptr"):
-                    sig[n] = "*i32" if ("idx" in n or "len" in n) else "*u8"
-                else:
-                    sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
-            div = [n for n, v in sig.items()
-                   if v.startswith("*") or n.startswith("stride") or n.endswith(("_PB", "_PB2"))]
-            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()},
-                            attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div})
+            src = split_kernel_source(fn, cst)
             opts = {"num_warps": args.num_warps,
                     "num_stages": args.num_stages or (2 if arch == 90 else 1)}
             if args.maxnreg:
@@ -108,24 +88,11 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001
                 print(f"sm_{arch} KCVT={kcvt}: compile failed: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(k.asm["cubin"])
-                f.flush()
-                ru = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-                sass = subprocess.run([str(tool.with_name("nvdisasm")), "-c", f.name], capture_output=True,
-                                      text=True).stdout
+            ru, sass = disassemble(k.asm["cubin"])
             res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", ru)
-            lines = sass.splitlines()
-            loops = []
-            for i, line in enumerate(lines):
-                m = re.search(r"\bBRA\b[^`]*`\(\.(L_x_\d+)\)", line)
-                if m:
-                    start = next((j for j, x in enumerate(lines) if x.strip().startswith(f".{m.group(1)}:")), None)
-                    if start is not None and start < i:
-                        loops.append((i - start, start, i))
-            body = lines[max(loops)[1]:max(loops)[2] + 1] if loops else []
-            ops = [m.group(2) for x in body if (m := OP.match(x))]
-            full = collections.Counter(m.group(2) + (m.group(3) or "") for x in body if (m := OP.match(x)))
+            loop = hot_loop_ops(sass)
+            ops = [o for o, _ in loop]
+            full = collections.Counter(f for _, f in loop)
             pipes = {k: sum(n for o, n in full.items() if o.startswith(k)) for k in ("F2F.", "F2FP.", "LDS", "STS",
                                                                                      "BAR", "SHFL", "HMMA")}
             print(f"sm_{arch} KCVT={kcvt}: REG {res.group(1) if res else '?'} STACK {res.group(2) if res else '?'} "

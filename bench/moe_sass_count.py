@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sass_tools import disassemble, hot_loop_ops  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -42,7 +41,6 @@ def main(argv=None) -> int:
         return 2
     from dsv4_sm120.moe import kernels as K
 
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     fn = K._gemm1_kernel
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
            "block_expert_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "TOPK": "i32", "H": "i32", "I": "i32",
@@ -66,24 +64,10 @@ def main(argv=None) -> int:
         src = ASTSource(fn=fn, signature=dict(sig_r, **{k: "constexpr" for k in cst}),
                         constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()}, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4, "num_stages": 3})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-        lines = sass.splitlines()
-        # the main loop: from the label the backward branch jumps to, to that branch
-        back = [i for i, l in enumerate(lines) if re.search(r"\bBRA\b[^`]*`\(\.L_x_\d+\)", l)]
-        loop = None
-        for i in back:
-            label = re.search(r"`\(\.(L_x_\d+)\)", lines[i]).group(1)
-            start = next((j for j, l in enumerate(lines) if l.startswith(f".{label}:")), None)
-            if start is not None and start < i and (loop is None or i - start > loop[1] - loop[0]):
-                loop = (start, i)
-        if loop is None:
+        ops = [o for o, _ in hot_loop_ops(disassemble(k.asm["cubin"])[1])]
+        if not ops:
             print(f"{'APRE ' + str(apre) if fp4 else 'DEQ ' + str(deq)}: no loop found")
             continue
-        ops = [m.group(2) for l in lines[loop[0]:loop[1] + 1]
-               if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+ )?([A-Z0-9_]+)", l))]
         top = ", ".join(f"{n} {o}" for o, n in collections.Counter(ops).most_common(int(os.environ.get("TOPN", "10"))))
         per = 2 * args.bn * args.bk // 128
         name = f"APRE {apre}" if fp4 else f"DEQ {deq}"

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# bench/sass_tools.py (compile sources / disassembly shared with the SASS counters); the compile children
+# inherit this path through gpu_compile_result's PYTHONPATH
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from conftest import gpu_compile_result  # noqa: E402
 from test_attention_cases import Case, build, lonely_rows  # noqa: E402
@@ -536,33 +540,18 @@ def test_launch_configuration_rules(monkeypatch):
 
 
 _TILED_KCVT_COMPILE = r"""
-import json, os, re, subprocess, tempfile
+import json, re
 import triton
-from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from dsv4_sm120.attention import kernel as K
+from sass_tools import disassemble, split_kernel_source
 fn = K._dsv4_split_kernel_tiled
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = {}
 for cap in (90, 120):
     for kcvt in (0, 1):
         cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=64, FP8_QK=False,
                    INTERP=False, PREFETCH=True, KCVT=bool(kcvt), QPRE=False, q8_ptr=None, qsc_ptr=None)
-        sig = {}
-        for n in fn.arg_names:
-            if n in cst:
-                sig[n] = "constexpr"
-            elif n in ("q_ptr", "acc_ws"):
-                sig[n] = "*bf16"
-            elif n in ("m_ws", "l_ws"):
-                sig[n] = "*fp32"
-            elif n.endswith("_ptr"):
-                sig[n] = "*i32" if ("idx" in n or "len" in n) else "*u8"
-            else:
-                sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
-        div = [n for n, v in sig.items() if v.startswith("*") or n.startswith("stride") or n.endswith(("_PB", "_PB2"))]
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()},
-                        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div})
+        src = split_kernel_source(fn, cst)
         name = f"sm{cap}_kcvt{kcvt}"
         opts = {"num_warps": 8, "num_stages": 2 if cap == 90 else 1, "maxnreg": 128}
         try:
@@ -570,11 +559,7 @@ for cap in (90, 120):
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             continue
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        ru, sass = disassemble(k.asm["cubin"])
         r = {"f2f_bf16_f16": len(re.findall(r"F2F\.BF16\.F16", sass)),
              "f2fp_e4m3": len(re.findall(r"F2FP\.F16\.E4M3", sass)),
              "hfma2_or_hmul2": len(re.findall(r"\bH(?:FMA2|MUL2)\b", sass)), "sass": len(sass),
@@ -692,6 +677,7 @@ import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from dsv4_sm120.attention import kernel as K
+from sass_tools import split_kernel_source
 out = {}
 for cap in (90, 120):
     fn = K._q_fp8_kernel
@@ -707,19 +693,7 @@ for cap in (90, 120):
     fn = K._dsv4_split_kernel_tiled
     cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=64, FP8_QK=True,
                INTERP=False, PREFETCH=False, KCVT=True, QPRE=True)
-    sig = {}
-    for n in fn.arg_names:
-        if n in cst:
-            sig[n] = "constexpr"
-        elif n in ("q_ptr", "acc_ws"):
-            sig[n] = "*bf16"
-        elif n in ("m_ws", "l_ws"):
-            sig[n] = "*fp32"
-        elif n.endswith("_ptr"):
-            sig[n] = "*i32" if ("idx" in n or "len" in n) else "*u8"
-        else:
-            sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
+    src = split_kernel_source(fn, cst)
     try:
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32),
                            options={"num_warps": 8, "num_stages": 1, "maxnreg": 128})
