@@ -111,7 +111,7 @@ def _quant_tile(a_even, a_odd, gs, BM: tl.constexpr, BK: tl.constexpr):
     (float32 [BM, BK/2] each) with per-row global scale ``gs`` [BM].
 
     Returns (packed uint8 [BM, BK/2] K-packed like the weights, block scales
-    float8e4nv [BM, BK/16], block scales as float32 [BM, BK/16]).
+    float8e4nv [BM, BK/16]).
     """
     G: tl.constexpr = BK // 16
     am_e = tl.max(tl.reshape(tl.abs(a_even), (BM, G, 8)), axis=2)
@@ -124,7 +124,7 @@ def _quant_tile(a_even, a_odd, gs, BM: tl.constexpr, BK: tl.constexpr):
     ce = tl.where(denom > 0, _e2m1_code(a_even / safe), 0)
     co = tl.where(denom > 0, _e2m1_code(a_odd / safe), 0)
     packed = (ce | (co << 4)).to(tl.uint8)
-    return packed, bs8, bsf
+    return packed, bs8
 
 
 @triton.jit
@@ -148,25 +148,8 @@ def _fp4_pair_dot(acc, a_even, a_odd, gs, wq, ws_ptrs,
     pointers [BN, BK/16] to its E4M3 block scales. The result still has to be
     multiplied by the activation row scale and the weight global scale.
     """
-    G: tl.constexpr = BK // 16
-    aq, as8, asf = _quant_tile(a_even, a_odd, gs, BM, BK)
-    if NATIVE:
-        ws = tl.load(ws_ptrs)
-        acc = tl.dot_scaled(aq, as8, "e2m1", wq, ws, "e2m1", acc)
-    else:
-        # exact emulation (interpreter / no FP4 MMA): decode both operands
-        aqi = aq.to(tl.int32)
-        asb = _bcast8(asf * 16384.0, BM, G)
-        a_lo = _e2m1_f32(aqi & 15) * asb
-        a_hi = _e2m1_f32(aqi >> 4) * asb
-        wsf = tl.trans(tl.load(ws_ptrs).to(tl.float32))  # [G, BN]
-        wsb = _bcast8_rows(wsf * 16384.0, G, BN)
-        wqi = wq.to(tl.int32)
-        w_lo = _e2m1_f32(wqi & 15) * wsb
-        w_hi = _e2m1_f32(wqi >> 4) * wsb
-        acc += tl.dot(a_lo, w_lo, input_precision="ieee")
-        acc += tl.dot(a_hi, w_hi, input_precision="ieee")
-    return acc
+    aq, as8 = _quant_tile(a_even, a_odd, gs, BM, BK)
+    return _fp4_pre_dot(acc, aq, as8, wq, ws_ptrs, BM, BN, BK, NATIVE)
 
 
 _E2M1_BF16_ASM = tl.constexpr("""
@@ -353,7 +336,7 @@ def _quant_rows_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, R, K, stride_a, sel_ptr, P,
     gg = tl.arange(0, BK // 16)
     k0 = tl.program_id(1) * BK
     a_even, a_odd = _load_a_pairs(a_row + k0, rmask, BR, BK, ALOAD_SPLIT)
-    packed, bs8, _bsf = _quant_tile(a_even.to(tl.float32), a_odd.to(tl.float32), gs, BR, BK)
+    packed, bs8 = _quant_tile(a_even.to(tl.float32), a_odd.to(tl.float32), gs, BR, BK)
     tl.store(q_ptr + r64[:, None] * (K // 2) + (k0 // 2 + jj)[None, :], packed, mask=rmask[:, None])
     tl.store(s_ptr + r64[:, None] * (K // 16) + (k0 // 16 + gg)[None, :], bs8, mask=rmask[:, None])
     tl.store(gs_ptr + r64, gs, mask=rmask & (tl.program_id(1) == 0))
@@ -362,13 +345,16 @@ def _quant_rows_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, R, K, stride_a, sel_ptr, P,
 @triton.jit
 def _fp4_pre_dot(acc, aq, as8, wq, ws_ptrs, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  NATIVE: tl.constexpr):
-    """:func:`_fp4_pair_dot` with the activation tile already quantized (APRE): ``aq`` u8 [BM, BK/2],
-    ``as8`` e4m3 [BM, BK/16]."""
+    """acc[BM, BN] += dequant(aq) @ dequant(w) for an already quantized activation tile (``aq`` u8 [BM, BK/2],
+    ``as8`` e4m3 [BM, BK/16]: from _quant_tile in the loop, or from _quant_rows_kernel with APRE), without the
+    global scales."""
     G: tl.constexpr = BK // 16
     if NATIVE:
         ws = tl.load(ws_ptrs)
         acc = tl.dot_scaled(aq, as8, "e2m1", wq, ws, "e2m1", acc)
     else:
+        # exact emulation (interpreter / no FP4 MMA): decode both operands (the e4m3 block scales are exact
+        # in fp32)
         aqi = aq.to(tl.int32)
         asb = _bcast8(as8.to(tl.float32) * 16384.0, BM, G)
         a_lo = _e2m1_f32(aqi & 15) * asb
