@@ -10,7 +10,7 @@ docs/attention.md quotes it. Runs without torch (stubbed) so a bare ``pip instal
 H200 image's version) is enough:
 
   python3 bench/attn_sass_count.py --impl tiled --kcvt 0,1
-  python3 bench/attn_sass_count.py --impl bt --block-n 32 --maxnreg 0 --arch 90
+  python3 bench/attn_sass_count.py --impl reg --num-stages 1 --maxnreg 0 --arch 90 --ops
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _load_kernel_module():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", default="tiled", help="tiled | bt | pipe | wg (the _dsv4_split_kernel_<impl>)")
+    p.add_argument("--impl", default="tiled", help="tiled | reg | pipe | wg (the _dsv4_split_kernel_<impl>)")
     p.add_argument("--arch", default="90,120", help="comma list of compute capabilities")
     p.add_argument("--kcvt", default="0,1", help="comma list of KCVT values")
     p.add_argument("--block-n", type=int, default=64)
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-stages", type=int, default=0, help="0: 2 on sm_90, 1 elsewhere (the defaults)")
     p.add_argument("--maxnreg", type=int, default=128, help="0: no cap")
     p.add_argument("--qk", default="bf16", choices=("bf16", "fp8"), help="QK path (fp8: dot_scaled, native on sm_120)")
+    p.add_argument("--ops", action="store_true", help="also print every loop opcode with its suffixes")
     p.add_argument("--extra", default="", help="more constexprs of the kernel, e.g. PREFETCH=0")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
                   f"smem {k.metadata.shared} B; loop {len(ops)} instructions per warp and candidate block; "
                   + ", ".join(f"{k.rstrip('.')} {v}" for k, v in pipes.items()))
             print("   top: " + ", ".join(f"{n} {o}" for o, n in collections.Counter(ops).most_common(12)))
+            if args.ops:
+                print("   all: " + ", ".join(f"{n} {o}" for o, n in sorted(full.items())))
     return 0
 
 

@@ -282,19 +282,21 @@ def test_wg_split_body(variant):
         K.CONFIG_OVERRIDE.clear()
 
 
-@pytest.mark.parametrize("variant", [dict(impl="bt"), dict(impl="bt", PART_BF16=1, PREFETCH=1, BLOCK_N=32, KCVT=1)])
-def test_bt_split_body(variant):
-    """The opt-in batched body (impl=bt: one 64-dim tile per warp, rope as the eighth tile) against the
-    float64 reference: c4 extra with lengths, a head slice, an all-invalid row; c128 on odd pages; main
-    cache only with a -inf sink; its fp8 QK request is refused with a clear error."""
+@pytest.mark.parametrize("variant", [dict(impl="reg", waves=0.25), dict(impl="reg", PART_BF16=1, BLOCK_N=32, KCVT=1)])
+def test_reg_split_body(variant):
+    """The register body (impl=reg: each K byte read and decoded once per block, the next block's tiles loaded
+    while the current one computes, its indices two blocks ahead) against the float64 reference: several
+    blocks per program with lengths ending inside a block and zero-length rows, an all-invalid row, a head
+    slice; c128 on odd pages; main cache only with a -inf sink; its fp8 QK request is refused clearly."""
     K.CONFIG_OVERRIDE.clear()
     K.CONFIG_OVERRIDE.update(variant)
     try:
-        check(build(Case(T=3, H=8, K=24, extra="c4", extra_K=20, lengths="random", head_slice=True,
-                         all_invalid_rows=(1,), seed=80)), "bf16")
-        check(build(Case(T=2, H=5, K=17, main_page=3, extra="c128", extra_page=2, extra_K=40, seed=81)), "bf16")
+        check(build(Case(T=4, H=8, K=64, extra="c4", extra_K=40, lengths="zero_some", head_slice=True,
+                         all_invalid_rows=(2,), seed=80)), "bf16")
+        check(build(Case(T=3, H=8, K=24, extra="c4", extra_K=20, lengths="random", seed=84)), "bf16")
+        check(build(Case(T=2, H=5, K=17, main_page=3, extra="c128", extra_page=2, extra_K=70, seed=81)), "bf16")
         check(build(Case(T=2, H=16, K=40, sink="-inf", seed=82)), "bf16")
-        with pytest.raises(DecodeInputError, match="impl=bt"):
+        with pytest.raises(DecodeInputError, match="impl=reg"):
             sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=83)), qk_mode="fp8")
     finally:
         K.CONFIG_OVERRIDE.clear()
@@ -489,7 +491,8 @@ def test_rows_split_across_launches_when_workspace_is_capped(monkeypatch):
 
 
 def test_launch_configuration_rules(monkeypatch):
-    """Shape/architecture rules of the default launch configuration (H200 call 4): on Hopper the
+    """Shape/architecture rules of the default launch configuration (H200 calls 4, 15, 16): for H <= 16
+    with bf16 QK the register body at both ends of the batch range, the tiled body between; on Hopper the
     tiled body is pipelined (num_stages=2) only when a program owns >= 2 candidate blocks, the
     combine merges all partials in one unrolled step when there are <= 8 (else the fewest balanced
     chunks), and H > 16 uses 16-row head groups on small grids and the flat body on large ones;
@@ -499,28 +502,43 @@ def test_launch_configuration_rules(monkeypatch):
     monkeypatch.setattr(K, "_is_sm120", lambda d: False)
     monkeypatch.setattr(K, "_is_hopper", lambda d: True)
 
-    def resolved(H, T, nsm=132):
-        cfg = K._default_config(H, dev, False, T, nsm)
+    def resolved(H, T, nsm=132, fp8=False):
+        cfg = K._default_config(H, dev, fp8, T, nsm, 128, 512)
         hg = -(-H // cfg["BLOCK_H"])
         plan = K.plan_splits(T, hg, 128, 512, cfg["BLOCK_N"], nsm, cfg["waves"])
         return K._resolve_auto(cfg, *plan, T=T, H=H, num_sms=nsm), plan
 
-    for T, st in ((1, 1), (4, 1), (16, 1), (64, 2), (128, 2)):
+    # H <= 16, bf16 QK (H200 call 16): the register body where one 32-candidate block per program fits in one
+    # wave (B <= 4 at SWA128+c4: 20 blocks of 32 per row) and from a third of the SMs in rows; the tiled body
+    # between; the register body is never capped (it would spill) and never pipelined
+    want = {1: ("reg", 32, 1, 0), 4: ("reg", 32, 1, 0), 8: ("tiled", 64, 1, 128), 16: ("tiled", 64, 1, 128),
+            43: ("tiled", 64, 1, 128), 44: ("reg", 64, 1, 0), 128: ("reg", 64, 1, 0)}
+    for T, w in want.items():
         cfg, plan = resolved(16, T)
-        assert (cfg["impl"], cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["maxnreg"]) == ("tiled", 16, 64, 128)
+        assert (cfg["impl"], cfg["BLOCK_N"], cfg["num_stages"], cfg["maxnreg"], cfg["BLOCK_H"]) == w + (16,), T
+    assert all(resolved(16, T)[1][1] == 32 for T in (1, 4))  # one block per program
+    # fp8 QK (no register body): tiled, pipelined (num_stages=2) only when a program owns >= 2 candidate
+    # blocks, and then without the 128-register cap (two stages' shared memory leave one CTA per SM anyway:
+    # H200 call 15)
+    for T, st in ((1, 1), (4, 1), (16, 1), (64, 2), (128, 2)):
+        cfg, plan = resolved(16, T, fp8=True)
+        assert (cfg["impl"], cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["maxnreg"]) == ("tiled", 16, 64, 0 if st == 2 else 128)
         S = plan[0] + plan[2]
         assert cfg["num_stages"] == st, (T, plan, cfg)
         cap = 16 if T * 16 * 512 // cfg["BLOCK_D"] <= 264 else 8
         assert cfg["BLOCK_S"] == -(-S // -(-S // cap)), (T, plan, cfg)
         assert T * 16 * 512 // cfg["BLOCK_D"] >= min(264, T * 16 * 4) and cfg["combine_warps"] * 128 == cfg["BLOCK_D"]
     # H <= 16 on Hopper (H200 call 6): bf16 partials; 4 waves of split programs on small grids, 1 on large
-    assert [K._default_config(16, dev, False, T, 132)["waves"] for T in (1, 64, 96, 100, 128, 512)] == \
-        [4.0, 4.0, 4.0, 2.0, 1.0, 1.0]
+    for fp8 in (False, True):
+        assert [K._default_config(16, dev, fp8, T, 132, 128, 512)["waves"] for T in (1, 64, 96, 100, 128, 512)] == \
+            [4.0, 4.0, 4.0, 2.0, 1.0, 1.0]
+        # the thresholds scale with the SM count (an RTX PRO 6000 has 188 SMs)
+        assert [K._default_config(16, dev, fp8, T, 188, 128, 512)["waves"] for T in (128, 141, 142, 178, 179)] == \
+            [4.0, 4.0, 2.0, 2.0, 1.0]
     assert K._default_config(16, dev, False, 1, 132)["PART_BF16"] == 1
-    assert [K._default_config(16, dev, False, T, 132)["PREFETCH"] for T in (1, 16, 64, 128)] == [0, 0, 1, 1]
-    # the thresholds scale with the SM count (an RTX PRO 6000 has 188 SMs)
-    assert [K._default_config(16, dev, False, T, 188)["waves"] for T in (128, 141, 142, 178, 179)] == \
-        [4.0, 4.0, 2.0, 2.0, 1.0]
+    assert [K._default_config(16, dev, True, T, 132)["PREFETCH"] for T in (1, 16, 64, 128)] == [0, 0, 2, 2]
+    # without candidate counts the one-wave rule cannot hold
+    assert K._default_config(16, dev, False, 1, 132)["impl"] == "tiled"
     assert K._default_config(64, dev, False, 1, 132)["waves"] == 2.0
     assert resolved(64, 1)[0]["BLOCK_H"] == 16 and resolved(64, 16)[0]["impl"] == "tiled"
     big = resolved(64, 128)[0]
@@ -532,7 +550,9 @@ def test_launch_configuration_rules(monkeypatch):
     monkeypatch.setattr(K, "_is_sm120", lambda d: True)
     for H, T in ((16, 128), (64, 1), (128, 300)):
         cfg, _ = resolved(H, T)
-        assert cfg["num_stages"] == 1 and cfg["BLOCK_H"] <= 32 and cfg["impl"] == "tiled"
+        assert cfg["num_stages"] == 1 and cfg["BLOCK_H"] <= 32 and cfg["impl"] == ("reg" if H == 16 else "tiled")
+    # the register body's rules hold there too (no spills on sm_120); the tiled body in between
+    assert resolved(16, 1)[0]["impl"] == "reg" and resolved(16, 16)[0]["impl"] == "tiled"
     # explicit overrides win over "auto"; without T / H the combine keys wait for the combine launch
     assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64)["BLOCK_S"] == 4
     assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64, T=1, H=16, num_sms=132)["BLOCK_S"] == 4
@@ -593,9 +613,63 @@ def test_tiled_kcvt_moves_fp8_conversion_off_the_conversion_pipe():
             assert new["stack"] <= base["stack"], (base, new)
 
 
+_REG_COMPILE = r"""
+import collections, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from dsv4_sm120.attention import kernel as K
+from sass_tools import disassemble, hot_loop_ops, split_kernel_source
+fn = K._dsv4_split_kernel_reg
+out = {}
+for cap in (90, 120):
+    for bn in (32, 64):
+        cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=bn, FP8_QK=False,
+                   INTERP=False, KCVT=True)
+        name = f"sm{cap}_bn{bn}"
+        try:
+            k = triton.compile(split_kernel_source(fn, cst), target=GPUTarget("cuda", cap, 32),
+                               options={"num_warps": 8, "num_stages": 1})
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        ru, sass = disassemble(k.asm["cubin"])
+        ops = collections.Counter(f for _, f in hot_loop_ops(sass))
+        r = {"shared": k.metadata.shared, "sass": len(sass), "loop": sum(ops.values()),
+             "ldg128": ops.get("LDG.E.128", 0), "ldg64": ops.get("LDG.E.64", 0), "lds_u8": ops.get("LDS.U8", 0),
+             "ldgsts": sum(n for o, n in ops.items() if o.startswith("LDGSTS")),
+             "f2f": sum(n for o, n in ops.items() if o.startswith("F2F."))}
+        mm = re.search(r"REG:(\d+) STACK:(\d+)", ru)
+        if mm:
+            r["regs"], r["stack"] = int(mm.group(1)), int(mm.group(2))
+        out[name] = r
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_reg_body_code_generation_for_sm90_and_sm120():
+    """Without a GPU: the register body (the default for H <= 16 at both ends of the batch range, on sm_120 too,
+    where it has never run) compiles for sm_90 and sm_120 at its launches (8 warps, one stage, no register cap,
+    32 and 64 candidates) without spills and within sm_120's 99 KB of shared memory, and its loop gathers each
+    K tile once with one vector load per thread (64 candidates: 7 nope tiles + 2 rope loads of 16 bytes; 32: 7
+    nope loads of 8 bytes + 1 rope load of 16), with no cp.async
+    staging, no byte-wise shared-memory reads and no conversion-pipe e4m3 decode (what H200 call 15's profile of
+    the tiled body showed)."""
+    out = gpu_compile_result(_REG_COMPILE, timeout=900)
+    for cap in (90, 120):
+        for bn in (32, 64):
+            r = out[f"sm{cap}_bn{bn}"]
+            assert "error" not in r, r
+            if r["sass"] == 0:
+                pytest.skip("cuobjdump gave no SASS here")
+            assert r["shared"] <= 99 * 1024, r
+            assert r.get("stack", 0) == 0, r
+            assert (r["ldg128"], r["ldg64"]) == ((9, 0) if bn == 64 else (1, 7)), r
+            assert r["lds_u8"] == 0 and r["ldgsts"] == 0 and r["f2f"] == 0, r
+
+
 def test_parse_config_accepts_the_documented_keys_and_refuses_typos():
-    got = K.parse_config(" KCVT=1, maxnreg=0 ,impl=bt,waves=1.5,BLOCK_S=auto,BLOCK_N=32 ")
-    assert got == {"KCVT": 1, "maxnreg": 0, "impl": "bt", "waves": 1.5, "BLOCK_S": "auto", "BLOCK_N": 32}
+    got = K.parse_config(" KCVT=1, maxnreg=0 ,impl=reg,waves=1.5,BLOCK_S=auto,BLOCK_N=32 ")
+    assert got == {"KCVT": 1, "maxnreg": 0, "impl": "reg", "waves": 1.5, "BLOCK_S": "auto", "BLOCK_N": 32}
     assert K.parse_config("") == {}
     for bad, needle in [("BLOCKN=32", "unknown key 'BLOCKN'"), ("impl=fast", "impl must be one of"),
                         ("KCVT", "key=value"), ("BLOCK_N=48", "power of two"), ("num_warps=0", "power of two"),
@@ -607,25 +681,25 @@ def test_parse_config_accepts_the_documented_keys_and_refuses_typos():
 
 
 def test_env_config_selects_the_launch_and_refuses_bad_values(monkeypatch):
-    """DSV4_SM120_ATTN_CONFIG reaches the launch (here: the batched body, seen by its kernel being the one
+    """DSV4_SM120_ATTN_CONFIG reaches the launch (here: the register body, seen by its kernel being the one
     launched, with the float64 reference still matched); a typo is an error naming the variable, not a
     silent default; an fp8 request on a bf16-only body is refused."""
     launched = []
-    real = K._dsv4_split_kernel_bt
+    real = K._dsv4_split_kernel_reg
 
     class Spy:
         def __getitem__(self, grid):
             launched.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(K, "_dsv4_split_kernel_bt", Spy())
-    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=bt,PREFETCH=1")
+    monkeypatch.setattr(K, "_dsv4_split_kernel_reg", Spy())
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=reg,KCVT=1")
     K.CONFIG_OVERRIDE.clear()
     check(build(Case(T=2, H=8, K=24, extra="c4", extra_K=20, lengths="random", seed=90)), "bf16")
-    assert launched, "DSV4_SM120_ATTN_CONFIG=impl=bt did not reach the launch"
-    with pytest.raises(DecodeInputError, match="impl=bt has no fp8"):
+    assert launched, "DSV4_SM120_ATTN_CONFIG=impl=reg did not reach the launch"
+    with pytest.raises(DecodeInputError, match="impl=reg has no fp8"):
         sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=91)), qk_mode="fp8")
-    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=bt,BLOKC_N=32")
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=reg,BLOKC_N=32")
     with pytest.raises(DecodeInputError, match="DSV4_SM120_ATTN_CONFIG: unknown key 'BLOKC_N'"):
         sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=92)), qk_mode="bf16")
     monkeypatch.delenv("DSV4_SM120_ATTN_CONFIG")
@@ -654,9 +728,9 @@ def test_bench_best_variant_summary():
 
     lines = "\n".join(B.best_variants(rows({
         "ours-bf16": {16: 17.0, 128: 76.0}, "ours-bf16[KCVT=1]": {16: 17.1, 128: 60.0},
-        "ours-bf16[impl=bt]": {16: 25.0, 128: 50.0}, "flashmla(64 heads)": {16: 17.7, 128: 45.9}})))
-    assert "B=16: default 17.0 us" in lines and "B=128: impl=bt 50.0 us (1.52x)" in lines
-    assert "DSV4_SM120_ATTN_CONFIG='KCVT=1'" in lines  # bt is faster at 128 but 47% slower at 16
+        "ours-bf16[impl=reg]": {16: 25.0, 128: 50.0}, "flashmla(64 heads)": {16: 17.7, 128: 45.9}})))
+    assert "B=16: default 17.0 us" in lines and "B=128: impl=reg 50.0 us (1.52x)" in lines
+    assert "DSV4_SM120_ATTN_CONFIG='KCVT=1'" in lines  # reg is faster at 128 but 47% slower at 16
     lines = "\n".join(B.best_variants(rows({"ours-bf16": {16: 17.0}, "ours-bf16[KCVT=1]": {16: 18.0}})))
     assert "keep the default" in lines and "DSV4_SM120_ATTN_CONFIG" not in lines
     assert B.best_variants(rows({"ours-bf16": {16: 17.0}})) == []

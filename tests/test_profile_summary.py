@@ -24,7 +24,7 @@ NAMES = {
     "_dsv4_combine_kernel": "sparse attention",
     "_dsv4_split_kernel_tiled": "sparse attention",
     "_q_fp8_kernel": "sparse attention",
-    "_dsv4_split_kernel_bt": "sparse attention",
+    "_dsv4_split_kernel_reg": "sparse attention",
     "_gemm2_kernel": "MoE",
     "_reduce_kernel": "MoE",
     "_tiled_sparse_decode_kernel": "sparse attention",

@@ -163,7 +163,7 @@ def test_overlay_env_check_catches_attention_typos_before_start(tmp_path):
     assert len(bad) == 1 and "unknown key 'BLOCKN'" in bad[0] and "DSV4_SM120_ATTN_CONFIG" in bad[0]
     bad = pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_QK="fp16"), base={})
     assert len(bad) == 1 and "DSV4_SM120_ATTN_QK" in bad[0]
-    bad = pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_QK="fp8", DSV4_SM120_ATTN_CONFIG="impl=bt"), base={})
+    bad = pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_QK="fp8", DSV4_SM120_ATTN_CONFIG="impl=reg"), base={})
     assert len(bad) == 1 and "no fp8 QK path" in bad[0]
     # the caller's environment counts too (it reaches the servers)
     assert pf.check_overlay_env(plan_for(), base={"DSV4_SM120_ATTN_CONFIG": "impl=fast"})

@@ -873,18 +873,30 @@ def _dsv4_split_kernel_wg(
 
 
 @triton.jit
-def _bt_body(
+def _kdec(k8, ksc, INTERP: tl.constexpr, KCVT: tl.constexpr):
+    # [BLOCK_N, 64] e4m3 bytes and their [BLOCK_N] UE8M0 tile scales -> the scaled values as bf16 (exact:
+    # a power-of-two scale only moves the exponent; bf16 has fp32's range), fp32 under the interpreter
+    if INTERP:
+        return k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(ksc.to(tl.float32) - 127.0)[:, None]
+    scb = (ksc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(byte - 127) as bf16
+    return _e4m3_bf16(k8, KCVT) * scb[:, None]
+
+
+@triton.jit
+def _reg_body(
     q_ptr, stride_qt, stride_qh, t, s, g,
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERP: tl.constexpr, PREFETCH: tl.constexpr, KCVT: tl.constexpr,
+    INTERP: tl.constexpr, KCVT: tl.constexpr,
 ):
-    # Batched body: the 512 q/k/v dims as 8 tiles of 64 (7 e4m3 nope tiles, then the bf16 rope tile) on
-    # the batch dimension of 3-D dots, which Triton gives one warp each (8 warps). Each warp keeps its
-    # Q tile as a register A operand for the whole loop, decodes only its own K tile once per block (used
-    # for QK as K^T and for PV as V), and owns its 64 output dims: the only cross-warp step per block is
-    # the sum of the eight partial QK products (tile scales applied per tile before it).
+    # Register body (impl=reg, bf16 QK): every K byte is read from memory once and decoded once per block.
+    # The next block's raw tiles (7 e4m3 tiles, rope, scales) are loaded into registers while the current
+    # block computes (its indices two blocks ahead, so the gathers never wait on an index load), the current
+    # tiles are decoded with their scale folded in (exact) and serve as K^T for QK and as V for PV, so P is
+    # one bf16 A operand for all eight PV products. No cp.async staging: on the H200 the pipelined tiled body
+    # staged each tile twice (QK and the PV re-read) and read the PV copy back one byte per instruction
+    # (ncu, call 15: 112 LDS.U8 per thread and block; 21% of the stall samples on the LSU queue).
     t64 = t.to(tl.int64)
     idx_row = idx_ptr + t64 * idx_st
     cend = tl.minimum(start + chunk, K)
@@ -897,77 +909,134 @@ def _bt_body(
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     lanes = tl.arange(0, 64)
-    tiles = tl.arange(0, 8)
-    t3 = tiles[:, None, None]
-    is_nope3 = t3 < 7
-    # Q as [8 tiles, BLOCK_H, 64]: dims tile * 64 + lane (tile 7 = dims 448..511 = rope)
-    q3 = tl.load(q_ptr + t64 * stride_qt + offs_h[None, :, None].to(tl.int64) * stride_qh
-                 + t3 * 64 + lanes[None, None, :], mask=hmask[None, :, None], other=0.0)
+    q_row = q_ptr + t64 * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
+    q_rope = tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0)
     if INTERP:
-        q3 = q3.to(tl.float32)
-
+        q_rope = q_rope.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([8, BLOCK_H, 64], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc4 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc5 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        idx_next = tl.load(idx_row + start + offs_n, mask=start + offs_n < cend, other=-1)
+    # block 0's tiles and block 1's indices before the loop
+    cand = start + offs_n
+    idx = tl.load(idx_row + cand, mask=cand < cend, other=-1)
+    valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
+    k0 = _k_tile(cache, row, valid, 0, lanes)
+    k1 = _k_tile(cache, row, valid, 1, lanes)
+    k2 = _k_tile(cache, row, valid, 2, lanes)
+    k3 = _k_tile(cache, row, valid, 3, lanes)
+    k4 = _k_tile(cache, row, valid, 4, lanes)
+    k5 = _k_tile(cache, row, valid, 5, lanes)
+    k6 = _k_tile(cache, row, valid, 6, lanes)
+    c0 = _k_scale(cache, sb, valid, 0)
+    c1 = _k_scale(cache, sb, valid, 1)
+    c2 = _k_scale(cache, sb, valid, 2)
+    c3 = _k_scale(cache, sb, valid, 3)
+    c4 = _k_scale(cache, sb, valid, 4)
+    c5 = _k_scale(cache, sb, valid, 5)
+    c6 = _k_scale(cache, sb, valid, 6)
+    rope = tl.load(cache_bf16 + ro[:, None] + lanes[None, :], mask=valid[:, None], other=0.0)
+    cand = start + BLOCK_N + offs_n
+    idx_n = tl.load(idx_row + cand, mask=cand < cend, other=-1)
     for n0 in range(start, end, BLOCK_N):
-        cand = n0 + offs_n
-        inb = cand < end
-        if PREFETCH:
-            idx = tl.where(inb, idx_next, -1)
-            nxt = cand + BLOCK_N
-            idx_next = tl.load(idx_row + nxt, mask=nxt < cend, other=-1)
-        else:
-            idx = tl.load(idx_row + cand, mask=inb, other=-1)
-        valid, row, sbase, rope_off = _token_rows(idx, inb, P, PB64, PB2_64)
-        v3 = valid[None, :, None]
-        # [8, BLOCK_N, 64]: e4m3 bytes of tiles 0..6, the bf16 rope in tile 7 (each zero where the other is)
-        k8 = tl.load(cache + row[None, :, None] + t3 * 64 + lanes[None, None, :], mask=v3 & is_nope3, other=0)
-        rope = tl.load(cache_bf16 + rope_off[None, :, None] + lanes[None, None, :] + t3 * 0,
-                       mask=v3 & (t3 == 7), other=0.0)
-        sc = tl.load(cache + sbase[None, :] + tiles[:, None], mask=valid[None, :] & (tiles[:, None] < 7),
-                     other=127)
-        scale = _ue8m0(sc, KCVT)  # [8, BLOCK_N]; 1 for the rope tile and masked tokens
+        # issue block n+1's gathers (indices loaded one iteration ago) and block n+2's indices
+        cand = n0 + BLOCK_N + offs_n
+        vn, rn, sbn, ron = _token_rows(idx_n, cand < end, P, PB64, PB2_64)
+        cand = n0 + 2 * BLOCK_N + offs_n
+        idx_n = tl.load(idx_row + cand, mask=cand < cend, other=-1)
+        n_k0 = _k_tile(cache, rn, vn, 0, lanes)
+        n_k1 = _k_tile(cache, rn, vn, 1, lanes)
+        n_k2 = _k_tile(cache, rn, vn, 2, lanes)
+        n_k3 = _k_tile(cache, rn, vn, 3, lanes)
+        n_k4 = _k_tile(cache, rn, vn, 4, lanes)
+        n_k5 = _k_tile(cache, rn, vn, 5, lanes)
+        n_k6 = _k_tile(cache, rn, vn, 6, lanes)
+        n_c0 = _k_scale(cache, sbn, vn, 0)
+        n_c1 = _k_scale(cache, sbn, vn, 1)
+        n_c2 = _k_scale(cache, sbn, vn, 2)
+        n_c3 = _k_scale(cache, sbn, vn, 3)
+        n_c4 = _k_scale(cache, sbn, vn, 4)
+        n_c5 = _k_scale(cache, sbn, vn, 5)
+        n_c6 = _k_scale(cache, sbn, vn, 6)
+        n_rope = tl.load(cache_bf16 + ron[:, None] + lanes[None, :], mask=vn[:, None], other=0.0)
+        # block n
+        kb0 = _kdec(k0, c0, INTERP, KCVT)
+        kb1 = _kdec(k1, c1, INTERP, KCVT)
+        kb2 = _kdec(k2, c2, INTERP, KCVT)
+        kb3 = _kdec(k3, c3, INTERP, KCVT)
+        kb4 = _kdec(k4, c4, INTERP, KCVT)
+        kb5 = _kdec(k5, c5, INTERP, KCVT)
+        kb6 = _kdec(k6, c6, INTERP, KCVT)
+        kr = rope
         if INTERP:
-            kv = tl.where(is_nope3, k8.to(tl.float8e4nv, bitcast=True).to(tl.float32), rope.to(tl.float32))
-        else:
-            kv = tl.where(is_nope3, _e4m3_bf16(k8, KCVT), rope)
-        qk3 = tl.dot(q3, tl.permute(kv, (0, 2, 1)))  # [8, BLOCK_H, BLOCK_N]
-        qk = tl.sum(qk3 * scale[:, None, :], axis=0) * sm_scale_log2
+            kr = rope.to(tl.float32)
+        qk = tl.dot(q_rope, tl.trans(kr))
+        qk = tl.dot(_q_tile(q_row, hmask, 0, lanes, INTERP), tl.trans(kb0), qk)
+        qk = tl.dot(_q_tile(q_row, hmask, 1, lanes, INTERP), tl.trans(kb1), qk)
+        qk = tl.dot(_q_tile(q_row, hmask, 2, lanes, INTERP), tl.trans(kb2), qk)
+        qk = tl.dot(_q_tile(q_row, hmask, 3, lanes, INTERP), tl.trans(kb3), qk)
+        qk = tl.dot(_q_tile(q_row, hmask, 4, lanes, INTERP), tl.trans(kb4), qk)
+        qk = tl.dot(_q_tile(q_row, hmask, 5, lanes, INTERP), tl.trans(kb5), qk)
+        qk = tl.dot(_q_tile(q_row, hmask, 6, lanes, INTERP), tl.trans(kb6), qk)
+        qk = qk * sm_scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p3 = p[None, :, :] * scale[:, None, :]
+        a2 = alpha[:, None]
+        pb = p.to(tl.bfloat16)
         if INTERP:
-            pv = tl.dot(p3.to(tl.bfloat16).to(tl.float32), kv)
-        else:
-            pv = tl.dot(p3.to(tl.bfloat16), kv)
-        acc = acc * alpha[None, :, None] + pv
+            pb = pb.to(tl.float32)
+        acc_r = tl.dot(pb, kr, acc_r * a2)
+        acc0 = tl.dot(pb, kb0, acc0 * a2)
+        acc1 = tl.dot(pb, kb1, acc1 * a2)
+        acc2 = tl.dot(pb, kb2, acc2 * a2)
+        acc3 = tl.dot(pb, kb3, acc3 * a2)
+        acc4 = tl.dot(pb, kb4, acc4 * a2)
+        acc5 = tl.dot(pb, kb5, acc5 * a2)
+        acc6 = tl.dot(pb, kb6, acc6 * a2)
         m_i = m_new
+        valid = vn
+        k0, k1, k2, k3, k4, k5, k6 = n_k0, n_k1, n_k2, n_k3, n_k4, n_k5, n_k6
+        c0, c1, c2, c3, c4, c5, c6 = n_c0, n_c1, n_c2, n_c3, n_c4, n_c5, n_c6
+        rope = n_rope
 
     base = (t64 * S + s) * HP + offs_h
-    optr = acc_ws + base[None, :, None] * 512 + t3 * 64 + lanes[None, None, :]
-    tl.store(optr, acc, mask=hmask[None, :, None])
+    _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
     tl.store(m_ws + base, m_i, mask=hmask)
     tl.store(l_ws + base, l_i, mask=hmask)
 
 
 @triton.jit
-def _dsv4_split_kernel_bt(
+def _q_tile(q_row, hmask, t: tl.constexpr, lanes, INTERP: tl.constexpr):
+    # q tile t [BLOCK_H, 64] bf16, re-read every block (volatile: not hoisted out of the candidate loop, where
+    # the seven tiles would pin 16x448 bf16 per warp)
+    qt = tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0, volatile=True)
+    if INTERP:
+        qt = qt.to(tl.float32)
+    return qt
+
+
+@triton.jit
+def _dsv4_split_kernel_reg(
     q_ptr, stride_qt, stride_qh,
     main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
     extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
-    PREFETCH: tl.constexpr = False, KCVT: tl.constexpr = False,
+    KCVT: tl.constexpr = False,
 ):
-    """Same contract as _dsv4_split_kernel_tiled (bf16 QK only), with the batched body (_bt_body)."""
+    """Same contract as _dsv4_split_kernel_tiled (bf16 QK only), with the register body (_reg_body)."""
     t = tl.program_id(0)
     s = tl.program_id(1)
     g = tl.program_id(2)
@@ -975,17 +1044,17 @@ def _dsv4_split_kernel_bt(
     if HAS_EXTRA:
         is_extra = s >= main_nsplit
     if is_extra:
-        _bt_body(q_ptr, stride_qt, stride_qh, t, s, g,
-                 extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
-                 extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
-                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                 HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, PREFETCH, KCVT)
+        _reg_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                  extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
+                  extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
+                  acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT)
     else:
-        _bt_body(q_ptr, stride_qt, stride_qh, t, s, g,
-                 main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
-                 main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
-                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                 HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, PREFETCH, KCVT)
+        _reg_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                  main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
+                  main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
+                  acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT)
 
 
 @triton.jit
@@ -1228,27 +1297,35 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms: int = 132):
-    """Launch configuration from the shapes and the architecture. Chosen from the H200 sweeps recorded
-    in bench/results/attention_h200* (sm_120 has the same 64K registers per SM but ~100 KB of shared
-    memory and no wgmma: it keeps the tiled body with one stage; its own sweep is `make bench-attention`
-    there). ``"auto"`` entries are resolved per launch from the split plan (``_resolve_auto``)."""
+def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms: int = 132, K1: int = 0,
+                    K2: int = 0):
+    """Launch configuration from the shapes (``T`` rows, ``K1`` / ``K2`` candidates per row of the main / extra
+    cache) and the architecture. Chosen from the H200 sweeps recorded in bench/results/attention_h200* (sm_120
+    has the same 64K registers per SM but ~100 KB of shared memory and no wgmma: it keeps the tiled body with
+    one stage where that body is used; its own sweep is `make bench-attention` there). ``"auto"`` entries are
+    resolved per launch from the split plan (``_resolve_auto``)."""
     if _interpreting():
         return dict(impl="tiled", BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
                     DEQ_BF16=0, BLOCK_D="auto", BLOCK_S="auto", BLOCK_HC="auto", combine_warps="auto",
                     combine_maxnreg="auto", maxnreg=0)
     # sm_120: ptxas (triton 3.8) spills ~5.8 KB per thread for 64-row head blocks, none for 32
     bh = min(32 if _is_sm120(device) else 64, _pow2_at_least(H, 16))
+    # KCVT=1: e4m3 -> bf16 on the integer pipes (H200 call 14, H=16 SWA128+c4: 10.7 / 15.9 / 29.4 / 43.2 /
+    # 71.5 us at B = 1/16/32/64/128 against 11.3 / 17.0 / 30.4 / 45.7 / 75.8 with the conversion-pipe cast)
     cfg = dict(impl="tiled", BLOCK_H=bh, BLOCK_N=32, num_warps=8, num_stages=1, waves=2.0, QK_SWAP=0,
                Q_RELOAD=0, DEQ_BF16=0, BLOCK_D="auto", BLOCK_S="auto", BLOCK_HC="auto", combine_warps="auto",
-               combine_maxnreg="auto", maxnreg=0)
+               combine_maxnreg="auto", maxnreg=0, KCVT=1)
     # 16-row head blocks, 64 candidates per block, 8 warps, registers capped at 128 (2 CTAs per SM):
     # the best H=16 configuration of the H200 sweeps at B <= 16 and within ~10% of the best elsewhere
     # bf16 partial accumulators (half the partial traffic): H200 call 6, H=16 SWA128+c4, B=16/64/128:
     # 17.1/51.3/80.5 vs 18.0/52.4/82.5 us, error 8.9e-4 vs 8.4e-4 (output rounding dominates)
-    small = dict(BLOCK_H=16, BLOCK_N=64, maxnreg=128, PART_BF16=1)
+    # maxnreg "auto": 128 (2 CTAs per SM by registers) with one stage; no cap once two stages' ~160 KB of
+    # shared memory allow one CTA per SM anyway (H200 call 15, B=64/128: 41.3/67.4 vs 42.4/69.7 us), or for
+    # the register body (a 128 cap spills it)
+    small = dict(BLOCK_H=16, BLOCK_N=64, maxnreg="auto", PART_BF16=1)
     if bh == 16:
         cfg.update(small)
+    rows = T * triton.cdiv(H, 16)
     if _is_hopper(device):
         # H200 call 4: kernel-level pipelining (num_stages=2) of the tiled body wins once a program
         # owns >= 2 candidate blocks (B=64: 65.0 vs 69.0 us, B=128: 106.3 vs 115.9) and loses at one
@@ -1262,16 +1339,29 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
             # 78.9 at 1 wave vs 82.5 at 2, 89.7 at 4); B <= 16 is capped by the candidate blocks anyway
             # (relative to the SM count: 4 waves up to 3/4 of the SMs in grid rows, 1 from 95%, i.e. 99 and
             # 126 rows on the H200's 132 SMs)
-            rows = T * triton.cdiv(H, 16)
             cfg["waves"] = 4.0 if 4 * rows <= 3 * num_sms else (1.0 if 20 * rows >= 19 * num_sms else 2.0)
             # next block's indices read early (H200 call 8: B=64 45.5 vs 46.3 us, B=128 75.8 vs 77.7;
-            # B=16 16.9 vs 16.8, noise), so only where programs own several blocks: from a third of the SMs
-            cfg["PREFETCH"] = 1 if 3 * rows >= num_sms else 0
+            # B=16 16.9 vs 16.8, noise), so only where programs own several blocks: from a third of the SMs;
+            # and its tile-scale bytes too (PREFETCH=2, call 14 with KCVT=1: B=64 42.2 vs 43.2, B=128 69.2
+            # vs 71.5)
+            cfg["PREFETCH"] = 2 if 3 * rows >= num_sms else 0
         if bh > 16:
             if T * triton.cdiv(H, 16) <= 2 * num_sms:
                 cfg.update(small)
             else:
                 cfg.update(impl="flat", num_stages=1)
+    # the register body (bf16 QK, H <= 16), chosen last so an ``impl=tiled`` override gets the tiled settings
+    # above back; sm_120 takes it too: no spills there (225 registers, 70 KB of shared memory, triton 3.8),
+    # unmeasured on that hardware
+    if (_is_hopper(device) or _is_sm120(device)) and not fp8 and H <= 16:
+        if 0 < rows * (triton.cdiv(K1, 32) + triton.cdiv(K2, 32)) <= num_sms:
+            # where one 32-candidate block per program fits in one wave (H200 call 16, H=16 SWA128+c4, B = 1 / 4:
+            # 8.3 / 8.6 us vs the tiled body's 10.6 / 10.8)
+            cfg.update(impl="reg", BLOCK_N=32, waves=4.0)
+        elif 3 * rows >= num_sms:
+            # and where programs own several blocks (from a third of the SMs in rows): B = 64 / 128 38.3 / 59.6
+            # us vs 41.0 / 67.5 (call 16); in between (B = 16: 17.0 vs 15.9) the tiled body's 2 CTAs per SM win
+            cfg["impl"] = "reg"
     return cfg
 
 
@@ -1331,6 +1421,8 @@ def _resolve_auto(cfg, s1: int, c1: int, s2: int, c2: int, *, T=None, H=None, nu
         bn = int(cfg["BLOCK_N"])
         blocks = max(c1 // bn, (c2 // bn) if s2 else 0)
         cfg["num_stages"] = 2 if cfg["impl"] == "tiled" and blocks >= 2 else 1
+    if cfg.get("maxnreg") == "auto":
+        cfg["maxnreg"] = 0 if int(cfg["num_stages"]) >= 2 or cfg["impl"] == "reg" else 128
     if T is not None and H is not None and num_sms is not None:
         cfg = _resolve_combine(cfg, T, H, s1 + s2, num_sms)
     return cfg
@@ -1370,7 +1462,7 @@ def _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T: int, H: int
 
 def _ws_words(cfg) -> int:
     # 4-byte workspace words per (row, split, head): acc (fp32 or bf16) + m + l
-    return 258 if cfg["impl"] in ("pipe", "tiled", "wg", "bt") and cfg.get("PART_BF16", 0) else 514
+    return 258 if cfg["impl"] in ("pipe", "tiled", "wg", "reg") and cfg.get("PART_BF16", 0) else 514
 
 
 # Overrides for benchmarking variants (keys of _default_config); empty in production.
@@ -1412,7 +1504,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     S = s1 + s2
     nrow = T * S * HP
     cfg = _resolve_auto(cfg, s1, c1, s2, c2, T=T, H=H, num_sms=nsm)
-    part_bf16 = cfg["impl"] in ("pipe", "tiled", "wg", "bt") and bool(cfg.get("PART_BF16", 0))
+    part_bf16 = cfg["impl"] in ("pipe", "tiled", "wg", "reg") and bool(cfg.get("PART_BF16", 0))
     ws = _workspace(q.device, nrow * _ws_words(cfg))
     if part_bf16:
         acc_ws = ws[: nrow * 256].view(torch.bfloat16)
@@ -1451,11 +1543,10 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
             qpre = dict(QPRE=True, q8_ptr=q8, qsc_ptr=qsc)
         _dsv4_split_kernel_tiled[(T, S, HG)](*common, PREFETCH=int(cfg.get("PREFETCH", 0)),
                                              KCVT=bool(cfg.get("KCVT", 0)), **qpre, **flags)
-    elif cfg["impl"] == "bt":
+    elif cfg["impl"] == "reg":
         if fp8:
-            raise DecodeInputError("impl=bt has no fp8 QK path (use qk_mode='bf16')")
-        _dsv4_split_kernel_bt[(T, S, HG)](*common, PREFETCH=bool(cfg.get("PREFETCH", 0)),
-                                          KCVT=bool(cfg.get("KCVT", 0)), **flags)
+            raise DecodeInputError("impl=reg has no fp8 QK path (use qk_mode='bf16')")
+        _dsv4_split_kernel_reg[(T, S, HG)](*common, KCVT=bool(cfg.get("KCVT", 0)), **flags)
     elif cfg["impl"] == "wg":
         if fp8:
             raise DecodeInputError("impl=wg has no fp8 QK path (use qk_mode='bf16')")
@@ -1525,7 +1616,7 @@ def sparse_mla_decode(
 
     fp8 = _qk_mode(device, qk_mode)
     nsm = _num_sms(device)
-    cfg = dict(_default_config(H, device, fp8, T, nsm))
+    cfg = dict(_default_config(H, device, fp8, T, nsm, K1, K2 if has_extra else 0))
     cfg.update(_env_config())
     cfg.update(CONFIG_OVERRIDE)
     if fp8 and cfg["impl"] in launch_config.BF16_ONLY_IMPLS:
