@@ -282,7 +282,8 @@ def test_wg_split_body(variant):
         K.CONFIG_OVERRIDE.clear()
 
 
-@pytest.mark.parametrize("variant", [dict(impl="reg", waves=0.25), dict(impl="reg", PART_BF16=1, BLOCK_N=32, KCVT=1)])
+@pytest.mark.parametrize("variant", [dict(impl="reg", waves=0.25), dict(impl="reg", PART_BF16=1, BLOCK_N=32, KCVT=1),
+                                     dict(impl="reg", Q_RES=1, waves=0.25)])
 def test_reg_split_body(variant):
     """The register body (impl=reg: each K byte read and decoded once per block, the next block's tiles loaded
     while the current one computes, its indices two blocks ahead) against the float64 reference: several
@@ -624,7 +625,7 @@ out = {}
 for cap in (90, 120):
     for bn in (32, 64):
         cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=bn, FP8_QK=False,
-                   INTERP=False, KCVT=True)
+                   INTERP=False, KCVT=True, Q_RES=False)
         name = f"sm{cap}_bn{bn}"
         try:
             k = triton.compile(split_kernel_source(fn, cst), target=GPUTarget("cuda", cap, 32),

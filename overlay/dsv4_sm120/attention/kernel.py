@@ -888,7 +888,7 @@ def _reg_body(
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERP: tl.constexpr, KCVT: tl.constexpr,
+    INTERP: tl.constexpr, KCVT: tl.constexpr, Q_RES: tl.constexpr = False,
 ):
     # Register body (impl=reg, bf16 QK): every K byte is read from memory once and decoded once per block.
     # The next block's raw tiles (7 e4m3 tiles, rope, scales) are loaded into registers while the current
@@ -913,6 +913,16 @@ def _reg_body(
     q_rope = tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0)
     if INTERP:
         q_rope = q_rope.to(tl.float32)
+    if Q_RES:
+        # Q read once: Triton keeps loop-invariant dot operands in shared memory (one store before the loop,
+        # ldmatrix per block) instead of a global re-read + store + barrier per tile and block
+        q0 = _q_tile(q_row, hmask, 0, lanes, INTERP, False)
+        q1 = _q_tile(q_row, hmask, 1, lanes, INTERP, False)
+        q2 = _q_tile(q_row, hmask, 2, lanes, INTERP, False)
+        q3 = _q_tile(q_row, hmask, 3, lanes, INTERP, False)
+        q4 = _q_tile(q_row, hmask, 4, lanes, INTERP, False)
+        q5 = _q_tile(q_row, hmask, 5, lanes, INTERP, False)
+        q6 = _q_tile(q_row, hmask, 6, lanes, INTERP, False)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, 64], tl.float32)
@@ -978,13 +988,23 @@ def _reg_body(
         if INTERP:
             kr = rope.to(tl.float32)
         qk = tl.dot(q_rope, tl.trans(kr))
-        qk = tl.dot(_q_tile(q_row, hmask, 0, lanes, INTERP), tl.trans(kb0), qk)
-        qk = tl.dot(_q_tile(q_row, hmask, 1, lanes, INTERP), tl.trans(kb1), qk)
-        qk = tl.dot(_q_tile(q_row, hmask, 2, lanes, INTERP), tl.trans(kb2), qk)
-        qk = tl.dot(_q_tile(q_row, hmask, 3, lanes, INTERP), tl.trans(kb3), qk)
-        qk = tl.dot(_q_tile(q_row, hmask, 4, lanes, INTERP), tl.trans(kb4), qk)
-        qk = tl.dot(_q_tile(q_row, hmask, 5, lanes, INTERP), tl.trans(kb5), qk)
-        qk = tl.dot(_q_tile(q_row, hmask, 6, lanes, INTERP), tl.trans(kb6), qk)
+        if Q_RES:
+            qk = tl.dot(q0, tl.trans(kb0), qk)
+            qk = tl.dot(q1, tl.trans(kb1), qk)
+            qk = tl.dot(q2, tl.trans(kb2), qk)
+            qk = tl.dot(q3, tl.trans(kb3), qk)
+            qk = tl.dot(q4, tl.trans(kb4), qk)
+            qk = tl.dot(q5, tl.trans(kb5), qk)
+            qk = tl.dot(q6, tl.trans(kb6), qk)
+        else:
+            # each tile read where it is used (volatile: not hoisted), as measured in calls 16-17
+            qk = tl.dot(_q_tile(q_row, hmask, 0, lanes, INTERP, True), tl.trans(kb0), qk)
+            qk = tl.dot(_q_tile(q_row, hmask, 1, lanes, INTERP, True), tl.trans(kb1), qk)
+            qk = tl.dot(_q_tile(q_row, hmask, 2, lanes, INTERP, True), tl.trans(kb2), qk)
+            qk = tl.dot(_q_tile(q_row, hmask, 3, lanes, INTERP, True), tl.trans(kb3), qk)
+            qk = tl.dot(_q_tile(q_row, hmask, 4, lanes, INTERP, True), tl.trans(kb4), qk)
+            qk = tl.dot(_q_tile(q_row, hmask, 5, lanes, INTERP, True), tl.trans(kb5), qk)
+            qk = tl.dot(_q_tile(q_row, hmask, 6, lanes, INTERP, True), tl.trans(kb6), qk)
         qk = qk * sm_scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -1017,10 +1037,9 @@ def _reg_body(
 
 
 @triton.jit
-def _q_tile(q_row, hmask, t: tl.constexpr, lanes, INTERP: tl.constexpr):
-    # q tile t [BLOCK_H, 64] bf16, re-read every block (volatile: not hoisted out of the candidate loop, where
-    # the seven tiles would pin 16x448 bf16 per warp)
-    qt = tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0, volatile=True)
+def _q_tile(q_row, hmask, t: tl.constexpr, lanes, INTERP: tl.constexpr, VOLATILE: tl.constexpr):
+    # q tile t [BLOCK_H, 64] bf16; VOLATILE: re-read every block (not hoisted out of the candidate loop)
+    qt = tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0, volatile=VOLATILE)
     if INTERP:
         qt = qt.to(tl.float32)
     return qt
@@ -1034,7 +1053,7 @@ def _dsv4_split_kernel_reg(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
-    KCVT: tl.constexpr = False,
+    KCVT: tl.constexpr = False, Q_RES: tl.constexpr = False,
 ):
     """Same contract as _dsv4_split_kernel_tiled (bf16 QK only), with the register body (_reg_body)."""
     t = tl.program_id(0)
@@ -1048,13 +1067,13 @@ def _dsv4_split_kernel_reg(
                   extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                   extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT)
+                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, Q_RES)
     else:
         _reg_body(q_ptr, stride_qt, stride_qh, t, s, g,
                   main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                   main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT)
+                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, Q_RES)
 
 
 @triton.jit
@@ -1546,7 +1565,8 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     elif cfg["impl"] == "reg":
         if fp8:
             raise DecodeInputError("impl=reg has no fp8 QK path (use qk_mode='bf16')")
-        _dsv4_split_kernel_reg[(T, S, HG)](*common, KCVT=bool(cfg.get("KCVT", 0)), **flags)
+        _dsv4_split_kernel_reg[(T, S, HG)](*common, KCVT=bool(cfg.get("KCVT", 0)), Q_RES=bool(cfg.get("Q_RES", 0)),
+                                           **flags)
     elif cfg["impl"] == "wg":
         if fp8:
             raise DecodeInputError("impl=wg has no fp8 QK path (use qk_mode='bf16')")
