@@ -518,6 +518,8 @@ def test_launch_configuration_rules(monkeypatch):
         cfg, plan = resolved(16, T)
         assert (cfg["impl"], cfg["BLOCK_N"], cfg["num_stages"], cfg["maxnreg"], cfg["BLOCK_H"]) == w + (16,), T
     assert all(resolved(16, T)[1][1] == 32 for T in (1, 4))  # one block per program
+    # Q kept as shared-memory operands in the register body (H200 call 18: B = 64 / 128 33.8 / 51.3 vs 38.3 / 59.5)
+    assert all(resolved(16, T)[0].get("Q_RES") == (1 if w[0] == "reg" else None) for T, w in want.items())
     # fp8 QK (no register body): tiled, pipelined (num_stages=2) only when a program owns >= 2 candidate
     # blocks, and then without the 128-register cap (two stages' shared memory leave one CTA per SM anyway:
     # H200 call 15)

@@ -1376,11 +1376,13 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
         if 0 < rows * (triton.cdiv(K1, 32) + triton.cdiv(K2, 32)) <= num_sms:
             # where one 32-candidate block per program fits in one wave (H200 call 16, H=16 SWA128+c4, B = 1 / 4:
             # 8.3 / 8.6 us vs the tiled body's 10.6 / 10.8)
-            cfg.update(impl="reg", BLOCK_N=32, waves=4.0)
+            cfg.update(impl="reg", BLOCK_N=32, waves=4.0, Q_RES=1)
         elif 3 * rows >= num_sms:
             # and where programs own several blocks (from a third of the SMs in rows): B = 64 / 128 38.3 / 59.6
-            # us vs 41.0 / 67.5 (call 16); in between (B = 16: 17.0 vs 15.9) the tiled body's 2 CTAs per SM win
-            cfg["impl"] = "reg"
+            # us vs 41.0 / 67.5 (call 16); in between (B = 16: 17.0 vs 15.9) the tiled body's 2 CTAs per SM win.
+            # Q_RES=1 (both cases): Q's tiles read once and kept as shared-memory operands (call 18: B = 1 / 4 /
+            # 64 / 128 8.0 / 8.2 / 33.8 / 51.3 vs 8.3 / 8.5 / 38.3 / 59.5 us)
+            cfg.update(impl="reg", Q_RES=1)
     return cfg
 
 
