@@ -651,8 +651,8 @@ print("RESULT" + json.dumps(out))
 
 def test_reg_body_code_generation_for_sm90_and_sm120():
     """Without a GPU: the register body (the default for H <= 16 at both ends of the batch range, on sm_120 too,
-    where it has never run) compiles for sm_90 and sm_120 at its launches (8 warps, one stage, no register cap, Q resident,
-    32 and 64 candidates) without spills and within sm_120's 99 KB of shared memory, and its loop gathers each
+    where it has never run) compiles for sm_90 and sm_120 at its launches (8 warps, one stage, no register cap,
+    Q resident, 32 and 64 candidates) without spills and within sm_120's 99 KB of shared memory, and its loop gathers each
     K tile once with one vector load per thread (64 candidates: 7 nope tiles + 2 rope loads of 16 bytes; 32: 7
     nope loads of 8 bytes + 1 rope load of 16), with no cp.async
     staging, no byte-wise shared-memory reads and no conversion-pipe e4m3 decode (what H200 call 15's profile of
