@@ -5,7 +5,8 @@
 # single-512; ours, FlashMLA, the upstream fallback up to B=16), with Q_RES=0 and the tiled body as comparison rows.
 # Expectations (before the call): 88 passed; H=16 SWA128+c4 8.0 / 8.2 / 15.9 / 33.8 / 51.3 us (call 18), single-512
 # H=16 ~10-15% below call 17's 37.7 / 52.9 at B = 64 / 128 (the same register body), H=64 unchanged (the rule is
-# H <= 16 only).
+# H <= 16 only). The 4-warp register body with 16-candidate blocks (200 registers, no stack: two CTAs per SM; CPU SASS,
+# 763 instructions per warp per block) is a guess at more latency hiding: unknown.
 # Usage (repo root, device): OUT=/some/dir bash bench/h200_call20.sh   (carry .whl_attn)
 set -u
 export PYTHONUNBUFFERED=1
@@ -14,7 +15,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl_attn/sgl_flash_mla-*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/fm:$PWD/overlay
 t0=$(date +%s)
-VA="impl=tiled;Q_RES=0"
+VA="impl=tiled;Q_RES=0;impl=reg,num_warps=4,BLOCK_N=16"
 for h in 16 64; do for l in swa128+c4 single512; do  # warm the Triton cache (default launches of every shape)
   timeout 300 python3 bench/bench_attention.py --layouts $l --heads $h --batches 1,4,16,64,128 --impls ours \
     --layers 1 --replays 1 --variants "$VA" --variant-heads 16 >/dev/null 2>&1 &
