@@ -55,6 +55,10 @@ SCRIPT = textwrap.dedent(
         "draft_extend": (ForwardMode.DRAFT_EXTEND_V2, Case(T=2, H=8, K=16, seed=33), {}),
         "prefill_ours": (ForwardMode.EXTEND, Case(T=5, H=8, K=16, extra="c4", extra_K=16, seed=34),
                          {"SGLANG_DSV4_SM120_ATTN_PREFILL": "dsv4"}),
+        # the register body (the sm_120 default for H <= 16 at small and large batches) through the same entry
+        "decode_reg_body": (ForwardMode.DECODE, Case(T=4, H=16, K=40, extra="c4", extra_K=48, lengths="zero_some",
+                                                     all_invalid_rows=(2,), seed=36),
+                            {"DSV4_SM120_ATTN_CONFIG": "impl=reg,Q_RES=1,waves=0.25"}),
         "triton_switch": (ForwardMode.DECODE, Case(T=2, H=8, K=16, extra="c4", extra_K=16, lengths="random", seed=35),
                           {"SGLANG_DSV4_SM120_ATTN_BACKEND": "triton"}),
     }
@@ -101,3 +105,4 @@ def test_patched_sglang_routes_sm120_attention(run_patched):
         assert finite, name
         assert err < 1e-2, (name, err)
     assert res["errs"]["verify_T65"][0] == [65, 1, 8, 512]
+    assert res["errs"]["decode_reg_body"][0] == [4, 1, 16, 512]
