@@ -38,7 +38,7 @@ def _load_kernel_module():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", default="tiled", help="tiled | reg | pipe | wg (the _dsv4_split_kernel_<impl>)")
+    p.add_argument("--impl", default="tiled", help="tiled | reg (the _dsv4_split_kernel_<impl>)")
     p.add_argument("--arch", default="90,120", help="comma list of compute capabilities")
     p.add_argument("--kcvt", default="0,1", help="comma list of KCVT values")
     p.add_argument("--block-n", type=int, default=64)

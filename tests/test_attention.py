@@ -207,10 +207,7 @@ SPLIT_IMPLS = {
     "tiled+kcvt": dict(impl="tiled", KCVT=1, PREFETCH=1),
     "tiled+kcvt+scale-prefetch": dict(impl="tiled", KCVT=1, PREFETCH=2),
     "tiled+scale-prefetch": dict(impl="tiled", PREFETCH=2, BLOCK_N=32),
-    "pipe": dict(impl="pipe", NUM_STAGES=2),
-    "pipe+bf16part": dict(impl="pipe", NUM_STAGES=3, PART_BF16=1, BLOCK_S=16),
-    "pipe+pvreload": dict(impl="pipe", NUM_STAGES=2, PV_RELOAD=1, BLOCK_N=32),
-    "pipe+kcvt": dict(impl="pipe", NUM_STAGES=2, KCVT=1),
+    "tiled+bf16part": dict(impl="tiled", PART_BF16=1, BLOCK_S=16),
     "tiled+bf16part+minblocks": dict(impl="tiled", PART_BF16=1, min_blocks=2, BLOCK_S=2),
 }
 
@@ -260,24 +257,6 @@ def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt):
                          seed=95 + kcvt)), "bf16")
         check(build(Case(T=3, H=5, K=50, main_page=3, lengths="random", extra="c128", extra_page=2, extra_K=70,
                          seed=97 + kcvt)), "bf16")
-    finally:
-        K.CONFIG_OVERRIDE.clear()
-
-
-@pytest.mark.parametrize("variant", [dict(impl="wg"), dict(impl="wg", PART_BF16=1, BLOCK_N=32),
-                                     dict(impl="wg", PV_AGAIN=1, KCVT=1)])
-def test_wg_split_body(variant):
-    """The opt-in candidates-on-M body (impl=wg: wgmma-shaped on Hopper) against the float64 reference:
-    c4 extra with lengths, a head slice, an all-invalid row; c128 on odd pages; its fp8 QK request is
-    refused with a clear error."""
-    K.CONFIG_OVERRIDE.clear()
-    K.CONFIG_OVERRIDE.update(variant)
-    try:
-        check(build(Case(T=3, H=8, K=24, extra="c4", extra_K=20, lengths="random", head_slice=True,
-                         all_invalid_rows=(1,), seed=70)), "bf16")
-        check(build(Case(T=2, H=5, K=17, main_page=3, extra="c128", extra_page=2, extra_K=40, seed=71)), "bf16")
-        with pytest.raises(DecodeInputError, match="impl=wg"):
-            sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=72)), qk_mode="fp8")
     finally:
         K.CONFIG_OVERRIDE.clear()
 

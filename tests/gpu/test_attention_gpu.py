@@ -24,7 +24,7 @@ ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_le
 
 
 def _env_config():
-    """DSV4_ATTN_TEST_CONFIG='impl=pipe,NUM_STAGES=2' runs every test of this file with that launch
+    """DSV4_ATTN_TEST_CONFIG='impl=tiled,KCVT=0' runs every test of this file with that launch
     configuration (validated by kernel.parse_config, as DSV4_SM120_ATTN_CONFIG is), to check a benchmark
     variant before using it."""
     from dsv4_sm120.attention import kernel as K
@@ -147,14 +147,16 @@ def test_cuda_graph_replay_with_changing_indices(mode):
 
 @pytest.mark.parametrize(
     "variant",
-    [dict(impl="flat"), dict(impl="tiled", PREFETCH=1), dict(impl="tiled"), dict(impl="pipe", NUM_STAGES=2),
-     dict(impl="pipe", NUM_STAGES=3, PART_BF16=1, BLOCK_S=16),
-     dict(impl="pipe", NUM_STAGES=2, BLOCK_N=32, PV_RELOAD=1, maxnreg=128)],
-    ids=["flat", "prefetch", "tiled", "pipe", "pipe-bf16part", "pipe-pvreload"])
+    [dict(impl="flat"), dict(impl="tiled", PREFETCH=1), dict(impl="tiled"), dict(impl="tiled", KCVT=0, PREFETCH=2),
+     dict(impl="reg", BLOCK_N=32, Q_RES=1), dict(impl="reg", BLOCK_N=64, Q_RES=0, PART_BF16=0)],
+    ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-qload-fp32part"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant):
     from dsv4_sm120.attention import kernel as K
+    from dsv4_sm120.attention.launch_config import BF16_ONLY_IMPLS
 
+    if mode == "fp8" and variant.get("impl") in BF16_ONLY_IMPLS:
+        pytest.skip(f"impl={variant['impl']} has no fp8 QK path (refused: tests/test_attention.py)")
     K.CONFIG_OVERRIDE.update(variant)
     check(build(Case(T=17, H=16, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
                      lengths="random", all_invalid_rows=(3,), seed=950), device="cuda"), mode)

@@ -537,124 +537,6 @@ def _tiled_body(
 
 
 @triton.jit
-def _pipe_body(
-    q_ptr, stride_qt, stride_qh, t, s, g,
-    cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-    HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr,
-    INTERP: tl.constexpr, NUM_STAGES: tl.constexpr, PART_BF16: tl.constexpr, PV_RELOAD: tl.constexpr,
-    KCVT: tl.constexpr = False,
-):
-    # Like _tiled_body, written for Triton's software pipeliner: the candidate loop is a
-    # tl.range with NUM_STAGES stages, so the index load and the gathers of the next block(s)
-    # become asynchronous copies into shared memory issued while the current block is computed.
-    # Each K tile is loaded once and feeds both its QK and its PV MMA (the pipeliner keeps it in
-    # shared memory); the UE8M0 scales of a token are one 8-byte load.
-    t64 = t.to(tl.int64)
-    idx_row = idx_ptr + t64 * idx_st
-    end = tl.minimum(start + chunk, K)
-    if HAS_LEN:
-        end = tl.minimum(end, tl.load(len_ptr + t))
-    cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
-    PB64 = PB.to(tl.int64)
-    PB2_64 = PB2.to(tl.int64)
-
-    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = offs_h < H
-    lanes = tl.arange(0, 64)
-    tiles = tl.arange(0, 8)
-    q_row = q_ptr + t64 * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
-    q_rope = tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0)
-    if INTERP:
-        q_rope = q_rope.to(tl.float32)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc4 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc5 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-        cand = n0 + offs_n
-        inb = cand < end
-        idx = tl.load(idx_row + cand, mask=inb, other=-1)
-        valid, row, sbase, rope_off = _token_rows(idx, inb, P, PB64, PB2_64)
-        rope = tl.load(cache_bf16 + rope_off[:, None] + lanes[None, :],
-                       mask=valid[:, None], other=0.0)
-        sc = tl.load(cache + sbase[:, None] + tiles[None, :], mask=valid[:, None], other=0)
-        if INTERP:
-            rope = rope.to(tl.float32)
-        k0 = _k_tile(cache, row, valid, 0, lanes)
-        k1 = _k_tile(cache, row, valid, 1, lanes)
-        k2 = _k_tile(cache, row, valid, 2, lanes)
-        k3 = _k_tile(cache, row, valid, 3, lanes)
-        k4 = _k_tile(cache, row, valid, 4, lanes)
-        k5 = _k_tile(cache, row, valid, 5, lanes)
-        k6 = _k_tile(cache, row, valid, 6, lanes)
-        c0, c1, c2, c3, c4, c5, c6, _c7 = _split8(sc)
-        qk = tl.dot(q_rope, tl.trans(rope))
-        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT)
-        qk = qk * sm_scale_log2
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        a2 = alpha[:, None]
-        if INTERP:
-            acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16).to(tl.float32), rope)
-        else:
-            acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16), rope)
-        acc0 = _pv_tile(acc0 * a2, p, _pv_src(cache, row, valid, 0, lanes, k0, PV_RELOAD), c0, INTERP, KCVT)
-        acc1 = _pv_tile(acc1 * a2, p, _pv_src(cache, row, valid, 1, lanes, k1, PV_RELOAD), c1, INTERP, KCVT)
-        acc2 = _pv_tile(acc2 * a2, p, _pv_src(cache, row, valid, 2, lanes, k2, PV_RELOAD), c2, INTERP, KCVT)
-        acc3 = _pv_tile(acc3 * a2, p, _pv_src(cache, row, valid, 3, lanes, k3, PV_RELOAD), c3, INTERP, KCVT)
-        acc4 = _pv_tile(acc4 * a2, p, _pv_src(cache, row, valid, 4, lanes, k4, PV_RELOAD), c4, INTERP, KCVT)
-        acc5 = _pv_tile(acc5 * a2, p, _pv_src(cache, row, valid, 5, lanes, k5, PV_RELOAD), c5, INTERP, KCVT)
-        acc6 = _pv_tile(acc6 * a2, p, _pv_src(cache, row, valid, 6, lanes, k6, PV_RELOAD), c6, INTERP, KCVT)
-        m_i = m_new
-
-    base = (t64 * S + s) * HP + offs_h
-    _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
-    tl.store(m_ws + base, m_i, mask=hmask)
-    tl.store(l_ws + base, l_i, mask=hmask)
-
-
-@triton.jit
-def _pv_src(cache, row, valid, t: tl.constexpr, lanes, k, PV_RELOAD: tl.constexpr):
-    # the PV operand of tile t: the QK tile itself, or (PV_RELOAD) the same bytes read again (an
-    # L2/L1 hit) so the seven tiles need not stay live across the softmax
-    if PV_RELOAD:
-        return _k_tile_again(cache, row, valid, t, lanes)
-    return k
-
-
-@triton.jit
-def _split8(sc):
-    # [BLOCK_N, 8] uint8 -> eight [BLOCK_N] columns
-    a, b = tl.split(tl.reshape(sc, [sc.shape[0], 4, 2]))
-    a0, a1 = tl.split(tl.reshape(a, [sc.shape[0], 2, 2]))
-    b0, b1 = tl.split(tl.reshape(b, [sc.shape[0], 2, 2]))
-    c0, c4 = tl.split(a0)
-    c2, c6 = tl.split(a1)
-    c1, c5 = tl.split(b0)
-    c3, c7 = tl.split(b1)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
 def _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r):
     optr = acc_ws + base[:, None] * 512 + lanes[None, :]
     hm = hmask[:, None]
@@ -668,208 +550,6 @@ def _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc
     tl.store(optr + 320, acc5, mask=hm)
     tl.store(optr + 384, acc6, mask=hm)
     tl.store(optr + 448, acc_r, mask=hm)
-
-
-@triton.jit
-def _dsv4_split_kernel_pipe(
-    q_ptr, stride_qt, stride_qh,
-    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
-    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
-    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-    HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
-    NUM_STAGES: tl.constexpr = 2, PART_BF16: tl.constexpr = False, PV_RELOAD: tl.constexpr = False,
-    KCVT: tl.constexpr = False,
-):
-    """Same contract as _dsv4_split_kernel_tiled, with the software-pipelined body _pipe_body."""
-    t = tl.program_id(0)
-    s = tl.program_id(1)
-    g = tl.program_id(2)
-    is_extra = False
-    if HAS_EXTRA:
-        is_extra = s >= main_nsplit
-    if is_extra:
-        _pipe_body(q_ptr, stride_qt, stride_qh, t, s, g,
-                   extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
-                   extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
-                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                   HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, NUM_STAGES, PART_BF16, PV_RELOAD, KCVT)
-    else:
-        _pipe_body(q_ptr, stride_qt, stride_qh, t, s, g,
-                   main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
-                   main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
-                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                   HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, NUM_STAGES, PART_BF16, PV_RELOAD, KCVT)
-
-
-@triton.jit
-def _kv_tile_bf16(cache, row, valid, ksc, t: tl.constexpr, lanes, INTERP: tl.constexpr, KCVT: tl.constexpr = False,
-                  AGAIN: tl.constexpr = False):
-    # nope tile t of BLOCK_N tokens, dequantized: [BLOCK_N, 64] (e4m3 x power-of-two scale: exact in bf16).
-    # AGAIN: the PV re-read (an L1 hit with another cache modifier, so the compiler does not merge it with
-    # the QK read and keep all eight dequantized tiles live across the softmax). KCVT: integer-pipe decode
-    # and a bf16 multiply by the power-of-two scale (exact) instead of fp32 math.
-    if AGAIN:
-        k8 = _k_tile_again(cache, row, valid, t, lanes)
-    else:
-        k8 = _k_tile(cache, row, valid, t, lanes)
-    sc = _ue8m0(ksc, KCVT and not INTERP)[:, None]
-    if INTERP:
-        return k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
-    if KCVT:
-        return _e4m3_bf16(k8, True) * sc.to(tl.bfloat16)
-    return (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(tl.bfloat16)
-
-
-@triton.jit
-def _wg_body(
-    q_ptr, stride_qt, stride_qh, t, s, g,
-    cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-    HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
-    KCVT: tl.constexpr = False, PV_AGAIN: tl.constexpr = False,
-):
-    # Candidates on the MMA M dimension (BLOCK_N = 64 per warpgroup: wgmma on Hopper), heads on N:
-    # S^T = K Q^T with the loop-invariant Q^T tiles as the B operands (shared memory, loaded once), P^T
-    # stored once per block as the B operand of every PV product O^T += V^T P^T, the dequantized K tile
-    # (scale folded in, exact) as the register A operand of both. Accumulators are transposed [64, BLOCK_H].
-    t64 = t.to(tl.int64)
-    idx_row = idx_ptr + t64 * idx_st
-    end = tl.minimum(start + chunk, K)
-    if HAS_LEN:
-        end = tl.minimum(end, tl.load(len_ptr + t))
-    cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
-    PB64 = PB.to(tl.int64)
-    PB2_64 = PB2.to(tl.int64)
-    offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = offs_h < H
-    lanes = tl.arange(0, 64)
-    q_row = q_ptr + t64 * stride_qt + offs_h[None, :].to(tl.int64) * stride_qh  # [1, BLOCK_H]
-    qT_r = tl.load(q_row + 448 + lanes[:, None], mask=hmask[None, :], other=0.0)  # [64, BLOCK_H]
-    qT_0 = tl.load(q_row + lanes[:, None], mask=hmask[None, :], other=0.0)
-    qT_1 = tl.load(q_row + 64 + lanes[:, None], mask=hmask[None, :], other=0.0)
-    qT_2 = tl.load(q_row + 128 + lanes[:, None], mask=hmask[None, :], other=0.0)
-    qT_3 = tl.load(q_row + 192 + lanes[:, None], mask=hmask[None, :], other=0.0)
-    qT_4 = tl.load(q_row + 256 + lanes[:, None], mask=hmask[None, :], other=0.0)
-    qT_5 = tl.load(q_row + 320 + lanes[:, None], mask=hmask[None, :], other=0.0)
-    qT_6 = tl.load(q_row + 384 + lanes[:, None], mask=hmask[None, :], other=0.0)
-    if INTERP:
-        qT_r = qT_r.to(tl.float32)
-        qT_0 = qT_0.to(tl.float32)
-        qT_1 = qT_1.to(tl.float32)
-        qT_2 = qT_2.to(tl.float32)
-        qT_3 = qT_3.to(tl.float32)
-        qT_4 = qT_4.to(tl.float32)
-        qT_5 = qT_5.to(tl.float32)
-        qT_6 = qT_6.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    a0 = tl.zeros([64, BLOCK_H], tl.float32)
-    a1 = tl.zeros([64, BLOCK_H], tl.float32)
-    a2 = tl.zeros([64, BLOCK_H], tl.float32)
-    a3 = tl.zeros([64, BLOCK_H], tl.float32)
-    a4 = tl.zeros([64, BLOCK_H], tl.float32)
-    a5 = tl.zeros([64, BLOCK_H], tl.float32)
-    a6 = tl.zeros([64, BLOCK_H], tl.float32)
-    ar = tl.zeros([64, BLOCK_H], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        cand = n0 + offs_n
-        inb = cand < end
-        idx = tl.load(idx_row + cand, mask=inb, other=-1)
-        valid, row, sbase, rope_off = _token_rows(idx, inb, P, PB64, PB2_64)
-        rope = tl.load(cache_bf16 + rope_off[:, None] + lanes[None, :],
-                       mask=valid[:, None], other=0.0)
-        if INTERP:
-            rope = rope.to(tl.float32)
-        c0 = _k_scale(cache, sbase, valid, 0)
-        c1 = _k_scale(cache, sbase, valid, 1)
-        c2 = _k_scale(cache, sbase, valid, 2)
-        c3 = _k_scale(cache, sbase, valid, 3)
-        c4 = _k_scale(cache, sbase, valid, 4)
-        c5 = _k_scale(cache, sbase, valid, 5)
-        c6 = _k_scale(cache, sbase, valid, 6)
-        sT = tl.dot(rope, qT_r)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c0, 0, lanes, INTERP, KCVT), qT_0, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c1, 1, lanes, INTERP, KCVT), qT_1, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c2, 2, lanes, INTERP, KCVT), qT_2, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c3, 3, lanes, INTERP, KCVT), qT_3, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c4, 4, lanes, INTERP, KCVT), qT_4, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c5, 5, lanes, INTERP, KCVT), qT_5, sT)
-        sT = tl.dot(_kv_tile_bf16(cache, row, valid, c6, 6, lanes, INTERP, KCVT), qT_6, sT)
-        sT = sT * sm_scale_log2
-        sT = tl.where(valid[:, None], sT, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sT, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(sT - m_use[None, :])  # [BLOCK_N, BLOCK_H]
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        al = alpha[None, :]
-        if INTERP:
-            pb = p.to(tl.bfloat16).to(tl.float32)
-        else:
-            pb = p.to(tl.bfloat16)
-        ar = tl.dot(tl.trans(rope), pb, ar * al)
-        a0 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c0, 0, lanes, INTERP, KCVT, PV_AGAIN)), pb,
-                        a0 * al)
-        a1 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c1, 1, lanes, INTERP, KCVT, PV_AGAIN)), pb,
-                        a1 * al)
-        a2 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c2, 2, lanes, INTERP, KCVT, PV_AGAIN)), pb,
-                        a2 * al)
-        a3 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c3, 3, lanes, INTERP, KCVT, PV_AGAIN)), pb,
-                        a3 * al)
-        a4 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c4, 4, lanes, INTERP, KCVT, PV_AGAIN)), pb,
-                        a4 * al)
-        a5 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c5, 5, lanes, INTERP, KCVT, PV_AGAIN)), pb,
-                        a5 * al)
-        a6 = tl.dot(tl.trans(_kv_tile_bf16(cache, row, valid, c6, 6, lanes, INTERP, KCVT, PV_AGAIN)), pb,
-                        a6 * al)
-        m_i = m_new
-
-    base = (t64 * S + s) * HP + offs_h
-    optr = acc_ws + base[None, :] * 512 + lanes[:, None]
-    hm = hmask[None, :]
-    tl.store(optr, a0, mask=hm)
-    tl.store(optr + 64, a1, mask=hm)
-    tl.store(optr + 128, a2, mask=hm)
-    tl.store(optr + 192, a3, mask=hm)
-    tl.store(optr + 256, a4, mask=hm)
-    tl.store(optr + 320, a5, mask=hm)
-    tl.store(optr + 384, a6, mask=hm)
-    tl.store(optr + 448, ar, mask=hm)
-    tl.store(m_ws + base, m_i, mask=hmask)
-    tl.store(l_ws + base, l_i, mask=hmask)
-
-
-@triton.jit
-def _dsv4_split_kernel_wg(
-    q_ptr, stride_qt, stride_qh,
-    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
-    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
-    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-    HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
-    KCVT: tl.constexpr = False, PV_AGAIN: tl.constexpr = False,
-):
-    """Same contract as _dsv4_split_kernel (bf16 QK only), body _wg_body (candidates on M)."""
-    t = tl.program_id(0)
-    s = tl.program_id(1)
-    g = tl.program_id(2)
-    is_extra = False
-    if HAS_EXTRA:
-        is_extra = s >= main_nsplit
-    if is_extra:
-        _wg_body(q_ptr, stride_qt, stride_qh, t, s, g,
-                 extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
-                 extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
-                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP,
-                 KCVT, PV_AGAIN)
-    else:
-        _wg_body(q_ptr, stride_qt, stride_qh, t, s, g,
-                 main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
-                 main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
-                 acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP,
-                 KCVT, PV_AGAIN)
 
 
 @triton.jit
@@ -1483,7 +1163,7 @@ def _launch_combine(cfg, acc_ws, m_ws, l_ws, attn_sink, out, lse, T: int, H: int
 
 def _ws_words(cfg) -> int:
     # 4-byte workspace words per (row, split, head): acc (fp32 or bf16) + m + l
-    return 258 if cfg["impl"] in ("pipe", "tiled", "wg", "reg") and cfg.get("PART_BF16", 0) else 514
+    return 258 if cfg["impl"] in ("tiled", "reg") and cfg.get("PART_BF16", 0) else 514
 
 
 # Overrides for benchmarking variants (keys of _default_config); empty in production.
@@ -1525,7 +1205,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     S = s1 + s2
     nrow = T * S * HP
     cfg = _resolve_auto(cfg, s1, c1, s2, c2, T=T, H=H, num_sms=nsm)
-    part_bf16 = cfg["impl"] in ("pipe", "tiled", "wg", "reg") and bool(cfg.get("PART_BF16", 0))
+    part_bf16 = cfg["impl"] in ("tiled", "reg") and bool(cfg.get("PART_BF16", 0))
     ws = _workspace(q.device, nrow * _ws_words(cfg))
     if part_bf16:
         acc_ws = ws[: nrow * 256].view(torch.bfloat16)
@@ -1549,11 +1229,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
     )
     if cfg.get("maxnreg"):
         flags["maxnreg"] = int(cfg["maxnreg"])
-    if cfg["impl"] == "pipe":
-        _dsv4_split_kernel_pipe[(T, S, HG)](*common, NUM_STAGES=int(cfg.get("NUM_STAGES", 2)), PART_BF16=part_bf16,
-                                            PV_RELOAD=bool(cfg.get("PV_RELOAD", 0)), KCVT=bool(cfg.get("KCVT", 0)),
-                                            **flags)
-    elif cfg["impl"] == "tiled":
+    if cfg["impl"] == "tiled":
         qpre = {}
         if fp8 and int(cfg.get("QPRE", 1)):
             # the fp8 path's Q quantization once per (row, head), not once per candidate block
@@ -1569,11 +1245,6 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
             raise DecodeInputError("impl=reg has no fp8 QK path (use qk_mode='bf16')")
         _dsv4_split_kernel_reg[(T, S, HG)](*common, KCVT=bool(cfg.get("KCVT", 0)), Q_RES=bool(cfg.get("Q_RES", 0)),
                                            **flags)
-    elif cfg["impl"] == "wg":
-        if fp8:
-            raise DecodeInputError("impl=wg has no fp8 QK path (use qk_mode='bf16')")
-        _dsv4_split_kernel_wg[(T, S, HG)](*common, KCVT=bool(cfg.get("KCVT", 0)),
-                                          PV_AGAIN=bool(cfg.get("PV_AGAIN", 0)), **flags)
     else:
         _dsv4_split_kernel[(T, S, HG)](
             *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
