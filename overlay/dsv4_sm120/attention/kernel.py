@@ -553,6 +553,28 @@ def _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc
 
 
 @triton.jit
+def _raw_block(cache, row, valid, sbase, rope_off, lanes):
+    # one candidate block as stored: the seven e4m3 nope tiles, their UE8M0 scales, then the bf16 rope tile
+    k0 = _k_tile(cache, row, valid, 0, lanes)
+    k1 = _k_tile(cache, row, valid, 1, lanes)
+    k2 = _k_tile(cache, row, valid, 2, lanes)
+    k3 = _k_tile(cache, row, valid, 3, lanes)
+    k4 = _k_tile(cache, row, valid, 4, lanes)
+    k5 = _k_tile(cache, row, valid, 5, lanes)
+    k6 = _k_tile(cache, row, valid, 6, lanes)
+    c0 = _k_scale(cache, sbase, valid, 0)
+    c1 = _k_scale(cache, sbase, valid, 1)
+    c2 = _k_scale(cache, sbase, valid, 2)
+    c3 = _k_scale(cache, sbase, valid, 3)
+    c4 = _k_scale(cache, sbase, valid, 4)
+    c5 = _k_scale(cache, sbase, valid, 5)
+    c6 = _k_scale(cache, sbase, valid, 6)
+    rope = tl.load(cache.to(tl.pointer_type(tl.bfloat16)) + rope_off[:, None] + lanes[None, :], mask=valid[:, None],
+                   other=0.0)
+    return k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope
+
+
+@triton.jit
 def _kdec(k8, ksc, INTERP: tl.constexpr, KCVT: tl.constexpr):
     # [BLOCK_N, 64] e4m3 bytes and their [BLOCK_N] UE8M0 tile scales -> the scaled values as bf16 (exact:
     # a power-of-two scale only moves the exponent; bf16 has fp32's range), fp32 under the interpreter
@@ -583,7 +605,6 @@ def _reg_body(
     end = cend
     if HAS_LEN:
         end = tl.minimum(end, tl.load(len_ptr + t))
-    cache_bf16 = cache.to(tl.pointer_type(tl.bfloat16))
     PB64 = PB.to(tl.int64)
     PB2_64 = PB2.to(tl.int64)
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -618,21 +639,7 @@ def _reg_body(
     cand = start + offs_n
     idx = tl.load(idx_row + cand, mask=cand < cend, other=-1)
     valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
-    k0 = _k_tile(cache, row, valid, 0, lanes)
-    k1 = _k_tile(cache, row, valid, 1, lanes)
-    k2 = _k_tile(cache, row, valid, 2, lanes)
-    k3 = _k_tile(cache, row, valid, 3, lanes)
-    k4 = _k_tile(cache, row, valid, 4, lanes)
-    k5 = _k_tile(cache, row, valid, 5, lanes)
-    k6 = _k_tile(cache, row, valid, 6, lanes)
-    c0 = _k_scale(cache, sb, valid, 0)
-    c1 = _k_scale(cache, sb, valid, 1)
-    c2 = _k_scale(cache, sb, valid, 2)
-    c3 = _k_scale(cache, sb, valid, 3)
-    c4 = _k_scale(cache, sb, valid, 4)
-    c5 = _k_scale(cache, sb, valid, 5)
-    c6 = _k_scale(cache, sb, valid, 6)
-    rope = tl.load(cache_bf16 + ro[:, None] + lanes[None, :], mask=valid[:, None], other=0.0)
+    k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = _raw_block(cache, row, valid, sb, ro, lanes)
     cand = start + BLOCK_N + offs_n
     idx_n = tl.load(idx_row + cand, mask=cand < cend, other=-1)
     for n0 in range(start, end, BLOCK_N):
@@ -641,21 +648,7 @@ def _reg_body(
         vn, rn, sbn, ron = _token_rows(idx_n, cand < end, P, PB64, PB2_64)
         cand = n0 + 2 * BLOCK_N + offs_n
         idx_n = tl.load(idx_row + cand, mask=cand < cend, other=-1)
-        n_k0 = _k_tile(cache, rn, vn, 0, lanes)
-        n_k1 = _k_tile(cache, rn, vn, 1, lanes)
-        n_k2 = _k_tile(cache, rn, vn, 2, lanes)
-        n_k3 = _k_tile(cache, rn, vn, 3, lanes)
-        n_k4 = _k_tile(cache, rn, vn, 4, lanes)
-        n_k5 = _k_tile(cache, rn, vn, 5, lanes)
-        n_k6 = _k_tile(cache, rn, vn, 6, lanes)
-        n_c0 = _k_scale(cache, sbn, vn, 0)
-        n_c1 = _k_scale(cache, sbn, vn, 1)
-        n_c2 = _k_scale(cache, sbn, vn, 2)
-        n_c3 = _k_scale(cache, sbn, vn, 3)
-        n_c4 = _k_scale(cache, sbn, vn, 4)
-        n_c5 = _k_scale(cache, sbn, vn, 5)
-        n_c6 = _k_scale(cache, sbn, vn, 6)
-        n_rope = tl.load(cache_bf16 + ron[:, None] + lanes[None, :], mask=vn[:, None], other=0.0)
+        nxt = _raw_block(cache, rn, vn, sbn, ron, lanes)
         # block n
         kb0 = _kdec(k0, c0, INTERP, KCVT)
         kb1 = _kdec(k1, c1, INTERP, KCVT)
@@ -706,9 +699,7 @@ def _reg_body(
         acc6 = tl.dot(pb, kb6, acc6 * a2)
         m_i = m_new
         valid = vn
-        k0, k1, k2, k3, k4, k5, k6 = n_k0, n_k1, n_k2, n_k3, n_k4, n_k5, n_k6
-        c0, c1, c2, c3, c4, c5, c6 = n_c0, n_c1, n_c2, n_c3, n_c4, n_c5, n_c6
-        rope = n_rope
+        k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = nxt
 
     base = (t64 * S + s) * HP + offs_h
     _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
