@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_tools import disassemble, hot_loop_ops, split_kernel_source  # noqa: E402
+from sass_tools import compile_inspect, hot_loop_ops, split_kernel_source  # noqa: E402
 
 
 def _load_kernel_module():
@@ -52,7 +51,7 @@ def main(argv=None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     try:
         import triton
-        from triton.backends.compiler import GPUTarget
+        from triton.backends.compiler import GPUTarget  # noqa: F401  (compile_inspect's target API)
         from triton.compiler import ASTSource  # noqa: F401  (the API the compile below needs)
     except ImportError as exc:
         print(f"needs triton with the ASTSource/GPUTarget API: {exc}", file=sys.stderr)
@@ -87,18 +86,16 @@ def main(argv=None) -> int:
             if args.maxnreg:
                 opts["maxnreg"] = args.maxnreg
             try:
-                k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+                k, sass, res = compile_inspect(src, arch, opts)
             except Exception as exc:  # noqa: BLE001
                 print(f"sm_{arch} KCVT={kcvt}: compile failed: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            ru, sass = disassemble(k.asm["cubin"])
-            res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", ru)
             loop = hot_loop_ops(sass)
             ops = [o for o, _ in loop]
             full = collections.Counter(f for _, f in loop)
             pipes = {k: sum(n for o, n in full.items() if o.startswith(k)) for k in ("F2F.", "F2FP.", "LDS", "STS",
                                                                                      "BAR", "SHFL", "HMMA")}
-            print(f"sm_{arch} KCVT={kcvt}: REG {res.group(1) if res else '?'} STACK {res.group(2) if res else '?'} "
+            print(f"sm_{arch} KCVT={kcvt}: REG {res.get('regs', '?')} STACK {res.get('stack', '?')} "
                   f"smem {k.metadata.shared} B; loop {len(ops)} instructions per warp and candidate block; "
                   + ", ".join(f"{k.rstrip('.')} {v}" for k, v in pipes.items()))
             print("   top: " + ", ".join(f"{n} {o}" for o, n in collections.Counter(ops).most_common(12)))

@@ -57,6 +57,18 @@ def disassemble(cubin: bytes) -> Tuple[str, str]:
     return res, sass
 
 
+def compile_inspect(src, cap: int, options: Dict[str, int]):
+    """Compile ``src`` for ``sm_<cap>`` and disassemble it: (kernel, ``nvdisasm -c`` SASS, resources), resources being
+    ``{"regs": ..., "stack": ...}`` per thread when cuobjdump reports them (else empty). Compile errors propagate."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options)
+    usage, sass = disassemble(k.asm["cubin"])
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return k, sass, ({"regs": int(m.group(1)), "stack": int(m.group(2))} if m else {})
+
+
 def hot_loop_ops(sass: str) -> List[Tuple[str, str]]:
     """(opcode, opcode with suffixes) of every instruction of the longest loop: from the label a backward branch
     jumps to, to that branch. Empty when the kernel has no loop."""

@@ -543,10 +543,8 @@ def test_launch_configuration_rules(monkeypatch):
 
 _TILED_KCVT_COMPILE = r"""
 import json, re
-import triton
-from triton.backends.compiler import GPUTarget
 from dsv4_sm120.attention import kernel as K
-from sass_tools import disassemble, split_kernel_source
+from sass_tools import compile_inspect, split_kernel_source
 fn = K._dsv4_split_kernel_tiled
 out = {}
 for cap in (90, 120):
@@ -557,19 +555,14 @@ for cap in (90, 120):
         name = f"sm{cap}_kcvt{kcvt}"
         opts = {"num_warps": 8, "num_stages": 2 if cap == 90 else 1, "maxnreg": 128}
         try:
-            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
+            k, sass, res = compile_inspect(src, cap, opts)
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             continue
-        ru, sass = disassemble(k.asm["cubin"])
-        r = {"f2f_bf16_f16": len(re.findall(r"F2F\.BF16\.F16", sass)),
-             "f2fp_e4m3": len(re.findall(r"F2FP\.F16\.E4M3", sass)),
-             "hfma2_or_hmul2": len(re.findall(r"\bH(?:FMA2|MUL2)\b", sass)), "sass": len(sass),
-             "mufu_i2f": len(re.findall(r"\b(?:MUFU\.EX2|I2F\S*)\b", sass))}
-        mm = re.search(r"REG:(\d+) STACK:(\d+)", ru)
-        if mm:
-            r["regs"], r["stack"] = int(mm.group(1)), int(mm.group(2))
-        out[name] = r
+        out[name] = dict(res, f2f_bf16_f16=len(re.findall(r"F2F\.BF16\.F16", sass)),
+                         f2fp_e4m3=len(re.findall(r"F2FP\.F16\.E4M3", sass)),
+                         hfma2_or_hmul2=len(re.findall(r"\bH(?:FMA2|MUL2)\b", sass)), sass=len(sass),
+                         mufu_i2f=len(re.findall(r"\b(?:MUFU\.EX2|I2F\S*)\b", sass)))
 print("RESULT" + json.dumps(out))
 """
 
@@ -596,11 +589,9 @@ def test_tiled_kcvt_moves_fp8_conversion_off_the_conversion_pipe():
 
 
 _REG_COMPILE = r"""
-import collections, json, re
-import triton
-from triton.backends.compiler import GPUTarget
+import collections, json
 from dsv4_sm120.attention import kernel as K
-from sass_tools import disassemble, hot_loop_ops, split_kernel_source
+from sass_tools import compile_inspect, hot_loop_ops, split_kernel_source
 fn = K._dsv4_split_kernel_reg
 out = {}
 for cap in (90, 120):
@@ -609,21 +600,15 @@ for cap in (90, 120):
                    INTERP=False, KCVT=True, Q_RES=True)
         name = f"sm{cap}_bn{bn}"
         try:
-            k = triton.compile(split_kernel_source(fn, cst), target=GPUTarget("cuda", cap, 32),
-                               options={"num_warps": 8, "num_stages": 1})
+            k, sass, res = compile_inspect(split_kernel_source(fn, cst), cap, {"num_warps": 8, "num_stages": 1})
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             continue
-        ru, sass = disassemble(k.asm["cubin"])
         ops = collections.Counter(f for _, f in hot_loop_ops(sass))
-        r = {"shared": k.metadata.shared, "sass": len(sass), "loop": sum(ops.values()),
-             "ldg128": ops.get("LDG.E.128", 0), "ldg64": ops.get("LDG.E.64", 0), "lds_u8": ops.get("LDS.U8", 0),
-             "ldgsts": sum(n for o, n in ops.items() if o.startswith("LDGSTS")),
-             "f2f": sum(n for o, n in ops.items() if o.startswith("F2F."))}
-        mm = re.search(r"REG:(\d+) STACK:(\d+)", ru)
-        if mm:
-            r["regs"], r["stack"] = int(mm.group(1)), int(mm.group(2))
-        out[name] = r
+        out[name] = dict(res, shared=k.metadata.shared, sass=len(sass), loop=sum(ops.values()),
+                         ldg128=ops.get("LDG.E.128", 0), ldg64=ops.get("LDG.E.64", 0), lds_u8=ops.get("LDS.U8", 0),
+                         ldgsts=sum(n for o, n in ops.items() if o.startswith("LDGSTS")),
+                         f2f=sum(n for o, n in ops.items() if o.startswith("F2F.")))
 print("RESULT" + json.dumps(out))
 """
 
@@ -631,11 +616,10 @@ print("RESULT" + json.dumps(out))
 def test_reg_body_code_generation_for_sm90_and_sm120():
     """Without a GPU: the register body (the default for H <= 16 at both ends of the batch range, on sm_120 too,
     where it has never run) compiles for sm_90 and sm_120 at its launches (8 warps, one stage, no register cap,
-    Q resident, 32 and 64 candidates) without spills and within sm_120's 99 KB of shared memory, and its loop gathers each
-    K tile once with one vector load per thread (64 candidates: 7 nope tiles + 2 rope loads of 16 bytes; 32: 7
-    nope loads of 8 bytes + 1 rope load of 16), with no cp.async
-    staging, no byte-wise shared-memory reads and no conversion-pipe e4m3 decode (what H200 call 15's profile of
-    the tiled body showed)."""
+    Q resident, 32 and 64 candidates) without spills and within sm_120's 99 KB of shared memory, and its loop
+    gathers each K tile once with one vector load per thread (64 candidates: 7 nope tiles + 2 rope loads of 16
+    bytes; 32: 7 nope loads of 8 bytes + 1 rope load of 16), with no cp.async staging, no byte-wise shared-memory
+    reads and no conversion-pipe e4m3 decode (what H200 call 15's profile of the tiled body showed)."""
     out = gpu_compile_result(_REG_COMPILE, timeout=900)
     for cap in (90, 120):
         for bn in (32, 64):
