@@ -1036,13 +1036,13 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
             # vs 71.5)
             cfg["PREFETCH"] = 2 if 3 * rows >= num_sms else 0
         if bh > 16:
-            if T * triton.cdiv(H, 16) <= 2 * num_sms:
+            if rows <= 2 * num_sms:
                 cfg.update(small)
             else:
                 cfg.update(impl="flat", num_stages=1)
     # the register body (bf16 QK, H <= 16), chosen last so an ``impl=tiled`` override gets the tiled settings
-    # above back; sm_120 takes it too: no spills there (225 registers, 70 KB of shared memory, triton 3.8),
-    # unmeasured on that hardware
+    # above back; sm_120 takes it too: no spills there (221-250 registers, 84 KB of shared memory with Q resident;
+    # test_reg_body_code_generation_for_sm90_and_sm120), unmeasured on that hardware
     if (_is_hopper(device) or _is_sm120(device)) and not fp8 and H <= 16:
         if 0 < rows * (triton.cdiv(K1, 32) + triton.cdiv(K2, 32)) <= num_sms:
             # where one 32-candidate block per program fits in one wave (H200 call 16, H=16 SWA128+c4, B = 1 / 4:
