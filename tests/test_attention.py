@@ -262,7 +262,9 @@ def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt):
 
 
 @pytest.mark.parametrize("variant", [dict(impl="reg", waves=0.25), dict(impl="reg", PART_BF16=1, BLOCK_N=32, KCVT=1),
-                                     dict(impl="reg", Q_RES=1, waves=0.25)])
+                                     dict(impl="reg", Q_RES=1, waves=0.25),
+                                     dict(impl="reg", Q_RES=1, DEC_LATE=1, waves=0.25),
+                                     dict(impl="reg", DEC_LATE=1, BLOCK_N=32, KCVT=1, PART_BF16=1)])
 def test_reg_split_body(variant):
     """The register body (impl=reg: each K byte read and decoded once per block, the next block's tiles loaded
     while the current one computes, its indices two blocks ahead) against the float64 reference: several

@@ -585,12 +585,24 @@ def _kdec(k8, ksc, INTERP: tl.constexpr, KCVT: tl.constexpr):
 
 
 @triton.jit
+def _kdec_block(k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, INTERP: tl.constexpr,
+                KCVT: tl.constexpr):
+    # a raw block (_raw_block) -> its seven decoded nope tiles and the rope tile (fp32 under the interpreter)
+    kr = rope
+    if INTERP:
+        kr = rope.to(tl.float32)
+    return (_kdec(k0, c0, INTERP, KCVT), _kdec(k1, c1, INTERP, KCVT), _kdec(k2, c2, INTERP, KCVT),
+            _kdec(k3, c3, INTERP, KCVT), _kdec(k4, c4, INTERP, KCVT), _kdec(k5, c5, INTERP, KCVT),
+            _kdec(k6, c6, INTERP, KCVT), kr)
+
+
+@triton.jit
 def _reg_body(
     q_ptr, stride_qt, stride_qh, t, s, g,
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERP: tl.constexpr, KCVT: tl.constexpr, Q_RES: tl.constexpr = False,
+    INTERP: tl.constexpr, KCVT: tl.constexpr, Q_RES: tl.constexpr = False, DEC_LATE: tl.constexpr = False,
 ):
     # Register body (impl=reg, bf16 QK): every K byte is read from memory once and decoded once per block.
     # The next block's raw tiles (7 e4m3 tiles, rope, scales) are loaded into registers while the current
@@ -640,6 +652,11 @@ def _reg_body(
     idx = tl.load(idx_row + cand, mask=cand < cend, other=-1)
     valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
     k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = _raw_block(cache, row, valid, sb, ro, lanes)
+    if DEC_LATE:
+        # DEC_LATE: the loop carries the decoded bf16 block (the next one is decoded at the end of an
+        # iteration, after its gathers had the whole block's math to land), not the raw e4m3 bytes
+        kb0, kb1, kb2, kb3, kb4, kb5, kb6, kr = _kdec_block(k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6,
+                                                            rope, INTERP, KCVT)
     cand = start + BLOCK_N + offs_n
     idx_n = tl.load(idx_row + cand, mask=cand < cend, other=-1)
     for n0 in range(start, end, BLOCK_N):
@@ -650,16 +667,9 @@ def _reg_body(
         idx_n = tl.load(idx_row + cand, mask=cand < cend, other=-1)
         nxt = _raw_block(cache, rn, vn, sbn, ron, lanes)
         # block n
-        kb0 = _kdec(k0, c0, INTERP, KCVT)
-        kb1 = _kdec(k1, c1, INTERP, KCVT)
-        kb2 = _kdec(k2, c2, INTERP, KCVT)
-        kb3 = _kdec(k3, c3, INTERP, KCVT)
-        kb4 = _kdec(k4, c4, INTERP, KCVT)
-        kb5 = _kdec(k5, c5, INTERP, KCVT)
-        kb6 = _kdec(k6, c6, INTERP, KCVT)
-        kr = rope
-        if INTERP:
-            kr = rope.to(tl.float32)
+        if not DEC_LATE:
+            kb0, kb1, kb2, kb3, kb4, kb5, kb6, kr = _kdec_block(k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5,
+                                                                c6, rope, INTERP, KCVT)
         qk = tl.dot(q_rope, tl.trans(kr))
         if Q_RES:
             qk = tl.dot(q0, tl.trans(kb0), qk)
@@ -699,7 +709,12 @@ def _reg_body(
         acc6 = tl.dot(pb, kb6, acc6 * a2)
         m_i = m_new
         valid = vn
-        k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = nxt
+        if DEC_LATE:
+            n0_, n1_, n2_, n3_, n4_, n5_, n6_, d0_, d1_, d2_, d3_, d4_, d5_, d6_, nr_ = nxt
+            kb0, kb1, kb2, kb3, kb4, kb5, kb6, kr = _kdec_block(n0_, n1_, n2_, n3_, n4_, n5_, n6_, d0_, d1_, d2_,
+                                                                d3_, d4_, d5_, d6_, nr_, INTERP, KCVT)
+        else:
+            k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = nxt
 
     base = (t64 * S + s) * HP + offs_h
     _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
@@ -724,7 +739,7 @@ def _dsv4_split_kernel_reg(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
-    KCVT: tl.constexpr = False, Q_RES: tl.constexpr = False,
+    KCVT: tl.constexpr = False, Q_RES: tl.constexpr = False, DEC_LATE: tl.constexpr = False,
 ):
     """Same contract as _dsv4_split_kernel_tiled (bf16 QK only), with the register body (_reg_body)."""
     t = tl.program_id(0)
@@ -738,13 +753,13 @@ def _dsv4_split_kernel_reg(
                   extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                   extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, Q_RES)
+                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
     else:
         _reg_body(q_ptr, stride_qt, stride_qh, t, s, g,
                   main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                   main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, Q_RES)
+                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
 
 
 @triton.jit
@@ -1235,7 +1250,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
         if fp8:
             raise DecodeInputError("impl=reg has no fp8 QK path (use qk_mode='bf16')")
         _dsv4_split_kernel_reg[(T, S, HG)](*common, KCVT=bool(cfg.get("KCVT", 0)), Q_RES=bool(cfg.get("Q_RES", 0)),
-                                           **flags)
+                                           DEC_LATE=bool(cfg.get("DEC_LATE", 0)), **flags)
     else:
         _dsv4_split_kernel[(T, S, HG)](
             *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
