@@ -24,7 +24,7 @@ VA="$VA;impl=reg,Q_RES=1,DEC_LATE=1,BLOCK_N=32,num_warps=4,waves=4;impl=reg,Q_RE
 IFS=';' read -ra VS <<<"$VA"
 for v in "" "${VS[@]}"; do for l in swa128+c4 single512; do  # warm the Triton cache in parallel
   timeout 200 python3 bench/bench_attention.py --layouts $l --heads 16 --batches 1,4,16,64,128 --impls ours \
-    --layers 1 --replays 1 ${v:+--variants "$v"} >/dev/null 2>&1 &
+    --layers 1 --replays 1 --variant-layouts $l ${v:+--variants "$v"} >/dev/null 2>&1 &
 done; done
 DSV4_ATTN_TEST_CONFIG="DEC_LATE=1" timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gpu.py \
   -k "bf16" >"$OUT/pytest_bf16_declate.log" 2>&1
@@ -34,5 +34,5 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gp
 wait
 echo "warm $(( $(date +%s) - t0 ))s" >>"$OUT/times.txt"
 timeout 260 python3 bench/bench_attention.py --layouts swa128+c4,single512 --heads 16 --batches 1,4,16,64,128 \
-  --replays 20 --impls ours,flashmla --variants "$VA" --out "$OUT/sweep" >"$OUT/attn.log" 2>&1
+  --replays 20 --impls ours,flashmla --variant-layouts swa128+c4,single512 --variants "$VA" --out "$OUT/sweep" >"$OUT/attn.log" 2>&1
 echo "attn rc=$? $(( $(date +%s) - t0 ))s" >>"$OUT/times.txt"
