@@ -71,14 +71,14 @@ def main(argv=None) -> int:
                 cst["PREFETCH"] = True
             if "KCVT" in fn.arg_names:
                 cst["KCVT"] = bool(kcvt)
-            for flag in ("Q_RES", "DEC_LATE"):
+            for flag in ("Q_RES", "DEC_LATE", "SPAN"):
                 if flag in fn.arg_names:
                     cst[flag] = False
             if "QPRE" in fn.arg_names:
                 cst["QPRE"] = args.qk == "fp8"  # the fp8 path's default: Q quantized before the launch
             for kv in (x for x in args.extra.split(",") if x):
                 k_, v_ = kv.split("=")
-                cst[k_] = bool(int(v_)) if k_ in ("KCVT", "QPRE", "Q_RES", "DEC_LATE") else int(v_)
+                cst[k_] = bool(int(v_)) if k_ in ("KCVT", "QPRE", "Q_RES", "DEC_LATE", "SPAN") else int(v_)
             if not cst.get("QPRE", True):
                 cst.update(q8_ptr=None, qsc_ptr=None)
             src = split_kernel_source(fn, cst)

@@ -139,6 +139,28 @@ def test_split_plan_properties():
     assert K.plan_splits(1, 1, 128, 512, 64, 132, 2.0, 2) == (1, 128, 4, 128)
 
 
+def test_span_plan_properties():
+    """The spanning register body's plan: equal whole-block chunks covering main ++ extra exactly, never more
+    programs than the slots in one round (when the rows alone fit), never a chunk below min_blocks blocks where the
+    candidates allow it, and the H200 shapes this plan exists for (two CTAs per SM: 264 slots)."""
+    for T in (1, 3, 16, 17, 64, 128, 300):
+        for HG in (1, 2):
+            for K1, K2 in ((128, 0), (128, 512), (100, 512), (128, 8192), (7, 0), (64, 64)):
+                for bn in (16, 32, 64):
+                    for waves in (0.25, 1.0, 2.0, 4.0):
+                        for mb in (1, 3):
+                            S, c = K.plan_span(T, HG, K1, K2, bn, 132, waves, mb)
+                            nb = -(-(K1 + K2) // bn)
+                            assert S >= 1 and c % bn == 0 and (S - 1) * c < K1 + K2 <= S * c, (T, K1, K2, bn, S, c)
+                            if T * HG <= waves * 132:
+                                assert T * HG * S <= waves * 132
+                            assert S <= max(1, -(-nb // mb))
+    assert K.plan_span(128, 1, 128, 512, 32, 132, 2.0) == (2, 320)
+    assert K.plan_span(64, 1, 128, 512, 32, 132, 2.0) == (4, 160)
+    assert K.plan_span(16, 1, 128, 512, 32, 132, 2.0) == (10, 64)
+    assert K.plan_span(1, 1, 128, 512, 32, 132, 2.0) == (20, 32)
+
+
 @pytest.mark.parametrize(
     "bad,msg",
     [
@@ -264,7 +286,13 @@ def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt):
 @pytest.mark.parametrize("variant", [dict(impl="reg", waves=0.25), dict(impl="reg", PART_BF16=1, BLOCK_N=32, KCVT=1),
                                      dict(impl="reg", Q_RES=1, waves=0.25),
                                      dict(impl="reg", Q_RES=1, DEC_LATE=1, waves=0.25),
-                                     dict(impl="reg", DEC_LATE=1, BLOCK_N=32, KCVT=1, PART_BF16=1)])
+                                     dict(impl="reg", DEC_LATE=1, BLOCK_N=32, KCVT=1, PART_BF16=1),
+                                     # SPAN: splits that run from the main cache into the extra one (waves=3 cuts
+                                     # these cases mid-block and across the boundary; 0.25: one program per row)
+                                     dict(impl="reg", SPAN=1, DEC_LATE=1, Q_RES=1, waves=3),
+                                     dict(impl="reg", SPAN=1, waves=3),
+                                     dict(impl="reg", SPAN=1, DEC_LATE=1, BLOCK_N=32, num_warps=4, KCVT=1, PART_BF16=1,
+                                          waves=0.25)])
 def test_reg_split_body(variant):
     """The register body (impl=reg: each K byte read and decoded once per block, the next block's tiles loaded
     while the current one computes, its indices two blocks ahead) against the float64 reference: several

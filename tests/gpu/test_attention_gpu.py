@@ -149,9 +149,12 @@ def test_cuda_graph_replay_with_changing_indices(mode):
     "variant",
     [dict(impl="flat"), dict(impl="tiled", PREFETCH=1), dict(impl="tiled"), dict(impl="tiled", KCVT=0, PREFETCH=2),
      dict(impl="reg", BLOCK_N=32, Q_RES=1), dict(impl="reg", BLOCK_N=64, Q_RES=0, PART_BF16=0),
-     dict(impl="reg", BLOCK_N=64, Q_RES=1, DEC_LATE=1), dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, waves=2)],
+     dict(impl="reg", BLOCK_N=64, Q_RES=1, DEC_LATE=1), dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, waves=2),
+     # spanning splits: waves=0.5 cuts the first case's rows across the main / extra boundary
+     dict(impl="reg", BLOCK_N=64, Q_RES=1, DEC_LATE=1, SPAN=1, waves=0.5),
+     dict(impl="reg", BLOCK_N=32, num_warps=4, Q_RES=1, DEC_LATE=1, SPAN=1, waves=2)],
     ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-qload-fp32part", "reg64-declate",
-         "reg32-4warps-declate"])
+         "reg32-4warps-declate", "reg64-span", "reg32-4warps-span"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant):
     from dsv4_sm120.attention import kernel as K

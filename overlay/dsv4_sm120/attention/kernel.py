@@ -603,6 +603,8 @@ def _reg_body(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr, KCVT: tl.constexpr, Q_RES: tl.constexpr = False, DEC_LATE: tl.constexpr = False,
+    SPAN: tl.constexpr = False, cache2=None, idx2_ptr=None, idx2_st=0, len2_ptr=None, K2=0, P2=1, PB_2=0, PB2_2=0,
+    HAS_LEN2: tl.constexpr = False, HAS_2: tl.constexpr = False,
 ):
     # Register body (impl=reg, bf16 QK): every K byte is read from memory once and decoded once per block.
     # The next block's raw tiles (7 e4m3 tiles, rope, scales) are loaded into registers while the current
@@ -611,14 +613,9 @@ def _reg_body(
     # one bf16 A operand for all eight PV products. No cp.async staging: on the H200 the pipelined tiled body
     # staged each tile twice (QK and the PV re-read) and read the PV copy back one byte per instruction
     # (ncu, call 15: 112 LDS.U8 per thread and block; 21% of the stall samples on the LSU queue).
+    # SPAN: the program owns candidates [start, start + chunk) of the concatenated list main ++ extra (cache2),
+    # so one split may run through the end of the main cache into the extra one (even work per program).
     t64 = t.to(tl.int64)
-    idx_row = idx_ptr + t64 * idx_st
-    cend = tl.minimum(start + chunk, K)
-    end = cend
-    if HAS_LEN:
-        end = tl.minimum(end, tl.load(len_ptr + t))
-    PB64 = PB.to(tl.int64)
-    PB2_64 = PB2.to(tl.int64)
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     lanes = tl.arange(0, 64)
@@ -636,6 +633,8 @@ def _reg_body(
         q4 = _q_tile(q_row, hmask, 4, lanes, INTERP, False)
         q5 = _q_tile(q_row, hmask, 5, lanes, INTERP, False)
         q6 = _q_tile(q_row, hmask, 6, lanes, INTERP, False)
+    else:
+        q0, q1, q2, q3, q4, q5, q6 = q_rope, q_rope, q_rope, q_rope, q_rope, q_rope, q_rope  # unused
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, 64], tl.float32)
@@ -646,6 +645,47 @@ def _reg_body(
     acc5 = tl.zeros([BLOCK_H, 64], tl.float32)
     acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
     acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
+    if SPAN:
+        # the main cache's part of [start, start + chunk) (empty once start >= K), then the extra cache's
+        m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
+            q_row, hmask, q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
+            acc_r, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, tl.minimum(chunk, K - start),
+            sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
+        if HAS_2:
+            lo2 = tl.maximum(start - K, 0)
+            m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
+                q_row, hmask, q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5,
+                acc6, acc_r, t, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, lo2,
+                start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
+    else:
+        m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
+            q_row, hmask, q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
+            acc_r, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+            sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
+
+    base = (t64 * S + s) * HP + offs_h
+    _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
+    tl.store(m_ws + base, m_i, mask=hmask)
+    tl.store(l_ws + base, l_i, mask=hmask)
+
+
+@triton.jit
+def _reg_segment(
+    q_row, hmask, q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r,
+    t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk, sm_scale_log2,
+    HAS_LEN: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, KCVT: tl.constexpr, Q_RES: tl.constexpr,
+    DEC_LATE: tl.constexpr,
+):
+    # the register body's candidate loop over [start, start + chunk) of one cache (chunk <= 0: nothing), carrying
+    # the online-softmax state (m_i, l_i, the eight accumulator tiles) in and out
+    lanes = tl.arange(0, 64)
+    idx_row = idx_ptr + t.to(tl.int64) * idx_st
+    cend = tl.minimum(start + chunk, K)
+    end = cend
+    if HAS_LEN:
+        end = tl.minimum(end, tl.load(len_ptr + t))
+    PB64 = PB.to(tl.int64)
+    PB2_64 = PB2.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     # block 0's tiles and block 1's indices before the loop
     cand = start + offs_n
@@ -716,10 +756,7 @@ def _reg_body(
         else:
             k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = nxt
 
-    base = (t64 * S + s) * HP + offs_h
-    _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
-    tl.store(m_ws + base, m_i, mask=hmask)
-    tl.store(l_ws + base, l_i, mask=hmask)
+    return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r
 
 
 @triton.jit
@@ -740,11 +777,23 @@ def _dsv4_split_kernel_reg(
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
     KCVT: tl.constexpr = False, Q_RES: tl.constexpr = False, DEC_LATE: tl.constexpr = False,
+    SPAN: tl.constexpr = False,
 ):
-    """Same contract as _dsv4_split_kernel_tiled (bf16 QK only), with the register body (_reg_body)."""
+    """Same contract as _dsv4_split_kernel_tiled (bf16 QK only), with the register body (_reg_body). SPAN: the
+    splits cut the concatenated candidate list main ++ extra into ``main_chunk``-sized pieces (``main_nsplit``
+    and ``extra_chunk`` unused), so a program may own the end of the main cache and the start of the extra."""
     t = tl.program_id(0)
     s = tl.program_id(1)
     g = tl.program_id(2)
+    if SPAN:
+        _reg_body(q_ptr, stride_qt, stride_qh, t, s, g,
+                  main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
+                  main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
+                  acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE,
+                  True, extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr,
+                  extra_K, extra_P, extra_PB, extra_PB2, HAS_EXTRA_LEN, HAS_EXTRA)
+        return
     is_extra = False
     if HAS_EXTRA:
         is_extra = s >= main_nsplit
@@ -996,6 +1045,31 @@ def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, w
     return s1, c1, s2, c2
 
 
+def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0,
+              min_blocks: int = 1):
+    """Split plan of the spanning register body (SPAN=1): (splits, chunk) over the concatenated candidate list
+    (main ++ extra, K1 + K2 candidates). ``waves * num_sms`` is the number of programs the GPU runs at once (2
+    per SM for a body that fits twice), and the splits per row are as many as fill those slots in one round
+    (floor, not ceil: a second, partial round costs a whole program's time), never more than one per
+    ``min_blocks`` candidate blocks; the chunk is a whole number of blocks, so every program but the last of a
+    row owns the same work. Depends only on shapes and the SM count."""
+    nb = max(1, triton.cdiv(K1 + K2, block_n))
+    want = max(1, int(waves * num_sms) // max(1, T * HG))
+    want = max(1, min(want, triton.cdiv(nb, max(1, min_blocks))))
+    chunk = triton.cdiv(nb, want) * block_n
+    return max(1, triton.cdiv(K1 + K2, chunk)), chunk
+
+
+def _plan(cfg, T: int, HG: int, K1: int, K2: int, nsm: int):
+    """(s_main, chunk_main, s_extra, chunk_extra) of a launch; the spanning register body's splits all count as
+    main splits (its kernel reads ``main_chunk`` only)."""
+    bn, waves, mb = int(cfg["BLOCK_N"]), float(cfg["waves"]), int(cfg.get("min_blocks", 1))
+    if cfg["impl"] == "reg" and int(cfg.get("SPAN", 0)):
+        S, chunk = plan_span(T, HG, K1, K2, bn, nsm, waves, mb)
+        return S, chunk, 0, bn
+    return plan_splits(T, HG, K1, K2, bn, nsm, waves, mb)
+
+
 def _is_hopper(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
@@ -1207,7 +1281,7 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
             attn_sink, softmax_scale, fp8, out, lse, H, HG, HP):
     T = q.shape[0]
     BH, BN = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"])
-    s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, BN, nsm, float(cfg["waves"]), int(cfg.get("min_blocks", 1)))
+    s1, c1, s2, c2 = _plan(cfg, T, HG, K1, K2, nsm)
     S = s1 + s2
     nrow = T * S * HP
     cfg = _resolve_auto(cfg, s1, c1, s2, c2, T=T, H=H, num_sms=nsm)
@@ -1250,7 +1324,8 @@ def _launch(cfg, nsm, q, main_u8, idx1, len1, K1, P1, PB1, extra_u8, idx2, len2,
         if fp8:
             raise DecodeInputError("impl=reg has no fp8 QK path (use qk_mode='bf16')")
         _dsv4_split_kernel_reg[(T, S, HG)](*common, KCVT=bool(cfg.get("KCVT", 0)), Q_RES=bool(cfg.get("Q_RES", 0)),
-                                           DEC_LATE=bool(cfg.get("DEC_LATE", 0)), **flags)
+                                           DEC_LATE=bool(cfg.get("DEC_LATE", 0)), SPAN=bool(cfg.get("SPAN", 0)),
+                                           **flags)
     else:
         _dsv4_split_kernel[(T, S, HG)](
             *common, QK_SWAP=bool(cfg["QK_SWAP"]), Q_RELOAD=bool(cfg["Q_RELOAD"]), DEQ_BF16=bool(cfg["DEQ_BF16"]),
@@ -1328,7 +1403,7 @@ def sparse_mla_decode(
     cap = int(float(os.environ.get("DSV4_SM120_ATTN_WS_MB", "256")) * (1 << 20) / 4)
     TC = T
     while TC > 1:
-        s1, _, s2, _ = plan_splits(TC, HG, K1, K2, BN, nsm, float(cfg["waves"]), int(cfg.get("min_blocks", 1)))
+        s1, _, s2, _ = _plan(cfg, TC, HG, K1, K2, nsm)
         if TC * (s1 + s2) * HP * _ws_words(cfg) <= cap:
             break
         TC = (TC + 1) // 2

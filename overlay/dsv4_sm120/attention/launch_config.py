@@ -14,7 +14,7 @@ QK_MODES = ("auto", "bf16", "fp8")
 KEYS = {
     "impl": "impl", "waves": "float", "combine_waves": "float",
     **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "min_blocks", "PREFETCH",
-                          "KCVT", "QPRE", "Q_RES", "DEC_LATE", "PART_BF16", "QK_SWAP",
+                          "KCVT", "QPRE", "Q_RES", "DEC_LATE", "SPAN", "PART_BF16", "QK_SWAP",
                           "Q_RELOAD", "DEQ_BF16")},
     **{k: "int_or_auto" for k in ("maxnreg", "BLOCK_D", "BLOCK_S", "BLOCK_HC", "combine_warps",
                               "combine_maxnreg")},
@@ -22,7 +22,7 @@ KEYS = {
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D", "BLOCK_HC")
 BF16_ONLY_IMPLS = ("reg",)
 # flags: 0/1; PREFETCH 2 = the next block's tile scales too (tiled body)
-MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "QPRE": 1, "Q_RES": 1, "DEC_LATE": 1, "PART_BF16": 1, "QK_SWAP": 1, "Q_RELOAD": 1,
+MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "QPRE": 1, "Q_RES": 1, "DEC_LATE": 1, "SPAN": 1, "PART_BF16": 1, "QK_SWAP": 1, "Q_RELOAD": 1,
              "DEQ_BF16": 1}
 
 
