@@ -34,8 +34,15 @@ def split_kernel_signature(fn, cst: Dict[str, object]) -> Dict[str, str]:
 def split_kernel_source(fn, cst: Dict[str, object]):
     """``ASTSource`` of a ``_dsv4_split_kernel_*`` with constexprs ``cst`` and the launch's 16-byte alignment
     facts (pointers, strides, page bytes), which decide the gathers' vector widths."""
+    import inspect
+
     from triton.compiler import ASTSource
 
+    # constexprs left out take their declared defaults (a newer flag must not turn into an i32 argument)
+    cst = dict(cst)
+    for p in fn.params:
+        if p.is_constexpr and p.name not in cst and p.default is not inspect.Parameter.empty:
+            cst[p.name] = p.default
     sig = split_kernel_signature(fn, cst)
     div = [n for n, v in sig.items() if v.startswith("*") or n.startswith("stride") or n.endswith(("_PB", "_PB2"))]
     return ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()},
