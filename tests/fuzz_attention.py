@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = {
-    "reg": lambda r: dict(impl="reg", Q_RES=r.randint(0, 1), DEC_LATE=r.randint(0, 1), BLOCK_N=r.choice([16, 32]),
+    "reg": lambda r: dict(impl="reg", Q_RES=r.randint(0, 1), DEC_LATE=r.randint(0, 1), SPAN=r.randint(0, 1), BLOCK_N=r.choice([16, 32]),
                           waves=r.choice([0.1, 0.25, 1.0, 4.0]), PART_BF16=r.randint(0, 1)),
     "tiled": lambda r: dict(impl="tiled", PREFETCH=r.randint(0, 2), BLOCK_N=r.choice([16, 32]),
                             waves=r.choice([0.1, 0.25, 1.0, 4.0]), PART_BF16=r.randint(0, 1)),

@@ -501,8 +501,8 @@ def test_rows_split_across_launches_when_workspace_is_capped(monkeypatch):
 
 
 def test_launch_configuration_rules(monkeypatch):
-    """Shape/architecture rules of the default launch configuration (H200 calls 4, 15, 16): for H <= 16
-    with bf16 QK the register body at both ends of the batch range, the tiled body between; on Hopper the
+    """Shape/architecture rules of the default launch configuration (H200 calls 4, 15, 16, 22): for H <= 16
+    with bf16 QK the spanning register body on 4 warps at every batch size; on Hopper the
     tiled body is pipelined (num_stages=2) only when a program owns >= 2 candidate blocks, the
     combine merges all partials in one unrolled step when there are <= 8 (else the fewest balanced
     chunks), and H > 16 uses 16-row head groups on small grids and the flat body on large ones;
@@ -515,20 +515,20 @@ def test_launch_configuration_rules(monkeypatch):
     def resolved(H, T, nsm=132, fp8=False):
         cfg = K._default_config(H, dev, fp8, T, nsm, 128, 512)
         hg = -(-H // cfg["BLOCK_H"])
-        plan = K.plan_splits(T, hg, 128, 512, cfg["BLOCK_N"], nsm, cfg["waves"])
+        plan = K._plan(cfg, T, hg, 128, 512, nsm)
         return K._resolve_auto(cfg, *plan, T=T, H=H, num_sms=nsm), plan
 
-    # H <= 16, bf16 QK (H200 call 16): the register body where one 32-candidate block per program fits in one
-    # wave (B <= 4 at SWA128+c4: 20 blocks of 32 per row) and from a third of the SMs in rows; the tiled body
-    # between; the register body is never capped (it would spill) and never pipelined
-    want = {1: ("reg", 32, 1, 0), 4: ("reg", 32, 1, 0), 8: ("tiled", 64, 1, 128), 16: ("tiled", 64, 1, 128),
-            43: ("tiled", 64, 1, 128), 44: ("reg", 64, 1, 0), 128: ("reg", 64, 1, 0)}
-    for T, w in want.items():
+    # H <= 16, bf16 QK (H200 call 22): the register body with 32-candidate blocks on 4 warps (two CTAs per SM),
+    # Q resident, the next block decoded late, spanning splits filling the 2 x 132 program slots in one round;
+    # never capped (it would spill), never pipelined
+    for T in (1, 4, 8, 16, 43, 44, 64, 128, 300):
         cfg, plan = resolved(16, T)
-        assert (cfg["impl"], cfg["BLOCK_N"], cfg["num_stages"], cfg["maxnreg"], cfg["BLOCK_H"]) == w + (16,), T
-    assert all(resolved(16, T)[1][1] == 32 for T in (1, 4))  # one block per program
-    # Q kept as shared-memory operands in the register body (H200 call 18: B = 64 / 128 33.8 / 51.3 vs 38.3 / 59.5)
-    assert all(resolved(16, T)[0].get("Q_RES") == (1 if w[0] == "reg" else None) for T, w in want.items())
+        got = tuple(cfg.get(k) for k in ("impl", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "BLOCK_H", "waves",
+                                         "Q_RES", "DEC_LATE", "SPAN"))
+        assert got == ("reg", 32, 4, 1, 0, 16, 2.0, 1, 1, 1), (T, got)
+        assert plan[2] == 0 and plan[0] == K.plan_span(T, 1, 128, 512, 32, 132, 2.0)[0], (T, plan)
+        assert T * plan[0] <= 264 or plan[0] == 1, (T, plan)
+    assert resolved(16, 1)[1][:2] == (20, 32) and resolved(16, 128)[1][:2] == (2, 320)
     # fp8 QK (no register body): tiled, pipelined (num_stages=2) only when a program owns >= 2 candidate
     # blocks, and then without the 128-register cap (two stages' shared memory leave one CTA per SM anyway:
     # H200 call 15)
@@ -540,8 +540,9 @@ def test_launch_configuration_rules(monkeypatch):
         cap = 16 if T * 16 * 512 // cfg["BLOCK_D"] <= 264 else 8
         assert cfg["BLOCK_S"] == -(-S // -(-S // cap)), (T, plan, cfg)
         assert T * 16 * 512 // cfg["BLOCK_D"] >= min(264, T * 16 * 4) and cfg["combine_warps"] * 128 == cfg["BLOCK_D"]
-    # H <= 16 on Hopper (H200 call 6): bf16 partials; 4 waves of split programs on small grids, 1 on large
-    for fp8 in (False, True):
+    # H <= 16 on Hopper with fp8 QK (H200 call 6): bf16 partials; 4 waves of split programs on small grids, 1 on
+    # large
+    for fp8 in (True,):
         assert [K._default_config(16, dev, fp8, T, 132, 128, 512)["waves"] for T in (1, 64, 96, 100, 128, 512)] == \
             [4.0, 4.0, 4.0, 2.0, 1.0, 1.0]
         # the thresholds scale with the SM count (an RTX PRO 6000 has 188 SMs)
@@ -549,8 +550,7 @@ def test_launch_configuration_rules(monkeypatch):
             [4.0, 4.0, 2.0, 2.0, 1.0]
     assert K._default_config(16, dev, False, 1, 132)["PART_BF16"] == 1
     assert [K._default_config(16, dev, True, T, 132)["PREFETCH"] for T in (1, 16, 64, 128)] == [0, 0, 2, 2]
-    # without candidate counts the one-wave rule cannot hold
-    assert K._default_config(16, dev, False, 1, 132)["impl"] == "tiled"
+    assert K._default_config(16, dev, False, 1, 132)["impl"] == "reg"
     assert K._default_config(64, dev, False, 1, 132)["waves"] == 2.0
     assert resolved(64, 1)[0]["BLOCK_H"] == 16 and resolved(64, 16)[0]["impl"] == "tiled"
     big = resolved(64, 128)[0]
@@ -563,8 +563,10 @@ def test_launch_configuration_rules(monkeypatch):
     for H, T in ((16, 128), (64, 1), (128, 300)):
         cfg, _ = resolved(H, T)
         assert cfg["num_stages"] == 1 and cfg["BLOCK_H"] <= 32 and cfg["impl"] == ("reg" if H == 16 else "tiled")
-    # the register body's rules hold there too (no spills on sm_120); the tiled body in between
-    assert resolved(16, 1)[0]["impl"] == "reg" and resolved(16, 16)[0]["impl"] == "tiled"
+    # the register body's rules hold there too (no spills on sm_120), with the slots of its 188 SMs
+    assert all(resolved(16, T)[0]["impl"] == "reg" for T in (1, 16, 128))
+    assert resolved(16, 128, nsm=188)[1][:2] == K.plan_span(128, 1, 128, 512, 32, 188, 2.0) == (2, 320)
+    assert resolved(16, 64, nsm=188)[1][:2] == (5, 128)
     # explicit overrides win over "auto"; without T / H the combine keys wait for the combine launch
     assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64)["BLOCK_S"] == 4
     assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64, T=1, H=16, num_sms=132)["BLOCK_S"] == 4
@@ -625,12 +627,13 @@ from sass_tools import compile_inspect, hot_loop_ops, split_kernel_source
 fn = K._dsv4_split_kernel_reg
 out = {}
 for cap in (90, 120):
-    for bn in (32, 64):
+    # the default launch (32 candidates, 4 warps, decoded late, spanning splits) and the 8-warp 64-candidate one
+    for bn, warps, late in ((32, 4, True), (64, 8, False)):
         cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=bn, FP8_QK=False,
-                   INTERP=False, KCVT=True, Q_RES=True)
+                   INTERP=False, KCVT=True, Q_RES=True, DEC_LATE=late, SPAN=late)
         name = f"sm{cap}_bn{bn}"
         try:
-            k, sass, res = compile_inspect(split_kernel_source(fn, cst), cap, {"num_warps": 8, "num_stages": 1})
+            k, sass, res = compile_inspect(split_kernel_source(fn, cst), cap, {"num_warps": warps, "num_stages": 1})
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             continue
@@ -644,12 +647,13 @@ print("RESULT" + json.dumps(out))
 
 
 def test_reg_body_code_generation_for_sm90_and_sm120():
-    """Without a GPU: the register body (the default for H <= 16 at both ends of the batch range, on sm_120 too,
-    where it has never run) compiles for sm_90 and sm_120 at its launches (8 warps, one stage, no register cap,
-    Q resident, 32 and 64 candidates) without spills and within sm_120's 99 KB of shared memory, and its loop
-    gathers each K tile once with one vector load per thread (64 candidates: 7 nope tiles + 2 rope loads of 16
-    bytes; 32: 7 nope loads of 8 bytes + 1 rope load of 16), with no cp.async staging, no byte-wise shared-memory
-    reads and no conversion-pipe e4m3 decode (what H200 call 15's profile of the tiled body showed)."""
+    """Without a GPU: the register body (the default for H <= 16 with bf16 QK, on sm_120 too, where it has never
+    run) compiles for sm_90 and sm_120 at its default launch (32 candidates, 4 warps, one stage, no register cap,
+    Q resident, DEC_LATE, SPAN; two CTAs per SM by registers and by sm_120's shared memory) and at the 8-warp
+    64-candidate one, without spills and within sm_120's 99 KB of shared memory, and its loop gathers each K tile
+    once with 16-byte loads per thread (7 nope tiles + 2 rope loads), with no cp.async staging, no byte-wise
+    shared-memory reads and no conversion-pipe e4m3 decode (what H200 call 15's profile of the tiled body
+    showed)."""
     out = gpu_compile_result(_REG_COMPILE, timeout=900)
     for cap in (90, 120):
         for bn in (32, 64):
@@ -659,7 +663,9 @@ def test_reg_body_code_generation_for_sm90_and_sm120():
                 pytest.skip("cuobjdump gave no SASS here")
             assert r["shared"] <= 99 * 1024, r
             assert r.get("stack", 0) == 0, r
-            assert (r["ldg128"], r["ldg64"]) == ((9, 0) if bn == 64 else (1, 7)), r
+            assert (r["ldg128"], r["ldg64"]) == (9, 0), r
+            if bn == 32:  # two CTAs per SM: registers (4 warps) and shared memory (sm_120's 100 KB per SM)
+                assert r.get("regs", 0) <= 255 and 2 * (r["shared"] + 1024) <= 100 * 1024, r
             assert r["lds_u8"] == 0 and r["ldgsts"] == 0 and r["f2f"] == 0, r
 
 

@@ -646,17 +646,20 @@ def _reg_body(
     acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
     acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
     if SPAN:
-        # the main cache's part of [start, start + chunk) (empty once start >= K), then the extra cache's
-        m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
-            q_row, hmask, q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
-            acc_r, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, tl.minimum(chunk, K - start),
-            sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
-        if HAS_2:
-            lo2 = tl.maximum(start - K, 0)
+        # the main cache's part of [start, start + chunk), then the extra cache's; a part that is empty is
+        # skipped (its prologue would still cost a masked block: ~1 us per program at B = 1, H200 call 22)
+        if start < K:
             m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
                 q_row, hmask, q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5,
-                acc6, acc_r, t, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, lo2,
-                start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
+                acc6, acc_r, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+                sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
+        if HAS_2:
+            if start + chunk > K:
+                lo2 = tl.maximum(start - K, 0)
+                m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
+                    q_row, hmask, q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5,
+                    acc6, acc_r, t, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, lo2,
+                    start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, INTERP, KCVT, Q_RES, DEC_LATE)
     else:
         m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
             q_row, hmask, q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
@@ -1130,19 +1133,16 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
             else:
                 cfg.update(impl="flat", num_stages=1)
     # the register body (bf16 QK, H <= 16), chosen last so an ``impl=tiled`` override gets the tiled settings
-    # above back; sm_120 takes it too: no spills there (221-250 registers, 84 KB of shared memory with Q resident;
-    # test_reg_body_code_generation_for_sm90_and_sm120), unmeasured on that hardware
+    # above back; sm_120 takes it too (no spills there: 234 registers, 49 KB of shared memory, so two CTAs fit
+    # its 64K registers and 100 KB per SM; test_reg_body_code_generation_for_sm90_and_sm120), unmeasured on that
+    # hardware. 32-candidate blocks on 4 warps (two CTAs per SM, waves=2 = the program slots), the next block
+    # decoded at the end of an iteration (DEC_LATE), Q resident (Q_RES), and spanning splits (SPAN: equal chunks
+    # of main ++ extra, as many per row as fill the slots in one round). H200 call 22, H=16 SWA128+c4, B = 1 / 4 /
+    # 16 / 64 / 128: 8.5 / 8.9 / 12.7 / 25.4 / 42.5 us (before empty-segment skipping, ~1 us at B = 1 / 4)
+    # against the previous defaults' 7.9 / 8.0 / 15.9 / 34.0 / 51.1 and FlashMLA's 12.3 / 12.8 / 17.5 / 44.3 /
+    # 45.8; single-512 7.2 / 7.6 / 9.9 / 22.1 / 36.6 against 7.6 / 7.7 / 12.8 / 34.9 / 45.1
     if (_is_hopper(device) or _is_sm120(device)) and not fp8 and H <= 16:
-        if 0 < rows * (triton.cdiv(K1, 32) + triton.cdiv(K2, 32)) <= num_sms:
-            # where one 32-candidate block per program fits in one wave (H200 call 16, H=16 SWA128+c4, B = 1 / 4:
-            # 8.3 / 8.6 us vs the tiled body's 10.6 / 10.8)
-            cfg.update(impl="reg", BLOCK_N=32, waves=4.0, Q_RES=1)
-        elif 3 * rows >= num_sms:
-            # and where programs own several blocks (from a third of the SMs in rows): B = 64 / 128 38.3 / 59.6
-            # us vs 41.0 / 67.5 (call 16); in between (B = 16: 17.0 vs 15.9) the tiled body's 2 CTAs per SM win.
-            # Q_RES=1 (both cases): Q's tiles read once and kept as shared-memory operands (call 18: B = 1 / 4 /
-            # 64 / 128 8.0 / 8.2 / 33.8 / 51.3 vs 8.3 / 8.5 / 38.3 / 59.5 us)
-            cfg.update(impl="reg", Q_RES=1)
+        cfg.update(impl="reg", BLOCK_N=32, num_warps=4, waves=2.0, Q_RES=1, DEC_LATE=1, SPAN=1)
     return cfg
 
 
@@ -1395,7 +1395,7 @@ def sparse_mla_decode(
     cfg.update(CONFIG_OVERRIDE)
     if fp8 and cfg["impl"] in launch_config.BF16_ONLY_IMPLS:
         raise DecodeInputError(f"impl={cfg['impl']} has no fp8 QK path (use qk_mode='bf16')")
-    BH, BN = int(cfg["BLOCK_H"]), int(cfg["BLOCK_N"])
+    BH = int(cfg["BLOCK_H"])
     HG = triton.cdiv(H, BH)
     HP = HG * BH
     # rows per launch: bounded so the fp32 workspace stays under DSV4_SM120_ATTN_WS_MB (default 256);
