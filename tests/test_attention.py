@@ -306,6 +306,9 @@ def test_reg_split_body(variant):
         check(build(Case(T=3, H=8, K=24, extra="c4", extra_K=20, lengths="random", seed=84)), "bf16")
         check(build(Case(T=2, H=5, K=17, main_page=3, extra="c128", extra_page=2, extra_K=70, seed=81)), "bf16")
         check(build(Case(T=2, H=16, K=40, sink="-inf", seed=82)), "bf16")
+        if variant.get("SPAN"):  # several 16-row head groups (H = 40: three programs per row and split)
+            check(build(Case(T=2, H=40, K=40, extra="c4", extra_K=24, lengths="random", head_slice=True, seed=85)),
+                  "bf16")
         with pytest.raises(DecodeInputError, match="impl=reg"):
             sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=83)), qk_mode="fp8")
     finally:
