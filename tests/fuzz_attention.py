@@ -21,6 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 VARIANTS = {
     "reg": lambda r: dict(impl="reg", Q_RES=r.randint(0, 1), DEC_LATE=r.randint(0, 1), SPAN=r.randint(0, 1), BLOCK_N=r.choice([16, 32]),
+                          num_warps=r.choice([4, 8]),
                           waves=r.choice([0.1, 0.25, 1.0, 4.0]), PART_BF16=r.randint(0, 1)),
     "tiled": lambda r: dict(impl="tiled", PREFETCH=r.randint(0, 2), BLOCK_N=r.choice([16, 32]),
                             waves=r.choice([0.1, 0.25, 1.0, 4.0]), PART_BF16=r.randint(0, 1)),
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     r = random.Random(args.seed)
     t0, n, bad = time.time(), 0, 0
     while time.time() - t0 < args.seconds:
-        case = Case(T=r.randint(1, 5), H=r.choice([1, 3, 8, 16]), main_page=r.choice([1, 2, 3, 64, 256]),
+        case = Case(T=r.randint(1, 5), H=r.choice([1, 3, 8, 16, 24, 40]), main_page=r.choice([1, 2, 3, 64, 256]),
                     main_pages=r.randint(1, 6), K=r.randint(1, 80), extra=r.choice([None, "c4", "c128"]),
                     extra_page=r.choice([2, 5, 64]), extra_pages=r.randint(2, 30), extra_K=r.randint(1, 90),
                     lengths=r.choice([None, "random", "zero_some"]), sink=r.choice([None, "finite", "-inf"]),

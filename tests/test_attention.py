@@ -508,7 +508,8 @@ def test_launch_configuration_rules(monkeypatch):
     with bf16 QK the spanning register body on 4 warps at every batch size; on Hopper the
     tiled body is pipelined (num_stages=2) only when a program owns >= 2 candidate blocks, the
     combine merges all partials in one unrolled step when there are <= 8 (else the fewest balanced
-    chunks), and H > 16 uses 16-row head groups on small grids and the flat body on large ones;
+    chunks), and H > 16 runs the register body in 16-row head groups up to 4 group rows per SM (bf16 QK), else
+    16-row head groups of the tiled body on small grids and the flat body on large ones;
     sm_120 keeps one stage and <= 32 rows."""
     dev = torch.device("cpu")
     monkeypatch.setattr(K, "_interpreting", lambda: False)
@@ -555,9 +556,17 @@ def test_launch_configuration_rules(monkeypatch):
     assert [K._default_config(16, dev, True, T, 132)["PREFETCH"] for T in (1, 16, 64, 128)] == [0, 0, 2, 2]
     assert K._default_config(16, dev, False, 1, 132)["impl"] == "reg"
     assert K._default_config(64, dev, False, 1, 132)["waves"] == 2.0
-    assert resolved(64, 1)[0]["BLOCK_H"] == 16 and resolved(64, 16)[0]["impl"] == "tiled"
-    big = resolved(64, 128)[0]
-    assert (big["impl"], big["BLOCK_H"], big["num_stages"]) == ("flat", 64, 1)
+    # H > 16 with bf16 QK (H200 calls 24-25): the same register-body launch in 16-row head groups up to 4 group rows
+    # per SM (H = 128 at B = 128 is the first shape past it); fp8 QK keeps the tiled / flat rules below
+    for H, T in ((32, 128), (64, 1), (64, 16), (64, 128), (128, 64), (128, 66)):
+        cfg, plan = resolved(H, T)
+        assert (cfg["impl"], cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_warps"], cfg["SPAN"]) == ("reg", 16, 32, 4, 1)
+        assert plan[0] == K.plan_span(T, -(-H // 16), 128, 512, 32, 132, 2.0)[0]
+    assert resolved(64, 128)[1][:2] == (1, 640)  # 512 group rows: one program per group row
+    assert resolved(64, 1, fp8=True)[0]["BLOCK_H"] == 16 and resolved(64, 16, fp8=True)[0]["impl"] == "tiled"
+    for H, T, fp8 in ((64, 128, True), (128, 128, False), (128, 67, False)):
+        big = resolved(H, T, fp8=fp8)[0]
+        assert (big["impl"], big["BLOCK_H"], big["num_stages"]) == ("flat", 64, 1), (H, T, fp8)
     # never more than one stage for the flat body or a one-block program
     assert K._resolve_auto(dict(big, num_stages="auto"), 1, 64, 1, 64)["num_stages"] == 1
     # sm_120: no kernel-level pipelining (shared memory), head blocks <= 32
@@ -565,7 +574,9 @@ def test_launch_configuration_rules(monkeypatch):
     monkeypatch.setattr(K, "_is_sm120", lambda d: True)
     for H, T in ((16, 128), (64, 1), (128, 300)):
         cfg, _ = resolved(H, T)
-        assert cfg["num_stages"] == 1 and cfg["BLOCK_H"] <= 32 and cfg["impl"] == ("reg" if H == 16 else "tiled")
+        assert cfg["num_stages"] == 1 and cfg["BLOCK_H"] <= 32 and cfg["impl"] == ("tiled" if H * T > 4 * 132 * 16
+                                                                                   else "reg")
+        assert resolved(H, T, fp8=True)[0]["impl"] == "tiled" and resolved(H, T, fp8=True)[0]["BLOCK_H"] <= 32
     # the register body's rules hold there too (no spills on sm_120), with the slots of its 188 SMs
     assert all(resolved(16, T)[0]["impl"] == "reg" for T in (1, 16, 128))
     assert resolved(16, 128, nsm=188)[1][:2] == K.plan_span(128, 1, 128, 512, 32, 188, 2.0) == (2, 320)

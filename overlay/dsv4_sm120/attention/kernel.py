@@ -1141,8 +1141,14 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
     # 16 / 64 / 128: 8.5 / 8.9 / 12.7 / 25.4 / 42.5 us (before empty-segment skipping, ~1 us at B = 1 / 4)
     # against the previous defaults' 7.9 / 8.0 / 15.9 / 34.0 / 51.1 and FlashMLA's 12.3 / 12.8 / 17.5 / 44.3 /
     # 45.8; single-512 7.2 / 7.6 / 9.9 / 22.1 / 36.6 against 7.6 / 7.7 / 12.8 / 34.9 / 45.1
-    if (_is_hopper(device) or _is_sm120(device)) and not fp8 and H <= 16:
-        cfg.update(impl="reg", BLOCK_N=32, num_warps=4, waves=2.0, Q_RES=1, DEC_LATE=1, SPAN=1)
+    # For H > 16 the same launch in 16-row head groups (each group a row of the plan): H200 calls 24-25, SWA128+c4,
+    # H = 32 at B = 1 / 16 / 64 / 128: 8.0 / 16.4 / 40.8 / 72.4 us vs 10.9 / 25.0 / 70.9 / 138.6; H = 64 at B = 1 /
+    # 4 / 16 / 64 / 128: 8.0 / 11.9 / 22.6 / 69.8 / 137.6 vs 10.8 / 14.6 / 43.2 / 135.3 / 148.6; H = 128 at B = 1 /
+    # 16 / 64: 10.0 / 38.3 / 134.1 vs 11.1 / 75.0 / 145.8, but B = 128 (1024 group rows) 267.6 vs the flat body's
+    # 263.6, so the flat body keeps grids of more than 4 group rows per SM
+    if (_is_hopper(device) or _is_sm120(device)) and not fp8 and rows <= 4 * num_sms:
+        cfg.update(impl="reg", BLOCK_H=16, BLOCK_N=32, num_warps=4, waves=2.0, Q_RES=1, DEC_LATE=1, SPAN=1,
+                   PART_BF16=1, maxnreg="auto")
     return cfg
 
 
