@@ -37,8 +37,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"--device {args.device}: no CUDA GPU here (use --device cpu for the interpreter)", file=sys.stderr)
+            return 2
     sys.path[:0] = [str(HERE), str(HERE.parent / "overlay")]
-    import test_attention as TA  # noqa: E402  (after TRITON_INTERPRET is set)
+    if args.device == "cpu":
+        from test_attention import check  # noqa: E402  (after TRITON_INTERPRET is set)
+    else:
+        # the GPU tests' check (test_attention.py sets TRITON_INTERPRET=1 on import, which would run the kernels
+        # in the interpreter on CUDA tensors)
+        sys.path.insert(0, str(HERE / "gpu"))
+        from test_attention_gpu import check  # noqa: E402
     from test_attention_cases import Case, build  # noqa: E402
     from dsv4_sm120.attention import kernel as K  # noqa: E402
 
@@ -56,7 +68,7 @@ def main(argv=None) -> int:
         K.CONFIG_OVERRIDE.clear()
         K.CONFIG_OVERRIDE.update(cfg)
         try:
-            TA.check(build(case, device=args.device), "bf16")
+            check(build(case, device=args.device), "bf16")
         except Exception as exc:  # noqa: BLE001  (report every failure with its case)
             bad += 1
             print(f"FAIL {case} {cfg}: {exc!r:.300}", flush=True)
