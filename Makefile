@@ -56,9 +56,10 @@ BENCH_OUT ?= bench/results/local_$(shell hostname -s 2>/dev/null || echo host)
 # launch variants timed next to the default at H=16 SWA128+c4 (the TP4 decode shape; docs/attention.md); the table
 # ends with the best one per batch size and, when one wins everywhere, the DSV4_SM120_ATTN_CONFIG line that
 # selects it. Each variant costs a few Triton compiles on the first run; ATTN_VARIANTS= skips them.
-# impl=tiled / impl=reg: one body at every batch size (the default switches between them by shape); KCVT=0: the
-# conversion-pipe e4m3 decode; the two-stage tiled body with 32 candidates fits sm_120's shared memory.
-ATTN_VARIANTS ?= impl=tiled;impl=reg,BLOCK_N=64;impl=reg,BLOCK_N=32;KCVT=0;impl=tiled,BLOCK_N=32,num_stages=2
+# impl=tiled: the tiled body with its own defaults; SPAN=0 / DEC_LATE=0: the register body with per-cache splits /
+# carrying the raw bytes; BLOCK_N=64,num_warps=8,waves=1: one 8-warp CTA per SM; BLOCK_N=16: smaller blocks;
+# KCVT=0: the conversion-pipe e4m3 decode.
+ATTN_VARIANTS ?= impl=tiled;SPAN=0;DEC_LATE=0;BLOCK_N=64,num_warps=8,waves=1;BLOCK_N=16;KCVT=0
 bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); table also in BENCH_OUT_attention.md
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_attention.py --qk-modes bf16,fp8 --variants '$(ATTN_VARIANTS)' \
 		--out $(BENCH_OUT)_attention $(ARGS)

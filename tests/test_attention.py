@@ -533,6 +533,10 @@ def test_launch_configuration_rules(monkeypatch):
         assert plan[2] == 0 and plan[0] == K.plan_span(T, 1, 128, 512, 32, 132, 2.0)[0], (T, plan)
         assert T * plan[0] <= 264 or plan[0] == 1, (T, plan)
     assert resolved(16, 1)[1][:2] == (20, 32) and resolved(16, 128)[1][:2] == (2, 320)
+    # a user asking for another body gets that body's own defaults, not the register body's launch
+    tiled = K._default_config(16, dev, False, 128, 132, 128, 512, impl="tiled")
+    assert (tiled["impl"], tiled["BLOCK_N"], tiled["num_warps"], tiled.get("SPAN")) == ("tiled", 64, 8, None)
+    assert K._default_config(16, dev, False, 128, 132, 128, 512, impl="reg")["SPAN"] == 1
     # fp8 QK (no register body): tiled, pipelined (num_stages=2) only when a program owns >= 2 candidate
     # blocks, and then without the 128-register cap (two stages' shared memory leave one CTA per SM anyway:
     # H200 call 15)

@@ -1080,12 +1080,14 @@ def _is_hopper(device: torch.device) -> bool:
 
 
 def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms: int = 132, K1: int = 0,
-                    K2: int = 0):
+                    K2: int = 0, impl=None):
     """Launch configuration from the shapes (``T`` rows, ``K1`` / ``K2`` candidates per row of the main / extra
     cache) and the architecture. Chosen from the H200 sweeps recorded in bench/results/attention_h200* (sm_120
     has the same 64K registers per SM but ~100 KB of shared memory and no wgmma: it keeps the tiled body with
     one stage where that body is used; its own sweep is `make bench-attention` there). ``"auto"`` entries are
-    resolved per launch from the split plan (``_resolve_auto``)."""
+    resolved per launch from the split plan (``_resolve_auto``). ``impl``: a body the user asked for
+    (``DSV4_SM120_ATTN_CONFIG`` / ``CONFIG_OVERRIDE``); another body than the register body then gets its own
+    defaults, not the register body's launch."""
     if _interpreting():
         return dict(impl="tiled", BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves=1.0, QK_SWAP=0, Q_RELOAD=0,
                     DEQ_BF16=0, BLOCK_D="auto", BLOCK_S="auto", BLOCK_HC="auto", combine_warps="auto",
@@ -1146,7 +1148,7 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
     # 4 / 16 / 64 / 128: 8.0 / 11.9 / 22.6 / 69.8 / 137.6 vs 10.8 / 14.6 / 43.2 / 135.3 / 148.6; H = 128 at B = 1 /
     # 16 / 64: 10.0 / 38.3 / 134.1 vs 11.1 / 75.0 / 145.8, but B = 128 (1024 group rows) 267.6 vs the flat body's
     # 263.6, so the flat body keeps grids of more than 4 group rows per SM
-    if (_is_hopper(device) or _is_sm120(device)) and not fp8 and rows <= 4 * num_sms:
+    if (_is_hopper(device) or _is_sm120(device)) and not fp8 and rows <= 4 * num_sms and impl in (None, "reg"):
         cfg.update(impl="reg", BLOCK_H=16, BLOCK_N=32, num_warps=4, waves=2.0, Q_RES=1, DEC_LATE=1, SPAN=1,
                    PART_BF16=1, maxnreg="auto")
     return cfg
@@ -1396,9 +1398,10 @@ def sparse_mla_decode(
 
     fp8 = _qk_mode(device, qk_mode)
     nsm = _num_sms(device)
-    cfg = dict(_default_config(H, device, fp8, T, nsm, K1, K2 if has_extra else 0))
-    cfg.update(_env_config())
-    cfg.update(CONFIG_OVERRIDE)
+    user = dict(_env_config())
+    user.update(CONFIG_OVERRIDE)
+    cfg = dict(_default_config(H, device, fp8, T, nsm, K1, K2 if has_extra else 0, impl=user.get("impl")))
+    cfg.update(user)
     if fp8 and cfg["impl"] in launch_config.BF16_ONLY_IMPLS:
         raise DecodeInputError(f"impl={cfg['impl']} has no fp8 QK path (use qk_mode='bf16')")
     BH = int(cfg["BLOCK_H"])
