@@ -537,6 +537,9 @@ def test_launch_configuration_rules(monkeypatch):
     tiled = K._default_config(16, dev, False, 128, 132, 128, 512, impl="tiled")
     assert (tiled["impl"], tiled["BLOCK_N"], tiled["num_warps"], tiled.get("SPAN")) == ("tiled", 64, 8, None)
     assert K._default_config(16, dev, False, 128, 132, 128, 512, impl="reg")["SPAN"] == 1
+    # asked for by name, the register body gets its launch (16-row head groups) past the 4-group-rows bound too
+    big_reg = K._default_config(128, dev, False, 128, 132, 128, 512, impl="reg")
+    assert (big_reg["BLOCK_H"], big_reg["BLOCK_N"], big_reg["SPAN"]) == (16, 32, 1)
     # fp8 QK (no register body): tiled, pipelined (num_stages=2) only when a program owns >= 2 candidate
     # blocks, and then without the 128-register cap (two stages' shared memory leave one CTA per SM anyway:
     # H200 call 15)

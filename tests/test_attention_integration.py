@@ -59,6 +59,12 @@ SCRIPT = textwrap.dedent(
         "decode_reg_body": (ForwardMode.DECODE, Case(T=4, H=16, K=40, extra="c4", extra_K=48, lengths="zero_some",
                                                      all_invalid_rows=(2,), seed=36),
                             {"DSV4_SM120_ATTN_CONFIG": "impl=reg,Q_RES=1,waves=0.25"}),
+        # the sm_120 default launch of session 5 (spanning splits cut across the main / extra boundary, next block
+        # decoded late, 4 warps), H = 24: two 16-row head groups of a verify batch
+        "verify_reg_span": (ForwardMode.TARGET_VERIFY, Case(T=3, H=24, K=40, extra="c4", extra_K=48, lengths="random",
+                                                            head_slice=True, seed=37),
+                            {"DSV4_SM120_ATTN_CONFIG": "impl=reg,BLOCK_N=32,num_warps=4,Q_RES=1,DEC_LATE=1,SPAN=1,"
+                                                       "waves=3"}),
         "triton_switch": (ForwardMode.DECODE, Case(T=2, H=8, K=16, extra="c4", extra_K=16, lengths="random", seed=35),
                           {"SGLANG_DSV4_SM120_ATTN_BACKEND": "triton"}),
     }
@@ -106,3 +112,4 @@ def test_patched_sglang_routes_sm120_attention(run_patched):
         assert err < 1e-2, (name, err)
     assert res["errs"]["verify_T65"][0] == [65, 1, 8, 512]
     assert res["errs"]["decode_reg_body"][0] == [4, 1, 16, 512]
+    assert res["errs"]["verify_reg_span"][0] == [3, 1, 24, 512]

@@ -27,7 +27,7 @@ __all__ = ["sparse_mla_decode", "DecodeInputError"]
 
 
 def __getattr__(name):  # lazy: importing the package does not import torch/triton
-    if name in ("sparse_mla_decode", "DecodeInputError", "plan_splits"):
+    if name in ("sparse_mla_decode", "DecodeInputError", "plan_splits", "plan_span"):
         from . import kernel
 
         return getattr(kernel, name)

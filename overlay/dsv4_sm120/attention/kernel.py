@@ -1134,8 +1134,9 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
                 cfg.update(small)
             else:
                 cfg.update(impl="flat", num_stages=1)
-    # the register body (bf16 QK, H <= 16), chosen last so an ``impl=tiled`` override gets the tiled settings
-    # above back; sm_120 takes it too (no spills there: 234 registers, 49 KB of shared memory, so two CTAs fit
+    # the register body (bf16 QK), chosen last, and only when no other body was asked for (``impl``), so an
+    # ``impl=tiled`` request gets the tiled settings above; asked for by name it gets its launch at any shape.
+    # sm_120 takes it too (no spills there: 234 registers, 49 KB of shared memory, so two CTAs fit
     # its 64K registers and 100 KB per SM; test_reg_body_code_generation_for_sm90_and_sm120), unmeasured on that
     # hardware. 32-candidate blocks on 4 warps (two CTAs per SM, waves=2 = the program slots), the next block
     # decoded at the end of an iteration (DEC_LATE), Q resident (Q_RES), and spanning splits (SPAN: equal chunks
@@ -1148,7 +1149,8 @@ def _default_config(H: int, device: torch.device, fp8: bool, T: int = 1, num_sms
     # 4 / 16 / 64 / 128: 8.0 / 11.9 / 22.6 / 69.8 / 137.6 vs 10.8 / 14.6 / 43.2 / 135.3 / 148.6; H = 128 at B = 1 /
     # 16 / 64: 10.0 / 38.3 / 134.1 vs 11.1 / 75.0 / 145.8, but B = 128 (1024 group rows) 267.6 vs the flat body's
     # 263.6, so the flat body keeps grids of more than 4 group rows per SM
-    if (_is_hopper(device) or _is_sm120(device)) and not fp8 and rows <= 4 * num_sms and impl in (None, "reg"):
+    native = (_is_hopper(device) or _is_sm120(device)) and rows <= 4 * num_sms
+    if not fp8 and (impl == "reg" or (impl is None and native)):
         cfg.update(impl="reg", BLOCK_H=16, BLOCK_N=32, num_warps=4, waves=2.0, Q_RES=1, DEC_LATE=1, SPAN=1,
                    PART_BF16=1, maxnreg="auto")
     return cfg

@@ -22,8 +22,8 @@ KEYS = {
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D", "BLOCK_HC")
 BF16_ONLY_IMPLS = ("reg",)
 # flags: 0/1; PREFETCH 2 = the next block's tile scales too (tiled body)
-MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "QPRE": 1, "Q_RES": 1, "DEC_LATE": 1, "SPAN": 1, "PART_BF16": 1, "QK_SWAP": 1, "Q_RELOAD": 1,
-             "DEQ_BF16": 1}
+MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "QPRE": 1, "Q_RES": 1, "DEC_LATE": 1, "SPAN": 1, "PART_BF16": 1, "QK_SWAP": 1,
+             "Q_RELOAD": 1, "DEQ_BF16": 1}
 
 
 def parse_config(text: str, source: str = "config", error: Type[Exception] = ValueError) -> Dict[str, object]:
