@@ -71,9 +71,6 @@ def main(argv=None) -> int:
                 cst["PREFETCH"] = True
             if "KCVT" in fn.arg_names:
                 cst["KCVT"] = bool(kcvt)
-            for flag in ("Q_RES", "DEC_LATE", "SPAN"):
-                if flag in fn.arg_names:
-                    cst[flag] = False
             if "QPRE" in fn.arg_names:
                 cst["QPRE"] = args.qk == "fp8"  # the fp8 path's default: Q quantized before the launch
             for kv in (x for x in args.extra.split(",") if x):
