@@ -425,6 +425,148 @@ def test_refusals_cli(tmp_path, converted):
     refused([tmp_path / "noexp", tmp_path / "o8"], "no routed expert tensors")
 
 
+def dst_snapshot(root: Path) -> dict:
+    """Every path under DST (hidden ones included) with its content hash and mtime."""
+    out = {}
+    for q in sorted(Path(root).rglob("*")):
+        st = q.stat()
+        out[str(q.relative_to(root))] = (hashlib.sha256(q.read_bytes()).hexdigest() if q.is_file() else "dir",
+                                         st.st_mtime_ns)
+    return out
+
+
+def shard_of(root: Path, name: str) -> str:
+    return json.loads((root / C.INDEX_FILE).read_text())["weight_map"][name]
+
+
+def poke_tensor_byte(root: Path, name: str, offset: int, value: int) -> None:
+    """Overwrite one data byte of a tensor in place (the header, hence the source fingerprint, stays)."""
+    fn = shard_of(root, name)
+    with safe_open(str(root / fn), "pt") as f:
+        assert name in f.keys()
+    hdr = C.read_header(root / fn)
+    with open(root / fn, "r+b") as f:
+        f.seek(hdr.data_start + hdr.tensors[name].begin + offset)
+        f.write(bytes([value]))
+
+
+def test_nan_scale_refused_before_anything_is_written(tmp_path):
+    """A 0xFF (NaN) E8M0 scale in the last shard: exit 2 naming shard, tensor and position, no
+    traceback, DST never created (before, the earlier shards were converted first)."""
+    t = synth_tensors(11)
+    name = "layers.1.ffn.experts.0.w2.scale"  # moved to the last shard by write_checkpoint
+    t[name].view(torch.uint8)[3, 1] = 0xFF
+    src = write_checkpoint(tmp_path / "src", t, dsv4_config())
+    fn = shard_of(src, name)
+    assert fn == "model-00003-of-00003.safetensors"
+    r = run_cli(src, tmp_path / "dst", "--no-progress")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and fn in line[0] and name in line[0] and "0xFF" in line[0] and "[3, 1]" in line[0]
+    assert not (tmp_path / "dst").exists()
+    # --dry-run reads and checks SRC too; --verify-only refuses the same way
+    assert C.main([str(src), str(tmp_path / "dry"), "--dry-run", "-q"]) == 2
+    assert not (tmp_path / "dry").exists()
+    # a NaN in an MTP draft expert (carried as MXFP4, never decoded here) is no less damaged
+    t = synth_tensors(11)
+    t["mtp.0.ffn.experts.3.w1.scale"].view(torch.uint8)[0, 0] = 0xFF
+    src2 = write_checkpoint(tmp_path / "src2", t, dsv4_config())
+    (tmp_path / "dst2").mkdir()
+    assert C.main([str(src2), str(tmp_path / "dst2"), "-q", "--no-progress"]) == 2
+    assert list((tmp_path / "dst2").iterdir()) == []
+
+
+def test_damaged_source_leaves_partial_dst_untouched(tmp_path, capsys):
+    """A resumable partial DST from an earlier run stays byte for byte and mtime for mtime as it
+    was when SRC turns out damaged (NaN scale, F32 scale that is no power of two); once SRC is
+    repaired the same DST resumes."""
+    src = make_synthetic_checkpoint(tmp_path / "src", seed=12)
+    dst = tmp_path / "dst"
+
+    class Crash(Exception):
+        pass
+
+    def fault(fn, i):
+        if fn.startswith("model-00002") and i == 3:
+            raise Crash()
+
+    with pytest.raises(Crash):
+        C.convert(src, dst, progress=False, quiet=True, _fault=fault)
+    before = dst_snapshot(dst)
+    assert "model-00001-of-00003.safetensors" in before and ".model-00002-of-00003.safetensors.partial" in before
+    name = "layers.0.ffn.experts.1.w3.scale"
+    poke_tensor_byte(src, name, 17, 0xFF)
+    capsys.readouterr()
+    assert C.main([str(src), str(dst), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "model-00003-of-00003.safetensors" in err and name in err and "0xFF" in err
+    assert dst_snapshot(dst) == before
+    assert C.main([str(src), str(dst), "--no-progress", "--quick-resume", "-q"]) == 2
+    assert dst_snapshot(dst) == before
+    poke_tensor_byte(src, name, 17, 125)
+    res = C.convert(src, dst, progress=False, quiet=True, verify=True)
+    assert res.skipped == ["model-00001-of-00003.safetensors"] and res.verify["ok"]
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "f32_not_pow2", "f32_nan"])
+def test_malformed_scale_refused_naming_shard_and_tensor(tmp_path, capsys, bad):
+    """Scales that do not fit their weight (shape, dtype) or hold values no E8M0 byte encodes
+    (F32 that is not a power of two, F32 NaN) are refused with exit 2 before DST is created."""
+    t = synth_tensors(13)
+    name = "layers.1.ffn.experts.0.w2.scale"
+    n, c = t[name].shape
+    if bad == "shape":
+        t[name] = t[name][:, : c - 1].contiguous()
+        needle = "does not fit"
+    elif bad == "dtype":
+        t[name] = t[name].view(torch.uint8).to(torch.bfloat16)
+        needle = "dtype BF16"
+    else:
+        t[name] = torch.pow(2.0, t[name].view(torch.uint8).float() - 127)
+        t[name][n - 1, c - 1] = 0.75 if bad == "f32_not_pow2" else float("nan")
+        needle = "not all powers of two"
+    src = write_checkpoint(tmp_path / "src", t, dsv4_config())
+    capsys.readouterr()
+    assert C.main([str(src), str(tmp_path / "dst"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "model-00003-of-00003.safetensors" in line[0] and name in line[0] and needle in line[0]
+    assert not (tmp_path / "dst").exists()
+
+
+def test_far_out_of_range_blocks_counted_in_report(tmp_path):
+    """Scale bytes 0..10 next to 254 in one expert (blocks ~230 binades below the maximum, where a
+    float32 shift underflows): report and stats count every block whose values change, with its
+    error, against a count made here from the source bytes."""
+    t = synth_tensors(14)
+    g = torch.Generator().manual_seed(14)
+    pre = "layers.0.ffn.experts.3.w2"
+    sc = t[f"{pre}.scale"].view(torch.uint8)
+    w = t[f"{pre}.weight"].view(torch.uint8)
+    sc[:] = torch.randint(237, 255, sc.shape, dtype=torch.uint8, generator=g)  # in range of 254
+    sc[0, 0] = 254
+    far = torch.rand(sc.shape, generator=g) < 0.3
+    far[0, 0] = False
+    sc[far] = torch.randint(0, 11, (int(far.sum()),), dtype=torch.uint8, generator=g)
+    w[far.repeat_interleave(16, -1) & (torch.arange(w.shape[0]) % 4 == 1).unsqueeze(-1)] = 0x88  # -0: unchanged
+    src = write_checkpoint(tmp_path / "src", t, dsv4_config())
+    res = C.convert(src, tmp_path / "dst", verify=True, progress=False, quiet=True)
+    # far blocks: every nonzero magnitude rounds to 0 on the clamped grid, so a block changes iff
+    # it holds a nonzero code; its error is its largest |value|
+    codes = ref_codes(t[f"{pre}.weight"]).reshape(sc.shape[0], sc.shape[1], 32)
+    nonzero = ((codes & 7) != 0).any(-1)
+    n_lossy = int((far & nonzero).sum())
+    vals = ref_mx(t[f"{pre}.weight"], sc).abs().reshape(codes.shape).amax(-1)
+    max_err = vals[far].max().item()
+    assert 0 < n_lossy < int(far.sum())
+    assert res.stats.out_of_range == int(far.sum()) and res.stats.lossy == n_lossy
+    assert res.stats.max_abs_err == max_err and res.stats.max_abs_err_tensor == f"{pre}.weight"
+    assert res.verify["ok"] and res.verify["out_of_range_blocks"] == int(far.sum())
+    rep = json.loads((tmp_path / "dst" / C.REPORT_FILE).read_text())
+    assert rep["lossy_blocks"] == n_lossy and rep["max_abs_err"] == max_err
+
+
 def test_disk_space_check_and_dry_run(tmp_path, converted):
     src, _, _ = converted
     with pytest.raises(C.ConvertError, match="not enough free space"):

@@ -286,6 +286,67 @@ def test_mxfp4_to_nvfp4_out_of_range_clamped_and_measured():
     assert st.max_rel_err == pytest.approx(err / ref.abs().max().item())
 
 
+def _oor_reference(w, s):
+    """Independent per-32-block expectation for mxfp4_to_nvfp4 (float64, element by element):
+    (out_of_range count, lossy count, max abs error, expected dequantized output). The global
+    exponent m = max k - 8; an out-of-range block's values are re-rounded (brute-force RNE) onto
+    the grid 2^(m - 9), and it is lossy when any value changes."""
+    rows, k = w.shape[0], w.shape[1] * 2
+    m = max(int(b) for b in s.reshape(-1)) - 127 - 8
+    src = _mx_ref(w, s)
+    want = src.clone()
+    n_oor = n_lossy = 0
+    err = 0.0
+    for r in range(rows):
+        for j in range(k // 32):
+            kj = int(s[r, j]) - 127
+            if kj - m >= -9:
+                continue
+            n_oor += 1
+            changed = False
+            for c in range(j * 32, (j + 1) * 32):
+                v = src[r, c].item()
+                t = v / 2.0 ** (m - 9)  # exact: a power-of-two division in float64's range
+                got = _e2m1_ref(_e2m1_rne_ref(t)) * 2.0 ** (m - 9)
+                want[r, c] = got
+                if got != v:
+                    changed = True
+                    err = max(err, abs(got - v))
+            n_lossy += changed
+    return n_oor, n_lossy, err, want, m
+
+
+@pytest.mark.parametrize("case", ["sweep", "far_only"])
+def test_mxfp4_to_nvfp4_counts_far_out_of_range_blocks(case):
+    """Scale bytes up to 254 binades apart (0 next to 254): every out-of-range block is counted
+    as lossy exactly when a value changes, however far below the maximum, and the max error is
+    measured; checked against an element-by-element float64 reference."""
+    g = torch.Generator().manual_seed(31)
+    rows = 64
+    w = torch.randint(0, 256, (rows, 64), dtype=torch.uint8, generator=g)  # K = 128: 4 blocks per row
+    if case == "sweep":
+        # every shift s = 237 - b from 1 to 237 binades below the clamped scale, plus in-range blocks
+        s = torch.tensor(list(range(0, 256 - 1)) + [254], dtype=torch.uint8)[:rows * 4].reshape(rows, 4)
+        s[0, 0], s[0, 1] = 254, 0
+    else:
+        # only blocks > 158 binades below (where a float32 shift underflows) and in-range ones
+        s = torch.randint(0, 60, (rows, 4), dtype=torch.uint8, generator=g)
+        s[::3, 2] = torch.randint(240, 255, (len(range(0, rows, 3)),), dtype=torch.uint8, generator=g)
+        s[0, 0] = 254
+    # blocks whose codes survive small shifts, or any shift: 6.0 (12 half units), 4.0, zeros, -0
+    for r, byte in ((1, 0x77), (2, 0x66), (3, 0x00), (4, 0x88), (5, 0x22), (6, 0x73)):
+        w[r, :] = byte
+    n_oor, n_lossy, err, want, m = _oor_reference(w, s)
+    out_w, sc, s2, st = F.mxfp4_to_nvfp4(w, s)
+    assert st.global_exponent == m and s2.item() == 2.0**m
+    assert st.out_of_range == n_oor and n_oor > 0
+    assert st.lossy == n_lossy and 0 < n_lossy < n_oor
+    assert st.max_abs_err == err and err > 0
+    assert st.max_rel_err == pytest.approx(err / _mx_ref(w, s).abs().max().item())
+    got = F.dequant_nvfp4(out_w, sc, torch.tensor(2.0**m, dtype=torch.float64), out_dtype=torch.float64)
+    assert torch.equal(got, want)
+
+
 def test_mxfp4_to_nvfp4_rejects_bad_input():
     w, s = _random_mx(2, 64, 120, 125, seed=3)
     with pytest.raises(ValueError):

@@ -79,8 +79,122 @@ def test_model_check(tmp_path):
     assert "expected deepseek_v4" in pf.check_model(plan_for(MODEL_PATH=str(d)))[0]
     (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
     assert "no *.safetensors" in pf.check_model(plan_for(MODEL_PATH=str(d)))[0]
-    (d / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 8)
+    write_tiny_checkpoint(d, index=False)
     assert pf.check_model(plan_for(MODEL_PATH=str(d))) == []
+
+
+def write_tiny_checkpoint(d: Path, index: bool = True) -> dict:
+    """Two shards written by the official safetensors library, with (or without) the index."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    shards = {
+        "model-00001-of-00002.safetensors": {"embed.weight": torch.randn(8, 4).to(torch.bfloat16),
+                                             "layers.0.attn.wq_a.weight": torch.zeros(4, 4, dtype=torch.uint8),
+                                             "norm.weight": torch.ones(4)},
+        "model-00002-of-00002.safetensors": {"layers.0.ffn.experts.0.w1.weight": torch.randint(0, 9, (4, 16)).to(torch.int8),
+                                             "layers.0.ffn.experts.0.w1.scale": torch.full((4, 1), 127, dtype=torch.uint8),
+                                             "head.weight": torch.randn(8, 4)},
+    }
+    wm = {}
+    for fn, ts in shards.items():
+        save_file(ts, str(d / fn), metadata={"format": "pt"})
+        wm.update({k: fn for k in ts})
+    if index:
+        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    return wm
+
+
+def rewrite_header(path: Path, edit) -> None:
+    """Rewrite a shard's JSON header through ``edit(header dict)``, keeping its data bytes."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    hdr = json.loads(raw[8:8 + n])
+    edit(hdr)
+    new = json.dumps(hdr).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def loader_refuses(path: Path) -> bool:
+    """What the real safetensors loader says about the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            for k in f.keys():
+                f.get_tensor(k)
+    except Exception:
+        return True
+    return False
+
+
+def test_model_check_reads_every_shard_header(tmp_path):
+    """0-byte, truncated and lying shards, and index entries the files do not back, fail the model
+    check with one line naming the shard; a good tiny checkpoint (with and without index) passes.
+    Each damaged file is also refused by the real safetensors loader (the check is not stricter)."""
+    good = tmp_path / "good"
+    wm = write_tiny_checkpoint(good)
+    assert pf.check_model(plan_for(MODEL_PATH=str(good))) == []
+    s1, s2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+    def damaged(tag, damage, needle, shard=s2):
+        d = tmp_path / tag
+        write_tiny_checkpoint(d)
+        damage(d / shard, d)
+        out = pf.check_model(plan_for(MODEL_PATH=str(d)))
+        assert len(out) == 1, (tag, out)
+        assert out[0].startswith(f"MODEL_PATH={d}: ") and shard in out[0] and needle in out[0], (tag, out)
+        if (d / shard).exists() and tag != "absent":
+            assert loader_refuses(d / shard), tag
+        return out[0]
+
+    damaged("empty", lambda p, d: p.write_bytes(b""), "0 bytes")
+    damaged("trunc", lambda p, d: p.write_bytes(p.read_bytes()[:-10]), "truncated")
+    damaged("trunc_header", lambda p, d: p.write_bytes(p.read_bytes()[:20]), "truncated")
+    damaged("missing", lambda p, d: p.unlink(), "is missing")
+
+    def overlap(h):  # the second tensor's range slides onto the first (same sizes, same file)
+        a, b = sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])[:2]
+        size = h[b]["data_offsets"][1] - h[b]["data_offsets"][0]
+        h[b]["data_offsets"] = [h[a]["data_offsets"][0], h[a]["data_offsets"][0] + size]
+
+    damaged("overlap", lambda p, d: rewrite_header(p, overlap), "overlaps")
+
+    def grow(h):  # the last tensor claims more rows than the file holds
+        k = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][1])
+        b, e = h[k]["data_offsets"]
+        h[k]["shape"] = [h[k]["shape"][0] * 4] + h[k]["shape"][1:]
+        h[k]["data_offsets"] = [b, b + (e - b) * 4]
+
+    damaged("grow", lambda p, d: rewrite_header(p, grow), "truncated")
+
+    def drop_tensor(p, d):  # the index lists a tensor the shard no longer holds
+        from safetensors.torch import load_file, save_file
+
+        ts = load_file(str(p))
+        ts.pop("head.weight")
+        save_file(ts, str(p))
+
+    line = damaged("absent", drop_tensor, "'head.weight'")
+    assert "does not hold it" in line
+    # several problems: one line each (a 0-byte and a missing shard)
+    d = tmp_path / "two"
+    write_tiny_checkpoint(d)
+    (d / s1).write_bytes(b"")
+    (d / s2).unlink()
+    out = pf.check_model(plan_for(MODEL_PATH=str(d)))
+    assert len(out) == 2 and any(s1 in x and "0 bytes" in x for x in out) and any(s2 in x and "missing" in x for x in out)
+    # without an index every *.safetensors header is read
+    d = tmp_path / "noindex"
+    write_tiny_checkpoint(d, index=False)
+    assert pf.check_model(plan_for(MODEL_PATH=str(d))) == []
+    (d / s1).write_bytes(b"")
+    out = pf.check_model(plan_for(MODEL_PATH=str(d)))
+    assert len(out) == 1 and s1 in out[0] and "0 bytes" in out[0]
+    assert set(wm.values()) == {s1, s2}
 
 
 def test_patch_status_interpretation():

@@ -39,13 +39,23 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
+
+from dsv4_sm120.safetensors_index import (
+    DTYPE_SIZE,
+    INDEX_FILE,
+    CheckpointError,
+    ShardHeader,
+    TensorInfo,
+    numel,
+    read_header,
+    scan_checkpoint,
+)
 
 FORMAT_VERSION = 1
 STATE_DIR = ".dsv4_sm120_convert"
 STATE_FILE = "state.json"
 REPORT_FILE = "dsv4_sm120_nvfp4_report.json"
-INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 NVFP4_GROUP = 16
 COPY_CHUNK = 64 << 20
@@ -73,88 +83,15 @@ NVFP4_IGNORE = [
     "head",
 ]
 
-_DTYPE_SIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
-    "F64": 8, "I64": 8, "U64": 8,
-}
-
-
-class ConvertError(Exception):
-    """A refusal with a message for the user (exit code 2)."""
+# A refusal with a one-line message for the user (exit code 2): the class the shared
+# safetensors header reader raises, so its refusals need no translation.
+ConvertError = CheckpointError
 
 
 # --------------------------------------------------------------------------
 # safetensors, read and written by hand so both stream with bounded memory
+# (headers: dsv4_sm120.safetensors_index, shared with the serving preflight)
 # --------------------------------------------------------------------------
-
-
-@dataclass
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: Tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-@dataclass
-class ShardHeader:
-    path: Path
-    data_start: int
-    tensors: Dict[str, TensorInfo]
-    metadata: Optional[Dict[str, str]]
-    file_size: int
-
-    def ordered(self) -> List[TensorInfo]:
-        return sorted(self.tensors.values(), key=lambda t: (t.begin, t.name))
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def read_header(path: Path) -> ShardHeader:
-    """Parse and validate a safetensors header (no tensor data is read)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ConvertError(f"{path}: not a safetensors file (too short)")
-            (hlen,) = struct.unpack("<Q", raw)
-            if hlen > min(size - 8, 256 << 20):
-                raise ConvertError(f"{path}: not a safetensors file (bad header length)")
-            hdr = json.loads(f.read(hlen))
-    except OSError as e:
-        raise ConvertError(f"cannot read {path}: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ConvertError(f"{path}: not a safetensors file (header is not JSON)") from None
-    if not isinstance(hdr, dict):
-        raise ConvertError(f"{path}: malformed safetensors header")
-    meta = hdr.pop("__metadata__", None)
-    data_start = 8 + hlen
-    tensors: Dict[str, TensorInfo] = {}
-    for name, info in hdr.items():
-        try:
-            dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            b, e = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ConvertError(f"{path}: malformed header entry for {name!r}") from None
-        if e < b or data_start + e > size:
-            raise ConvertError(f"{path}: tensor {name!r} lies outside the file (truncated?)")
-        if dtype in _DTYPE_SIZE and _numel(shape) * _DTYPE_SIZE[dtype] != e - b:
-            raise ConvertError(f"{path}: tensor {name!r} size does not match its shape")
-        tensors[name] = TensorInfo(name, dtype, shape, b, e)
-    return ShardHeader(path, data_start, tensors, meta, size)
 
 
 def _torch():
@@ -191,7 +128,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * _DTYPE_SIZE[self.dtype]
+        return numel(self.shape) * DTYPE_SIZE[self.dtype]
 
 
 def build_header(tensors: List[OutTensor], metadata: Optional[Dict[str, str]]) -> bytes:
@@ -341,33 +278,10 @@ def load_source(src: Path) -> Source:
     qc = config.get("quantization_config") or {}
     if str(qc.get("moe_quant_algo", "")).upper() == "NVFP4" or str(qc.get("quant_algo", "")).upper() == "MIXED_PRECISION":
         raise ConvertError(f"{src} is already a hybrid FP8+NVFP4 checkpoint (quantization_config says so)")
-    idx_path = src / INDEX_FILE
-    if idx_path.exists():
-        index, index_raw = _load_json(idx_path, INDEX_FILE)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConvertError(f"{idx_path}: no weight_map")
-        index_meta = index.get("metadata") or {}
-    else:
-        files = sorted(p.name for p in src.glob("*.safetensors"))
-        if not files:
-            raise ConvertError(f"{src} holds no {INDEX_FILE} and no *.safetensors files")
-        weight_map, index_meta, index_raw = {}, {}, b""
-        for fn in files:
-            for name in read_header(src / fn).tensors:
-                weight_map[name] = fn
-    headers: Dict[str, ShardHeader] = {}
-    for fn in sorted(set(weight_map.values())):
-        if "/" in fn or "\\" in fn or fn.startswith("."):
-            raise ConvertError(f"{INDEX_FILE}: unsupported shard name {fn!r}")
-        p = src / fn
-        if not p.is_file():
-            raise ConvertError(f"shard {fn} listed in {INDEX_FILE} is missing from {src}")
-        headers[fn] = read_header(p)
-    for name, fn in weight_map.items():
-        if name not in headers[fn].tensors:
-            raise ConvertError(f"{INDEX_FILE} puts {name!r} in {fn}, but that shard does not hold it")
-    return Source(src, config, config_raw, weight_map, index_meta, headers, index_raw)
+    ck, problems = scan_checkpoint(src, max_problems=1)
+    if problems:
+        raise ConvertError("; ".join(problems))
+    return Source(src, config, config_raw, ck.weight_map, ck.index_meta, ck.headers, ck.index_raw)
 
 
 @dataclass
@@ -406,26 +320,29 @@ def find_experts(source: Source) -> Dict[Tuple[str, str], ExpertProj]:
         name = f"{key[0]}.{key[1]}"
         w, s = d.get("weight"), d.get("scale")
         if w is None:
-            raise ConvertError(f"{name}.scale has no {name}.weight")
+            raise ConvertError(f"{source.weight_map[s.name]}: {name}.scale has no {name}.weight")
+        wfn = source.weight_map[w.name]
         if w.dtype == "F8_E4M3":
             raise ConvertError(
-                f"{name}.weight is FP8 (F8_E4M3): the routed experts of this checkpoint are not MXFP4 "
+                f"{wfn}: {name}.weight is FP8 (F8_E4M3): the routed experts of this checkpoint are not MXFP4 "
                 "(an FP8-converted checkpoint?); convert from the released MXFP4 checkpoint"
             )
         if w.dtype not in ("I8", "U8"):
-            raise ConvertError(f"{name}.weight has dtype {w.dtype}; expected packed e2m1 as I8 or U8")
+            raise ConvertError(f"{wfn}: {name}.weight has dtype {w.dtype}; expected packed e2m1 as I8 or U8")
         if s is None:
-            raise ConvertError(f"{name}.weight has no {name}.scale: not an MXFP4 checkpoint")
+            raise ConvertError(f"{wfn}: {name}.weight has no {name}.scale: not an MXFP4 checkpoint")
+        sfn = source.weight_map[s.name]
         if s.dtype not in ("F8_E8M0", "U8", "F32"):
-            raise ConvertError(f"{name}.scale has dtype {s.dtype}; expected E8M0 (F8_E8M0 / U8) or F32")
+            raise ConvertError(f"{sfn}: {name}.scale has dtype {s.dtype}; expected E8M0 (F8_E8M0 / U8) or F32")
         if len(w.shape) != 2 or len(s.shape) != 2:
-            raise ConvertError(f"{name}: expected 2-D weight and scale, got {w.shape} and {s.shape}")
+            raise ConvertError(f"{wfn}: {name}: expected 2-D weight and scale, got {list(w.shape)} and "
+                               f"{list(s.shape)} ({name}.scale in {sfn})")
         n, kh = w.shape
         k = kh * 2
         if k % 32 or tuple(s.shape) != (n, k // 32):
             raise ConvertError(
-                f"{name}: scale shape {list(s.shape)} does not fit weight {list(w.shape)} "
-                "(MXFP4: one scale per 32 elements)"
+                f"{sfn}: {name}.scale has shape {list(s.shape)}, which does not fit {name}.weight "
+                f"{list(w.shape)} in {wfn} (MXFP4: one scale per 32 elements, expected [{n}, {k // 32}])"
             )
         out[key] = ExpertProj(key[0], key[1], kinds[key], w, s)
     for (base, proj), ep in out.items():
@@ -700,6 +617,50 @@ def _e8m0_bytes(t, ti: TensorInfo):
     return (e - 1 + 127).to(torch.uint8)
 
 
+_E8M0_NAN = b"\xff"
+
+
+def check_expert_scales(source: Source, experts: Dict[Tuple[str, str], ExpertProj], quiet: bool = False,
+                        progress: bool = True) -> int:
+    """Read every routed-expert scale tensor (main-model and MTP) and refuse a bad value before
+    anything is written: E8M0 0xFF (NaN), or F32 scales that are not powers of two in
+    2^-127..2^127. Reads only the scale tensors (1/16 of the expert bytes), shard by shard in
+    file order. Returns how many were checked."""
+    by_shard: Dict[str, List[TensorInfo]] = {}
+    for ep in experts.values():
+        by_shard.setdefault(source.weight_map[ep.scale.name], []).append(ep.scale)
+    n = sum(len(v) for v in by_shard.values())
+    total = sum(ti.nbytes for v in by_shard.values() for ti in v)
+    _log(f"checking {n} expert scale tensors ({_human(total)}) before writing anything", quiet)
+    bar = _Progress(total, progress and not quiet and total > 0, desc="check scales")
+    try:
+        for fn in sorted(by_shard):
+            hdr = source.headers[fn]
+            with open(hdr.path, "rb") as f:
+                for ti in sorted(by_shard[fn], key=lambda t: t.begin):
+                    cols = ti.shape[-1] if ti.shape and ti.shape[-1] else 1
+                    if ti.dtype == "F32":
+                        try:
+                            _e8m0_bytes(read_tensor(f, hdr, ti.name), ti)
+                        except ConvertError as e:
+                            raise ConvertError(f"{fn}: {e}") from None
+                    else:
+                        f.seek(hdr.data_start + ti.begin)
+                        buf = f.read(ti.nbytes)
+                        if len(buf) != ti.nbytes:
+                            raise ConvertError(f"{fn}: {ti.name}: short read (the file shrank while being read?)")
+                        i = buf.find(_E8M0_NAN)
+                        if i >= 0:
+                            raise ConvertError(
+                                f"{fn}: {ti.name} holds the E8M0 NaN encoding 0xFF at [{i // cols}, {i % cols}] "
+                                f"({buf.count(_E8M0_NAN)} such byte(s) in that tensor): the source shard is damaged; "
+                                "re-download it")
+                    bar(ti.nbytes)
+    finally:
+        bar.close()
+    return n
+
+
 def convert_expert(reader: _Reader, plan: Plan, base: str, proj: str, scales: InputScales):
     """-> dict of the four output tensors and nvfp4.ConversionStats."""
     torch = _torch()
@@ -708,13 +669,17 @@ def convert_expert(reader: _Reader, plan: Plan, base: str, proj: str, scales: In
     ep = plan.experts[(base, proj)]
     s = _e8m0_bytes(reader.get(ep.scale), ep.scale)
     sib = ep.sibling
-    if sib:
-        sp = plan.experts[(base, sib)]
-        m = nvfp4.mxfp4_global_exponent(s, _e8m0_bytes(reader.get(sp.scale), sp.scale))
-    else:
-        m = nvfp4.mxfp4_global_exponent(s)
-    w = reader.get(ep.weight).view(torch.uint8)
-    ow, osc, os2, st = nvfp4.mxfp4_to_nvfp4(w, s, m)
+    try:
+        if sib:
+            sp = plan.experts[(base, sib)]
+            m = nvfp4.mxfp4_global_exponent(s, _e8m0_bytes(reader.get(sp.scale), sp.scale))
+        else:
+            m = nvfp4.mxfp4_global_exponent(s)
+        w = reader.get(ep.weight).view(torch.uint8)
+        ow, osc, os2, st = nvfp4.mxfp4_to_nvfp4(w, s, m)
+    except ValueError as e:
+        # check_expert_scales refuses such input up front; a shard changed since then gets here
+        raise ConvertError(f"{base}.{proj}: {e} (the source changed during the conversion?)") from None
     out = {
         "weight": ow,
         "weight_scale": osc,
@@ -830,7 +795,7 @@ def _human(n: float) -> str:
 
 
 class _Progress:
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, enabled: bool, desc: str = "convert"):
         self.bar = None
         self.enabled = enabled
         self.total, self.done, self.last = total, 0, 0.0
@@ -839,7 +804,7 @@ class _Progress:
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                                desc="convert", file=sys.stderr, dynamic_ncols=True)
+                                desc=desc, file=sys.stderr, dynamic_ncols=True)
             except ImportError:
                 self.bar = None
 
@@ -947,13 +912,16 @@ def convert(src: Path, dst: Path, input_scales: Optional[str] = None, verify: bo
          + (f", {len(scales.per_tensor)} per-tensor values" if scales.per_tensor else ""), quiet)
     if done:
         _log(f"resume: {len(done)} finished shard(s) checked and kept, {len(todo)} to convert", quiet)
-    if dry_run:
-        _log(f"dry run: {len(todo)} shard(s) would be converted; nothing written", quiet)
-        return Result([], sorted(done), Stats(), dst=dst)
-    if need + min_free_margin > free:
+    if not dry_run and need + min_free_margin > free:
         raise ConvertError(
             f"not enough free space under {dst}: need {_human(need)} (+{_human(min_free_margin)} margin), "
             f"free {_human(free)}")
+    # Every scale value, before the first write: a damaged source is refused with DST untouched
+    # (also a partial DST from an earlier run), not after hours of converted shards.
+    check_expert_scales(source, plan.experts, quiet=quiet, progress=progress)
+    if dry_run:
+        _log(f"dry run: {len(todo)} shard(s) would be converted; nothing written", quiet)
+        return Result([], sorted(done), Stats(), dst=dst)
 
     (dst / STATE_DIR).mkdir(parents=True, exist_ok=True)
     _save_state(state_path, state)
@@ -1040,6 +1008,7 @@ def verify_conversion(src: Path, dst: Path, plan: Optional[Plan] = None, quiet: 
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if plan is None:
         plan = make_plan(load_source(src))
+        check_expert_scales(plan.source, plan.experts, quiet=quiet, progress=progress)
     source = plan.source
     problems: List[str] = []
     out_cfg, _ = _load_json(dst / CONFIG_FILE, "DST config.json")

@@ -86,6 +86,11 @@ E2M1_VALUES = torch.tensor(
 # whether a tie goes up (the upper code is even, i.e. has mantissa bit 0).
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_UP = (False, True, False, True, False, True, False)
+# Trailing zero bits of each magnitude code's value in units of 0.5 (0, 1, 2,
+# 3, 4, 6, 8, 12); zero gets a count no shift reaches.
+_E2M1_HALF_UNIT_TZ = torch.tensor([1 << 30, 0, 1, 0, 2, 1, 3, 2], dtype=torch.int32)
+# Shift (binades) from which every e2m1 magnitude rounds to zero (6 * 2^-5 < 0.25).
+_ALL_ZERO_SHIFT = 5
 
 
 def _as_u8(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -362,16 +367,20 @@ def mxfp4_to_nvfp4(
     n_oor = int(oor.sum())
     stats.out_of_range = n_oor
     if n_oor:
-        # Re-round the out-of-range blocks: values e2m1 * 2^(d) expressed on
-        # the clamped scale 2^-9 are e2m1 * 2^(d + 9), d + 9 < 0.
+        # Re-round the out-of-range blocks: values e2m1 * 2^d expressed on
+        # the clamped scale 2^-9 are e2m1 * 2^-s with s = -9 - d > 0 binades.
         codes = unpack_e2m1(w).reshape(*exps.shape, MXFP4_BLOCK)
-        vals = e2m1_to_float(codes)
-        shift = torch.ldexp(
-            torch.ones_like(d, dtype=torch.float32), (d - E4M3_MIN_POW2_EXP).clamp(max=0)
-        ).unsqueeze(-1)
-        new_codes = float_to_e2m1_rne(vals * shift)
+        s = (E4M3_MIN_POW2_EXP - d).clamp(min=0).unsqueeze(-1)  # int32, > 0 exactly where oor
+        # Every magnitude (<= 6) times 2^-5 is below 0.25 and rounds to 0, so
+        # the float shift stops there: it never underflows, whatever s is.
+        shift = torch.ldexp(torch.ones_like(s, dtype=torch.float32), -s.clamp(max=_ALL_ZERO_SHIFT))
+        new_codes = float_to_e2m1_rne(e2m1_to_float(codes) * shift)
         new_codes = torch.where(oor.unsqueeze(-1), new_codes, codes)
-        lossy = (e2m1_to_float(new_codes) != vals * shift) & oor.unsqueeze(-1)
+        # Lossy, counted in integers: a code keeps its value on the grid 2^-s
+        # iff its magnitude in units of 0.5 (1,2,3,4,6,8,12) is divisible by
+        # 2^s (the quotients are again e2m1 magnitudes); zero always does.
+        tz = _E2M1_HALF_UNIT_TZ.to(codes.device)[(codes & 7).long()]
+        lossy = (tz < s) & oor.unsqueeze(-1)
         stats.lossy = int(lossy.any(dim=-1).sum())
         out_w = pack_e2m1(new_codes.reshape(*w.shape[:-1], k))
         if stats.lossy:

@@ -6,7 +6,8 @@ Checks (names usable in ``PREFLIGHT_SKIP``):
            a typo would otherwise surface only after the model has loaded)
   ports    every port this host will bind is free, no port configured twice
   gpu      nvidia-smi sees the chosen GPUs, compute capability 12.x, enough free memory
-  model    MODEL_PATH is a readable checkpoint directory with config.json, or a Hugging Face id
+  model    MODEL_PATH is a readable checkpoint directory with config.json whose safetensors shards match
+           model.safetensors.index.json (every header read and checked, no tensor data), or a Hugging Face id
   patches  the environment's SGLang is patched with this repo's series (``dsv4_sm120.patching status``)
   nixl     ``import nixl`` works with a UCX backend and moves DSv4 KV pages intact (``nixl_check``)
   router   ``sglang_router`` is installed (when the router runs on this host)
@@ -22,10 +23,12 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..safetensors_index import INDEX_FILE, scan_checkpoint
 from .config import Plan
 
 CHECKS = ("ports", "gpu", "model", "patches", "nixl", "router")
 STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl")
+MODEL_PROBLEMS_SHOWN = 5
 HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -152,9 +155,13 @@ def check_model(plan: Plan) -> List[str]:
             return [f"MODEL_PATH={mp}: config.json is not valid JSON ({e})"]
         if not str(data.get("model_type", "")).startswith("deepseek_v4"):
             return [f"MODEL_PATH={mp}: model_type is {data.get('model_type')!r}, expected deepseek_v4"]
-        if not any(path.glob("*.safetensors")) and not plan.standin:
-            return [f"MODEL_PATH={mp}: no *.safetensors weights in the directory"]
-        return []
+        has_weights = any(path.glob("*.safetensors")) or (path / INDEX_FILE).exists()
+        if not has_weights:
+            return [] if plan.standin else [f"MODEL_PATH={mp}: no *.safetensors weights in the directory"]
+        # Shard headers against the index (8 bytes + JSON per shard, no tensor data): an empty,
+        # truncated or inconsistent checkpoint fails here instead of minutes into the load.
+        _, problems = scan_checkpoint(path, max_problems=MODEL_PROBLEMS_SHOWN)
+        return [f"MODEL_PATH={mp}: {x}" for x in problems]
     if mp.startswith(("/", ".", "~")) or not HF_ID.match(mp):
         return [f"MODEL_PATH={mp} does not exist and is not a Hugging Face id (org/name)"]
     return []
