@@ -18,9 +18,11 @@ global scale per expert shared by w1 and w3, E4M3 block scale 2^(k-m)):
 bit-exact for every block within 17 binades of its tensor's largest;
 blocks further below are clamped, counted and reported with their error.
 
-Operation: one shard at a time, streamed tensor by tensor (peak memory is a
-few hundred MB whatever the shard size); every file is written to a temporary
-name and renamed; a rerun skips shards already finished after checking them
+Operation: first every shard header is checked against the index and every
+expert scale tensor is read and checked (NaN, F32 non-powers of two), so a
+damaged source is refused before anything is written; then one shard at a
+time, streamed tensor by tensor (peak memory is a few hundred MB whatever the
+shard size); every file is written to a temporary name and renamed; a rerun skips shards already finished after checking them
 (size + sha256 recorded when written); SRC is only ever read. Exit codes: 0 ok,
 1 verification found a difference, 2 refused (bad input, no space, ...).
 """
