@@ -110,7 +110,9 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as exc:
             print(f"bench_fp8: error: cannot read {a.from_summary}: {exc}", file=sys.stderr)
             return 2
-        rows = summary_rows(summary, a.cases, R.environment(REPO, command))
+        env = R.environment(REPO, command)
+        env["date"] = summary.get("updated_at") or env["date"]  # when the tuner measured, not now
+        rows = summary_rows(summary, a.cases, env)
         if a.dry_run:
             return _print_dry(a, rows)
         n = R.append_rows(a.results, "fp8", rows)
