@@ -306,7 +306,7 @@ def main(argv=None):
             R.append_rows(args.results, "attention", got)  # per point: an interrupted run keeps what it measured
             rows += got
     print(R.render_table("attention", rows, env["gpu"], all_variants=True) if rows else "no rows measured")
-    print("\n".join(best_variants(rows)))
+    print("\n".join(R.best_variants(rows)))
     print(f"appended {len(rows)} rows to {args.results}")
     return 0
 
@@ -459,40 +459,6 @@ def time_call(torch, f, n_layers, graph, replays):
         torch.cuda.synchronize()
         samples.append(e0.elapsed_time(e1) * 1000.0 / (n * n_layers))
     return statistics.median(samples), max(samples) - min(samples)
-
-
-def best_variants(rows):
-    """Per (case, ours impl): the fastest of the default and its variants at each B, and the
-    DSV4_SM120_ATTN_CONFIG line that picks a variant which is never slower than the default by more than 2%
-    and faster by more than 3% somewhere (so the user's box can adopt what won there)."""
-    ours = [r for r in rows if r["impl"].startswith("ours-") and r["us"]]
-    lines = []
-    for case, impl in sorted({(r["case"], r["impl"]) for r in ours}):
-        sel = [r for r in ours if r["case"] == case and r["impl"] == impl]
-        variants = sorted({r["variant"] for r in sel} - {"default"})
-        if not variants:
-            continue
-        bs = sorted({int(r["batch"]) for r in sel})
-        us = {(r["variant"], int(r["batch"])): float(r["us"]) for r in sel}
-        cells, candidates = [], []
-        for b in bs:
-            name, t = min(((v, us[(v, b)]) for v in ["default"] + variants if (v, b) in us), key=lambda x: x[1])
-            ref = us.get(("default", b))
-            cells.append(f"B={b}: {name} {t:.1f} us" + (f" ({ref / t:.2f}x)" if ref else ""))
-        for v in variants:
-            if all((v, b) in us and ("default", b) in us for b in bs):
-                ratios = [us[("default", b)] / us[(v, b)] for b in bs]
-                if min(ratios) >= 0.98 and max(ratios) > 1.03:
-                    candidates.append((sum(ratios) / len(ratios), v))
-        lines.append(f"Best of {impl} at {case}: " + "; ".join(cells) + ".")
-        if candidates:
-            gain, v = max(candidates)
-            qk = " DSV4_SM120_ATTN_QK=fp8" if impl == "ours-fp8" else ""
-            lines.append(f"Variant never >2% slower and >3% faster somewhere (mean {gain:.2f}x): "
-                         f"`DSV4_SM120_ATTN_CONFIG='{v}'{qk}` (serve scripts pass the environment through).")
-        else:
-            lines.append("No variant beats the default across these batch sizes: keep the default.")
-    return lines
 
 
 if __name__ == "__main__":

@@ -149,6 +149,22 @@ def test_latest_row_per_key_and_table(tmp_path):
         R.render_table("attention", R.read_rows(path), "NVIDIA B200")
 
 
+def test_best_variant_summary():
+    """A DSV4_SM120_ATTN_CONFIG suggestion only for a variant never >2% slower than the default and >3% faster
+    somewhere; the fastest row per B named."""
+    def rows(us):
+        return [_row(variant=v, batch=b, us=t) for v, per_b in us.items() for b, t in per_b.items()] + [
+            _row(impl="flashmla", batch=b, us=1.0) for b in (16, 128)]
+
+    lines = "\n".join(R.best_variants(rows({"default": {16: 17.0, 128: 76.0}, "KCVT=1": {16: 17.1, 128: 60.0},
+                                              "impl=reg": {16: 25.0, 128: 50.0}})))
+    assert "B=16: default 17.0 us" in lines and "B=128: impl=reg 50.0 us (1.52x)" in lines
+    assert "DSV4_SM120_ATTN_CONFIG='KCVT=1'" in lines  # reg is faster at 128 but 47% slower at 16
+    lines = "\n".join(R.best_variants(rows({"default": {16: 17.0}, "KCVT=1": {16: 18.0}})))
+    assert "keep the default" in lines and "DSV4_SM120_ATTN_CONFIG" not in lines
+    assert R.best_variants(rows({"default": {16: 17.0}})) == []
+
+
 def test_results_table_command(tmp_path):
     path = tmp_path / "fp8.csv"
     R.append_rows(path, "fp8", [R.make_row("fp8", case="tp4_gemms", impl=i, n=1024, k=4096, m=m, us=u,
@@ -195,7 +211,8 @@ def test_drivers_dry_run_and_no_gpu(script, args, tmp_path):
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith(subject + ",")]
     if subject == "attention":
         # 2 cases x 2 B x (default + SPAN=0 at tp4_decode only, 4 baselines)
-        assert sum(",SPAN=0,ours-bf16," in ln for ln in rows) == 2 and sum(",h32,default,ours-bf16," in ln for ln in rows) == 2
+        assert sum(",SPAN=0,ours-bf16," in ln for ln in rows) == 2
+        assert sum(",h32,default,ours-bf16," in ln for ln in rows) == 2
     else:
         assert sum(",deq=3," in ln for ln in rows) == 1 and len(rows) == 2 * 3 + 1
     assert not res.exists()  # a dry run writes nothing
@@ -206,3 +223,20 @@ def test_drivers_dry_run_and_no_gpu(script, args, tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "bench" / script), "--dry-run", "--variants", "NOPE=1"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "NOPE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fp8_driver_dry_run_and_no_gpu(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    script = str(REPO / "bench" / "bench_fp8.py")
+    summary = REPO / "configs" / "fp8" / "summary_NVIDIA_H200.json"
+    r = subprocess.run([sys.executable, script, "--from-summary", str(summary), "--dry-run", "--results",
+                        str(tmp_path / "f.csv")], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("fp8,tp4_gemms,default,triton-tuned,1024,4096,1,")]
+    assert len(rows) == 1 and ",2026-11-29T23:40:44Z," in rows[0]  # the tuner's date, not today's
+    r = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "case tp4_gemms: python -m dsv4_sm120.tune_fp8 --tp 4 --quick" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, script, "--results", str(tmp_path / "f.csv")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "f.csv").exists()

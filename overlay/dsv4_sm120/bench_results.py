@@ -292,7 +292,8 @@ def render_table(subject: str, rows: List[Dict[str, str]], gpu: str, all_variant
                 out.append(f"| {label} | default | " + " | ".join(
                     f"{a[v] / b[v]:.2f}" if a.get(v) and b.get(v) else "-" for v in xs) + " | |")
             out.append("")
-            remarks = sorted({n.strip()[5:] for r in rs for n in r["notes"].split(";") if n.strip().startswith("note=")})
+            remarks = sorted({n.strip()[5:] for r in rs for n in r["notes"].split(";")
+                              if n.strip().startswith("note=")})
             if any(newest is not None and parse_date(r["date"]) < newest for r in rs):
                 remarks.insert(0, "`*`: from a run older than the newest default rows of this table (the code may "
                                   "have changed since)")
@@ -303,6 +304,40 @@ def render_table(subject: str, rows: List[Dict[str, str]], gpu: str, all_variant
     out += [f"- {d}: commit {c or 'unknown'}, torch {t or '?'}, triton {tr or '?'}, CUDA {cu or '?'}, "
             f"driver {dr or '?'}" for d, c, t, tr, cu, dr in runs]
     return "\n".join(out) + "\n"
+
+
+def best_variants(rows: List[Dict[str, str]]) -> List[str]:
+    """Closing lines of an attention run: per (case, ours impl) the fastest of the default and its variants at each
+    B, and the DSV4_SM120_ATTN_CONFIG line that picks a variant which is never slower than the default by more
+    than 2% and faster by more than 3% somewhere (so the user's box can adopt what won there)."""
+    ours = [r for r in rows if r["impl"].startswith("ours-") and r["us"] not in ("", None)]
+    lines = []
+    for case, impl in sorted({(r["case"], r["impl"]) for r in ours}):
+        sel = [r for r in ours if r["case"] == case and r["impl"] == impl]
+        variants = sorted({r["variant"] for r in sel} - {"default"})
+        if not variants:
+            continue
+        bs = sorted({int(r["batch"]) for r in sel})
+        us = {(r["variant"], int(r["batch"])): float(r["us"]) for r in sel}
+        cells, candidates = [], []
+        for b in bs:
+            name, t = min(((v, us[(v, b)]) for v in ["default"] + variants if (v, b) in us), key=lambda x: x[1])
+            ref = us.get(("default", b))
+            cells.append(f"B={b}: {name} {t:.1f} us" + (f" ({ref / t:.2f}x)" if ref else ""))
+        for v in variants:
+            if all((v, b) in us and ("default", b) in us for b in bs):
+                ratios = [us[("default", b)] / us[(v, b)] for b in bs]
+                if min(ratios) >= 0.98 and max(ratios) > 1.03:
+                    candidates.append((sum(ratios) / len(ratios), v))
+        lines.append(f"Best of {impl} at {case}: " + "; ".join(cells) + ".")
+        if candidates:
+            gain, v = max(candidates)
+            qk = " DSV4_SM120_ATTN_QK=fp8" if impl == "ours-fp8" else ""
+            lines.append(f"Variant never >2% slower and >3% faster somewhere (mean {gain:.2f}x): "
+                         f"`DSV4_SM120_ATTN_CONFIG='{v}'{qk}` (serve scripts pass the environment through).")
+        else:
+            lines.append("No variant beats the default across these batch sizes: keep the default.")
+    return lines
 
 
 # -- the environment a driver records ---------------------------------------------------------------------------
@@ -400,7 +435,8 @@ def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = No
                 raise ResultsError(f"{path} holds rows of {len(found)} GPUs ({', '.join(found) or 'none'}); "
                                    "pick one with --gpu")
             gpu = found[0]
-        cmd = f"python bench/results_table.py table {a.subject} --gpu '{gpu}'" + (" --all-variants" if a.all_variants else "")
+        cmd = (f"python bench/results_table.py table {a.subject} --gpu '{gpu}'"
+               + (" --all-variants" if a.all_variants else ""))
         text = render_table(a.subject, rows, gpu, all_variants=a.all_variants, command=cmd)
         out = a.out or (str(results_dir / f"{a.subject}_{gpu_slug(gpu)}.md") if results_dir else "-")
         if out == "-":
