@@ -14,7 +14,7 @@ PATCHING := DSV4_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(P
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe tune-fp8 convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
+        bench-attention bench-moe bench-fp8 bench-tables tune-fp8 convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
 
 help: ## list the targets
 	@echo "dsv4_sm120 — serve DeepSeek-V4-Flash on 8x RTX PRO 6000 Blackwell (sm_120) with SGLang 0.5.23"
@@ -52,22 +52,33 @@ test: ## the CPU test suite (creates/updates the cached test env, then pytest te
 test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 	$(if $(wildcard $(PY)),$(PY),python3) -m pytest tests/gpu -q
 
-BENCH_OUT ?= bench/results/local_$(shell hostname -s 2>/dev/null || echo host)
-# launch variants timed next to the default at H=16 SWA128+c4 (the TP4 decode shape; docs/attention.md); the table
-# ends with the best one per batch size and, when one wins everywhere, the DSV4_SM120_ATTN_CONFIG line that
-# selects it. Each variant costs a few Triton compiles on the first run; ATTN_VARIANTS= skips them.
+# Every bench run appends rows to $(BENCH_OUT)/<subject>.csv (attention, moe, fp8); `make bench-tables` regenerates
+# the committed tables from them (bench/results/README.md).
+BENCH_OUT ?= bench/results
+# launch variants timed next to the default at the tp4_decode case (H=16 SWA128+c4, the TP4 decode shape;
+# docs/attention.md); the run ends with the best one per batch size and, when one wins everywhere, the
+# DSV4_SM120_ATTN_CONFIG line that selects it. Each variant costs a few Triton compiles on the first run;
+# ATTN_VARIANTS= skips them.
 # impl=tiled: the tiled body with its own defaults; SPAN=0 / DEC_LATE=0: the register body with per-cache splits /
 # carrying the raw bytes; BLOCK_N=64,num_warps=8,waves=1: one 8-warp CTA per SM; BLOCK_N=16: smaller blocks;
 # KCVT=0: the conversion-pipe e4m3 decode.
 ATTN_VARIANTS ?= impl=tiled;SPAN=0;DEC_LATE=0;BLOCK_N=64,num_warps=8,waves=1;BLOCK_N=16;KCVT=0
-bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); table also in BENCH_OUT_attention.md
+bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); appends to BENCH_OUT/attention.csv
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_attention.py --qk-modes bf16,fp8 --variants '$(ATTN_VARIANTS)' \
-		--out $(BENCH_OUT)_attention $(ARGS)
+		--results $(BENCH_OUT)/attention.csv $(ARGS)
 
-# apre=0: the fp4 path with the activation quantization inside every GEMM program (before session 3's default)
+# apre=0: the fp4 path with the activation quantization inside every GEMM program
 MOE_VARIANTS ?= apre=0
-bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU)
-	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_moe.py --variants '$(MOE_VARIANTS)' $(ARGS)
+bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU); appends to BENCH_OUT/moe.csv
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_moe.py --variants '$(MOE_VARIANTS)' --results $(BENCH_OUT)/moe.csv $(ARGS)
+
+bench-fp8: ## tune SGLang's FP8 block GEMM (quick) and append what it measured to BENCH_OUT/fp8.csv
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_fp8.py --results $(BENCH_OUT)/fp8.csv $(ARGS)
+
+bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the results files (GPU=name; default: the only one)
+	@for s in attention moe fp8; do \
+	  if [ -f $(BENCH_OUT)/$$s.csv ]; then python3 bench/results_table.py table $$s --results $(BENCH_OUT)/$$s.csv \
+	    $(if $(GPU),--gpu '$(GPU)',) $(if $(filter-out bench/results,$(BENCH_OUT)),--out $(BENCH_OUT)/$$s.md,) || exit $$?; fi; done
 
 tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARGS=... for more); writes configs/fp8/
 	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(or $(ARGS),--quick)

@@ -1,55 +1,67 @@
 #!/usr/bin/env python3
-"""Benchmark DeepSeek-V4 sparse MLA decode: dsv4_sm120's Triton kernel against the baselines present.
+"""Benchmark DeepSeek-V4 sparse MLA decode: dsv4_sm120's Triton kernel against the baselines present; every
+measured point is appended as a row to ``bench/results/attention.csv`` (tables: ``bench/results_table.py``).
 
-Per point (batch B, heads H, layout): microseconds per call under CUDA-graph replay (several
-"layers" with their own caches per graph, so the caches do not sit in L2), achieved GB/s (bytes of
-the valid KV tokens read + q + out, per call), and correctness (relative Frobenius error of out
-against a float64 reference on a few rows).
+Per point (case, batch B): microseconds per call under CUDA-graph replay (several "layers" with their own
+caches per graph, so the caches do not sit in L2), achieved GB/s (bytes of the valid KV tokens read + q + out,
+per call), and correctness (relative Frobenius error of out against a float64 reference on a few rows).
 
-Baselines, each used when present:
-* ``flashmla``: sgl-flash-mla (``flash_mla.flash_mla_with_kvcache``, ``use_legacy=True``, V4 layout,
-  q padded to 64 heads) on sm_90 / sm_100;
-* ``flashinfer``: SGLang's FlashInfer sm_120 path (``_flash_mla_flashinfer``) on sm_120 with SGLang;
-* ``upstream``: SGLang's Triton fallback ``flash_mla_sparse_decode_triton`` (q padded to 64 heads as
-  SGLang does), from the installed SGLang or from ``--upstream-file``;
-* ``torch``: SGLang's torch reference ``_sm120_sparse_decode_fwd`` (eager: it syncs the host).
+Cases (``--cases``, comma list; ``default`` = tp4_decode,single512,h64,h64_single512, ``all`` = every case):
+  tp4_decode     SWA128 + c4-512 (main SWA cache, page 256, 128 candidates + c4 cache, page 64, top-512), H=16
+  single512      one cache (page 256), 512 candidates, H=16
+  h64            SWA128 + c4-512, H=64          h64_single512   single-512, H=64
+  h32, h128      SWA128 + c4-512, H=32 / H=128 (B = 1, 16, 64, 128)
+B = 1, 4, 16, 64, 128 unless noted (``--batches`` overrides).
 
-Layouts: ``swa128+c4`` (main SWA cache, page 256, 128 candidates + c4 cache, page 64, top-512) and
-``single512`` (one cache, page 256, 512 candidates).
+Impls (rows' ``impl``): ``ours-bf16`` / ``ours-fp8`` (``--qk-modes``), and each baseline present:
+``flashmla`` (sgl-flash-mla, ``use_legacy=True``, q padded to 64 heads; sm_90 / sm_100), ``flashinfer``
+(SGLang's FlashInfer sm_120 path), ``upstream-triton`` (SGLang's Triton fallback, q padded to 64 heads, from
+the installed SGLang, the pristine copy under ~/.cache/dsv4_sm120 or ``--upstream-file``), ``torch-eager``
+(SGLang's torch reference; it syncs the host).
 
-Example: ``python3 bench/bench_attention.py --batches 1,16 --heads 16 --out bench/results/x``
+``--variants 'A;B'``: launch-config texts passed to the kernel's config override (the DSV4_SM120_ATTN_CONFIG
+syntax); each is timed next to the default at ``--variant-cases`` and recorded with that text as ``variant``.
+
+  python3 bench/bench_attention.py --cases tp4_decode --variants 'SPAN=0'
+  python3 bench/bench_attention.py --dry-run --cases all     # the rows it would write; no GPU needed
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
-import math
 import os
-import platform
+import shlex
 import statistics
 import sys
-import tempfile
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "overlay"))
 
 
+REPO = Path(HERE).resolve().parent
+from dsv4_sm120 import bench_results as R  # noqa: E402
+
+B_ALL = (1, 4, 16, 64, 128)
+CASES = {"tp4_decode": ("swa128+c4", 16, B_ALL), "single512": ("single512", 16, B_ALL),
+         "h64": ("swa128+c4", 64, B_ALL), "h64_single512": ("single512", 64, B_ALL),
+         "h32": ("swa128+c4", 32, (1, 16, 64, 128)), "h128": ("swa128+c4", 128, (1, 16, 64, 128))}
+GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"), "all": tuple(CASES)}
+BASELINES = ("flashmla", "flashinfer", "upstream-triton", "torch-eager")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="1,4,16,64,128", help="comma list of T (query rows)")
-    p.add_argument("--heads", default="16,64", help="comma list of per-rank heads")
-    p.add_argument("--layouts", default="swa128+c4,single512", help="comma list of layouts")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="default", help="comma list of cases or groups (default, all)")
+    p.add_argument("--batches", default="", help="comma list of B for every case (default: each case's own)")
     p.add_argument("--impls", default="ours,flashmla,flashinfer,upstream,torch",
                    help="comma list; missing baselines are skipped with a note")
-    p.add_argument("--variants", default="", help="';'-separated kernel overrides for ours, e.g. "
-                   "'BLOCK_N=64,num_warps=4;waves=4' (each becomes an extra row 'ours-<qk mode>[...]' for every "
-                   "--qk-modes entry; bf16-only bodies skip fp8)")
-    p.add_argument("--variant-layouts", default="swa128+c4",
-                   help="layouts at which --variants run (each variant is a few Triton compiles per shape)")
-    p.add_argument("--variant-heads", default="16", help="per-rank head counts at which --variants run")
+    p.add_argument("--variants", default="", help="';'-separated launch configs for ours, e.g. "
+                   "'BLOCK_N=64,num_warps=4;waves=4' (bf16-only bodies skip fp8)")
+    p.add_argument("--variant-cases", default="tp4_decode", help="cases at which --variants run (each variant "
+                   "is a few Triton compiles per shape)")
     p.add_argument("--qk-modes", default="bf16", help="comma list of ours' qk modes (bf16, fp8)")
     p.add_argument("--layers", type=int, default=4, help="caches per graph (defeats L2 reuse)")
     p.add_argument("--context", type=int, default=16384, help="tokens of context per row (c4 range = context/4)")
@@ -58,18 +70,83 @@ def parse_args(argv=None):
     p.add_argument("--sglang-sm120-file", default="", help="path of SGLang's flash_mla_sm120.py (torch baseline) if SGLang is absent")
     p.add_argument("--torch-max-batch", type=int, default=16, help="skip the eager torch baseline above this B")
     p.add_argument("--upstream-max-batch", type=int, default=128)
-    p.add_argument("--out", default="", help="write OUT.json and OUT.md (atomically)")
+    p.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "attention.csv",
+                   help="results file to append to (default bench/results/attention.csv)")
+    p.add_argument("--dry-run", action="store_true", help="list the cases and the rows it would write; no GPU")
     return p.parse_args(argv)
 
 
-def atomic_write(path, text):
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+class UsageError(Exception):
+    pass
 
+
+def plan(args):
+    """[(case, layout, H, [B...], with_variants)] and the variant texts; bad names raise UsageError."""
+    names = []
+    for item in (x.strip() for x in args.cases.split(",")):
+        if not item:
+            continue
+        if item in GROUPS:
+            names += GROUPS[item]
+        elif item in CASES:
+            names.append(item)
+        else:
+            raise UsageError(f"unknown case {item!r}; cases: {', '.join(CASES)}; groups: {', '.join(GROUPS)}")
+    vcases = [x.strip() for x in args.variant_cases.split(",") if x.strip()]
+    for c in vcases:
+        if c not in CASES:
+            raise UsageError(f"--variant-cases: unknown case {c!r}; cases: {', '.join(CASES)}")
+    try:
+        batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
+    if any(b < 1 for b in batches):
+        raise UsageError("--batches must be positive")
+    modes = [m for m in args.qk_modes.split(",") if m]
+    if not modes or any(m not in ("bf16", "fp8") for m in modes):
+        raise UsageError(f"--qk-modes must be a comma list of bf16, fp8; got {args.qk_modes!r}")
+    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
+    out = []
+    for n in dict.fromkeys(names):
+        layout, H, bs = CASES[n]
+        out.append((n, layout, H, batches or list(bs), n in vcases))
+    return out, variants, modes
+
+
+def check_variants(variants):
+    """Validate the variant texts with the kernel's torch-free parser when it is there (a typo fails before
+    any GPU work); the kernel validates them again when it runs."""
+    try:
+        from dsv4_sm120.attention import launch_config
+    except ImportError:
+        return
+    for v in variants:
+        try:
+            launch_config.parse_config(v, f"--variants item {v!r}")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def dry_run(args, cases, variants, modes, command):
+    impls = [s for s in args.impls.split(",") if s]
+    print(f"results file: {args.results}")
+    print(f"command recorded: {command}")
+    print(",".join(R.columns("attention")))
+    n = 0
+    for case, layout, H, bs, with_v in cases:
+        for B in bs:
+            names = []
+            if "ours" in impls:
+                names += [(f"ours-{m}", v or "default") for m in modes for v in [""] + (variants if with_v else [])]
+            names += [(b, "default") for b in BASELINES if b.split("-")[0] in impls]
+            for impl, variant in names:
+                row = R.make_row("attention", case=case, variant=variant, impl=impl, layout=layout, heads=H,
+                                 batch=B, context=args.context, date=R.now(), command=command,
+                                 notes="" if impl.startswith("ours") else "if present")
+                print(R.csv_line("attention", row))
+                n += 1
+    print(f"{n} rows at most (baselines only where present; GPU, versions, us, GB/s, rel_err filled when run)")
+    return 0
 
 def load_file_module(name, path):
     spec = importlib.util.spec_from_file_location(name, path)
@@ -189,266 +266,199 @@ def valid_tokens(kw):
 
 def main(argv=None):
     args = parse_args(argv)
-    import torch
-
+    argv = sys.argv[1:] if argv is None else argv
+    command = "python3 bench/bench_attention.py " + " ".join(shlex.quote(a) for a in argv)
+    try:
+        cases, variants, modes = plan(args)
+        check_variants(variants)
+    except UsageError as exc:
+        print(f"bench_attention: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(args, cases, variants, modes, command)
+    try:
+        import torch
+        import triton  # noqa: F401
+    except ImportError as exc:
+        print(f"bench_attention: error: {exc.name} is not installed; this benchmark needs torch, triton and a CUDA "
+              "GPU (--dry-run lists the cases without one)", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench_attention: error: no CUDA GPU visible; nothing to measure (--dry-run lists the cases)",
+              file=sys.stderr)
+        return 2
     from dsv4_sm120.attention import kernel as K
 
-    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     for v in variants:
         try:
-            K.parse_config(v, f"--variants item {v!r}")  # a typo fails here, before any GPU work
+            K.parse_config(v, f"--variants item {v!r}")
         except K.DecodeInputError as exc:
             print(f"bench_attention: error: {exc}", file=sys.stderr)
             return 2
-    if not torch.cuda.is_available():
-        print("bench_attention: no CUDA device; nothing to measure", file=sys.stderr)
-        return 2
-    import triton
-
-    from dsv4_sm120.attention.reference import rel_fro, sparse_mla_decode_ref
-
-    dev = torch.device("cuda")
+    env = R.environment(REPO, command)
     bl = Baselines(args, torch)
-    impls = [s for s in args.impls.split(",") if s]
-    qk_modes = [m for m in args.qk_modes.split(",") if m]
-    gen = torch.Generator(device=dev).manual_seed(1234)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-        sms=torch.cuda.get_device_properties(0).multi_processor_count, torch=torch.__version__,
-        triton=triton.__version__, python=platform.python_version(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python3 bench/bench_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        notes=bl.notes, layers_per_graph=args.layers, context=args.context,
-    )
-    print(json.dumps(meta), flush=True)
+    for k, v in bl.notes.items():
+        print(f"note: {k}: {v}", flush=True)
     rows = []
-
-    def run_point(layout, B, H):
-        layers = [make_layer(torch, layout, B, args.context, gen, dev) for _ in range(args.layers)]
-        qs = [torch.randn(B, 1, H, 512, device=dev, generator=gen).to(torch.bfloat16) for _ in layers]
-        sink = torch.randn(H, device=dev, generator=gen)
-        scale = 512 ** -0.5
-        ntok = valid_tokens(layers[0][0])
-        bytes_call = ntok * 584 + B * H * 512 * 2 * 2
-        check_rows = sorted({0, B // 2, B - 1})
-        ref = None
-
-        def reference():
-            kw = layers[0][0]
-            sub = {k: (v[check_rows] if k in ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length") else v)
-                   for k, v in kw.items()}
-            return sparse_mla_decode_ref(qs[0][check_rows], attn_sink=sink, head_dim_v=512, softmax_scale=scale, **sub)[0]
-
-        # callables: name -> f(layer_i) returning out [B,1,H,512]
-        calls = {}
-        if "ours" in impls:
-            with_variants = (layout in args.variant_layouts.split(",")
-                             and str(H) in args.variant_heads.split(","))
-            for mode in qk_modes:
-                for v in [""] + (variants if with_variants else []):
-                    ov = K.parse_config(v, f"--variants item {v!r}")
-                    if mode == "fp8" and ov.get("impl") in K.launch_config.BF16_ONLY_IMPLS:
-                        continue  # bf16-only bodies (they refuse fp8 QK)
-                    name = f"ours-{mode}" + (f"[{v}]" if v else "")
-
-                    def f(i, mode=mode, ov=ov):
-                        K.CONFIG_OVERRIDE.clear()
-                        K.CONFIG_OVERRIDE.update(ov)
-                        try:
-                            return K.sparse_mla_decode(qs[i], attn_sink=sink, head_dim_v=512, softmax_scale=scale,
-                                                       qk_mode=mode, **layers[i][0])[0]
-                        finally:
-                            K.CONFIG_OVERRIDE.clear()
-
-                    calls[name] = (f, True)
-        pad = max(64, H)
-        q64 = [torch.zeros(B, 1, pad, 512, device=dev, dtype=torch.bfloat16) for _ in layers]
-        for i in range(len(layers)):
-            q64[i][:, :, :H] = qs[i]
-        sink64 = torch.zeros(pad, device=dev)
-        sink64[:H] = sink
-        if "flashmla" in impls and bl.flashmla is not None:
-            metas = [bl.flashmla.get_mla_metadata()[0] for _ in layers]
-
-            def f(i):
-                kw = layers[i][0]
-                o = bl.flashmla.flash_mla_with_kvcache(
-                    q=q64[i], k_cache=kw["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=512,
-                    tile_scheduler_metadata=metas[i], softmax_scale=scale, is_fp8_kvcache=True,
-                    indices=kw["indices"], attn_sink=sink64, extra_k_cache=kw.get("extra_k_cache"),
-                    extra_indices_in_kvcache=kw.get("extra_indices_in_kvcache"), topk_length=kw["topk_length"],
-                    extra_topk_length=kw.get("extra_topk_length"), use_legacy=True)[0]
-                return o[:, :, :H]
-
-            calls["flashmla(64 heads)"] = (f, True)
-        if "flashinfer" in impls and bl.flashinfer is not None:
-            def f(i):
-                kw = layers[i][0]
-                return bl.flashinfer(qs[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink, 512, scale,
-                                     kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                                     kw.get("extra_topk_length"))[0]
-
-            calls["flashinfer"] = (f, True)
-        if "upstream" in impls and bl.upstream is not None and B <= args.upstream_max_batch:
-            def f(i):
-                kw = layers[i][0]
-                return bl.upstream(q64[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink64, 512, scale,
-                                   kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                                   kw.get("extra_topk_length"))[0][:, :, :H]
-
-            calls["upstream-triton(64 heads)"] = (f, True)
-        if "torch" in impls and bl.torch_fwd is not None and B <= args.torch_max_batch:
-            def f(i):
-                kw = layers[i][0]
-                return bl.torch_fwd(qs[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink, 512, scale,
-                                    kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                                    kw.get("extra_topk_length"))[0]
-
-            calls["torch(eager)"] = (f, False)
-
-        for name, (f, graph) in calls.items():
-            row = dict(layout=layout, B=B, H=H, impl=name)
-            try:
-                out0 = f(0)
-                torch.cuda.synchronize()
-                if ref is None:
-                    ref = reference()
-                row["rel_err"] = rel_fro(out0[check_rows], ref)
-                for i in range(len(layers)):
-                    f(i)
-                torch.cuda.synchronize()
-                if graph:
-                    s = torch.cuda.Stream()
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        for i in range(len(layers)):
-                            f(i)
-                    torch.cuda.current_stream().wait_stream(s)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        for i in range(len(layers)):
-                            f(i)
-                    run = g.replay
-                else:
-                    def run():
-                        for i in range(len(layers)):
-                            f(i)
-                for _ in range(3):
-                    run()
-                torch.cuda.synchronize()
-                samples = []
-                n = args.replays if graph else max(3, args.replays // 10)
-                for _ in range(5):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    for _ in range(n):
-                        run()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    samples.append(e0.elapsed_time(e1) * 1000.0 / (n * len(layers)))
-                us = statistics.median(samples)
-                row.update(us=round(us, 2), spread_us=round(max(samples) - min(samples), 2),
-                           gbps=round(bytes_call / us / 1e3, 1), graph=graph)
-                if graph and name.startswith("ours"):
-                    # graph replay must equal eager
-                    row["graph_equals_eager"] = bool(torch.equal(f(0), out0))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        del layers
-        torch.cuda.empty_cache()
-
-    for layout in [s for s in args.layouts.split(",") if s]:
-        for H in [int(x) for x in args.heads.split(",") if x]:
-            for B in [int(x) for x in args.batches.split(",") if x]:
-                run_point(layout, B, H)
-
-    md = render(meta, rows)
-    print(md)
-    if args.out:
-        atomic_write(args.out + ".json", json.dumps(dict(meta=meta, rows=rows), indent=1))
-        atomic_write(args.out + ".md", md)
+    for case, layout, H, bs, with_v in cases:
+        for B in bs:
+            got = run_point(args, torch, K, bl, case, layout, B, H, variants if with_v else [], modes, env)
+            R.append_rows(args.results, "attention", got)  # per point: an interrupted run keeps what it measured
+            rows += got
+    print(R.render_table("attention", rows, env["gpu"], all_variants=True) if rows else "no rows measured")
+    print("\n".join(R.best_variants(rows)))
+    print(f"appended {len(rows)} rows to {args.results}")
     return 0
 
 
-def render(meta, rows):
-    lines = [f"# sparse MLA decode: {meta['gpu']} (sm_{meta['capability'][0]}{meta['capability'][1]}, "
-             f"{meta['sms']} SMs), torch {meta['torch']}, triton {meta['triton']}, {meta['date']}", "",
-             f"Command: `{meta['command']}`", "",
-             f"us per call under CUDA-graph replay ({meta['layers_per_graph']} layers with their own caches "
-             "per graph), GB/s of valid KV tokens + q + out, rel_err = relative Frobenius error of out vs "
-             "float64 on 3 rows.", ""]
-    for k, v in meta["notes"].items():
-        lines.append(f"- {k}: {v}")
-    lines.append("")
-    keys = sorted({(r["layout"], r["H"]) for r in rows}, key=lambda x: (x[0], x[1]))
-    for layout, H in keys:
-        sel = [r for r in rows if r["layout"] == layout and r["H"] == H]
-        impls = list(dict.fromkeys(r["impl"] for r in sel))
-        Bs = sorted({r["B"] for r in sel})
-        lines.append(f"## {layout}, H={H}")
-        lines.append("")
-        lines.append("| impl | " + " | ".join(f"B={b} us (GB/s, err)" for b in Bs) + " |")
-        lines.append("| --- | " + " | ".join("---" for _ in Bs) + " |")
-        for im in impls:
-            cells = []
-            for b in Bs:
-                r = next((x for x in sel if x["impl"] == im and x["B"] == b), None)
-                if r is None:
-                    cells.append("-")
-                elif "error" in r:
-                    cells.append("error")
-                else:
-                    cells.append(f"{r['us']:.1f} ({r['gbps']:.0f}, {r['rel_err']:.1e})")
-            lines.append(f"| {im} | " + " | ".join(cells) + " |")
-        lines.append("")
-    lines += best_variants(rows)
-    errs = [r for r in rows if "error" in r]
-    if errs:
-        lines.append("Errors:")
-        for r in errs:
-            lines.append(f"- {r['layout']} B={r['B']} H={r['H']} {r['impl']}: {r['error']}")
-    return "\n".join(lines) + "\n"
+def run_point(args, torch, K, bl, case, layout, B, H, variants, modes, env):
+    from dsv4_sm120.attention.reference import rel_fro, sparse_mla_decode_ref
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(1234 + B * 131 + H)
+    impls = [s for s in args.impls.split(",") if s]
+    layers = [make_layer(torch, layout, B, args.context, gen, dev) for _ in range(args.layers)]
+    qs = [torch.randn(B, 1, H, 512, device=dev, generator=gen).to(torch.bfloat16) for _ in layers]
+    sink = torch.randn(H, device=dev, generator=gen)
+    scale = 512 ** -0.5
+    ntok = valid_tokens(layers[0][0])
+    bytes_call = ntok * 584 + B * H * 512 * 2 * 2
+    check_rows = sorted({0, B // 2, B - 1})
+    ref = None
+
+    def reference():
+        kw = layers[0][0]
+        sub = {k: (v[check_rows] if k in ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length") else v)
+               for k, v in kw.items()}
+        return sparse_mla_decode_ref(qs[0][check_rows], attn_sink=sink, head_dim_v=512, softmax_scale=scale, **sub)[0]
+
+    # (impl, variant) -> (f(layer_i) returning out [B,1,H,512], graph replay?, notes)
+    calls = {}
+    bf16_only = getattr(getattr(K, "launch_config", None), "BF16_ONLY_IMPLS", ())
+    if "ours" in impls:
+        for mode in modes:
+            for v in [""] + variants:
+                ov = K.parse_config(v, f"--variants item {v!r}")
+                if mode == "fp8" and ov.get("impl") in bf16_only:
+                    continue  # bf16-only bodies refuse fp8 QK
+
+                def f(i, mode=mode, ov=ov):
+                    K.CONFIG_OVERRIDE.clear()
+                    K.CONFIG_OVERRIDE.update(ov)
+                    try:
+                        return K.sparse_mla_decode(qs[i], attn_sink=sink, head_dim_v=512, softmax_scale=scale,
+                                                   qk_mode=mode, **layers[i][0])[0]
+                    finally:
+                        K.CONFIG_OVERRIDE.clear()
+
+                calls[(f"ours-{mode}", v or "default")] = (f, True, "")
+    pad = max(64, H)
+    q64 = [torch.zeros(B, 1, pad, 512, device=dev, dtype=torch.bfloat16) for _ in layers]
+    for i in range(len(layers)):
+        q64[i][:, :, :H] = qs[i]
+    sink64 = torch.zeros(pad, device=dev)
+    sink64[:H] = sink
+    if "flashmla" in impls and bl.flashmla is not None:
+        metas = [bl.flashmla.get_mla_metadata()[0] for _ in layers]
+
+        def f(i):
+            kw = layers[i][0]
+            o = bl.flashmla.flash_mla_with_kvcache(
+                q=q64[i], k_cache=kw["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=512,
+                tile_scheduler_metadata=metas[i], softmax_scale=scale, is_fp8_kvcache=True,
+                indices=kw["indices"], attn_sink=sink64, extra_k_cache=kw.get("extra_k_cache"),
+                extra_indices_in_kvcache=kw.get("extra_indices_in_kvcache"), topk_length=kw["topk_length"],
+                extra_topk_length=kw.get("extra_topk_length"), use_legacy=True)[0]
+            return o[:, :, :H]
+
+        calls[("flashmla", "default")] = (f, True, f"q padded to {pad} heads")
+    if "flashinfer" in impls and bl.flashinfer is not None:
+        def f(i):
+            kw = layers[i][0]
+            return bl.flashinfer(qs[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink, 512, scale,
+                                 kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
+                                 kw.get("extra_topk_length"))[0]
+
+        calls[("flashinfer", "default")] = (f, True, "")
+    if "upstream" in impls and bl.upstream is not None and B <= args.upstream_max_batch:
+        def f(i):
+            kw = layers[i][0]
+            return bl.upstream(q64[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink64, 512, scale,
+                               kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
+                               kw.get("extra_topk_length"))[0][:, :, :H]
+
+        calls[("upstream-triton", "default")] = (f, True, f"q padded to {pad} heads")
+    if "torch" in impls and bl.torch_fwd is not None and B <= args.torch_max_batch:
+        def f(i):
+            kw = layers[i][0]
+            return bl.torch_fwd(qs[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink, 512, scale,
+                                kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
+                                kw.get("extra_topk_length"))[0]
+
+        calls[("torch-eager", "default")] = (f, False, "eager, no graph")
+
+    rows = []
+    for (impl, variant), (f, graph, note) in calls.items():
+        res = dict(us=None, gbps=None, rel_err=None)
+        notes = [f"layers={args.layers}"] + ([note] if note else [])
+        try:
+            out0 = f(0)
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = reference()
+            res["rel_err"] = rel_fro(out0[check_rows], ref)
+            us, spread = time_call(torch, f, len(layers), graph, args.replays)
+            res.update(us=round(us, 2), gbps=round(bytes_call / us / 1e3, 1))
+            notes.append(f"spread_us={spread:.2f}")
+            if graph and impl.startswith("ours") and not torch.equal(f(0), out0):
+                notes.append("graph_equals_eager=false")  # graph replay must equal eager
+        except Exception as e:  # noqa: BLE001 - one failing impl must not stop the others
+            notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))
+        row = R.make_row("attention", case=case, variant=variant, impl=impl, layout=layout, heads=H, batch=B,
+                         context=args.context, notes="; ".join(notes), **res, **env)
+        print(",".join(row[c] for c in ("case", "impl", "variant", "batch", "us", "gbps", "rel_err", "notes")),
+              flush=True)
+        rows.append(row)
+    del layers
+    torch.cuda.empty_cache()
+    return rows
 
 
-def best_variants(rows):
-    """Per (layout, H, qk mode): the fastest of ours' default and its --variants rows at each B, and the
-    DSV4_SM120_ATTN_CONFIG line that picks a variant which is never slower than the default by more than 2%
-    and faster by more than 3% somewhere (so the user's box can adopt what won there)."""
-    ours = [r for r in rows if r["impl"].startswith("ours-") and "error" not in r and "us" in r]
-    groups = sorted({(r["layout"], r["H"], r["impl"].split("[")[0]) for r in ours})
-    lines = []
-    for layout, H, base in groups:
-        sel = [r for r in ours if r["layout"] == layout and r["H"] == H and r["impl"].split("[")[0] == base]
-        variants = sorted({r["impl"][len(base) + 1:-1] for r in sel if "[" in r["impl"]})
-        if not variants:
-            continue
-        Bs = sorted({r["B"] for r in sel})
-        default = {r["B"]: r["us"] for r in sel if r["impl"] == base}
-        cells, candidates = [], []
-        for b in Bs:
-            at_b = [r for r in sel if r["B"] == b]
-            best = min(at_b, key=lambda r: r["us"])
-            name = best["impl"][len(base) + 1:-1] if "[" in best["impl"] else "default"
-            ref = default.get(b)
-            cells.append(f"B={b}: {name} {best['us']:.1f} us" + (f" ({ref / best['us']:.2f}x)" if ref else ""))
-        for v in variants:
-            us = {r["B"]: r["us"] for r in sel if r["impl"] == f"{base}[{v}]"}
-            if all(b in us and b in default for b in Bs):
-                ratios = [default[b] / us[b] for b in Bs]
-                if min(ratios) >= 0.98 and max(ratios) > 1.03:
-                    candidates.append((sum(ratios) / len(ratios), v))
-        lines.append(f"Best of ours at {layout}, H={H}, {base}: " + "; ".join(cells) + ".")
-        if candidates:
-            gain, v = max(candidates)
-            qk = " DSV4_SM120_ATTN_QK=fp8" if base == "ours-fp8" else ""
-            lines.append(f"Variant never >2% slower and >3% faster somewhere (mean {gain:.2f}x): "
-                         f"`DSV4_SM120_ATTN_CONFIG='{v}'{qk}` (serve scripts pass the environment through).")
-        else:
-            lines.append("No variant beats the default across these batch sizes: keep the default.")
-        lines.append("")
-    return lines
+def time_call(torch, f, n_layers, graph, replays):
+    """Median us per layer call (5 samples), and the samples' spread; graph: the layers captured in one graph."""
+    for i in range(n_layers):
+        f(i)
+    torch.cuda.synchronize()
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(n_layers):
+                f(i)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(n_layers):
+                f(i)
+        run = g.replay
+    else:
+        def run():
+            for i in range(n_layers):
+                f(i)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    samples = []
+    n = replays if graph else max(3, replays // 10)
+    for _ in range(5):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            run()
+        e1.record()
+        torch.cuda.synchronize()
+        samples.append(e0.elapsed_time(e1) * 1000.0 / (n * n_layers))
+    return statistics.median(samples), max(samples) - min(samples)
 
 
 if __name__ == "__main__":

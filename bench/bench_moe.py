@@ -1,39 +1,49 @@
 #!/usr/bin/env python3
-"""Benchmark the Triton NVFP4 fused MoE at DeepSeek-V4-Flash TP4 shapes.
+"""Benchmark the Triton NVFP4 fused MoE at DeepSeek-V4-Flash shapes; every measured point is appended as a row
+to ``bench/results/moe.csv`` (tables: ``bench/results_table.py``).
 
-For each M (tokens) it times, with CUDA-graph replay:
-  * ``nvfp4`` — :func:`dsv4_sm120.moe.nvfp4_fused_moe` on its default path for
-    this GPU (``fp4`` = native FP4 tensor cores on sm_100/sm_120, ``bf16`` =
-    in-kernel upcast elsewhere), and with ``--all-paths`` the other path too;
-  * ``fp8`` — a W8A8 block-scaled FP8 MoE baseline: our own simple Triton
-    kernel in this file (weights e4m3 with one fp32 scale per 128x128 block,
-    activations quantized per token and 128-column group in-kernel, like
+For each token count M it times, with CUDA-graph replay:
+  * ``nvfp4-<path>`` -- :func:`dsv4_sm120.moe.nvfp4_fused_moe` on its default path for this GPU (``fp4`` =
+    native FP4 tensor cores on sm_100/sm_120, ``bf16`` = in-kernel upcast elsewhere), and with ``--all-paths``
+    the other path too; rel_err against the float64 reference of the exactly dequantized weights;
+  * ``fp8-baseline`` -- a W8A8 block-scaled FP8 MoE: this file's simple Triton kernel (weights e4m3 with one
+    fp32 scale per 128x128 block, activations quantized per token and 128-column group in-kernel, like
     DeepSeek's FP8 recipe), same routing / reduction kernels as ``nvfp4``;
-  * ``bf16`` — the same baseline kernel with plain bf16 weights.
-Reported: time per call, the weight bytes the step must read (distinct active
-experts x bytes per expert, scales included), achieved weight bandwidth and
-its share of the GPU's measured device-to-device copy bandwidth
-(bytes read + written / time).
+  * ``bf16-baseline`` -- the same kernel with plain bf16 weights.
+GB/s: the weight bytes the step must read (distinct active experts x bytes per expert, scales included) per
+time; notes: active experts, weight MB, the share of the GPU's measured device-to-device copy bandwidth.
+Each replay runs ``--rotate`` calls with different routings whose expert sets spread over all experts, so
+weights come from HBM and not from L2.
 
-Each replay runs ``--rotate`` calls with different routings, whose expert
-sets are spread over all experts, so weights come from HBM and not from L2.
+Cases (``--cases``): ``tp4`` (H 4096, I 512 per rank, E 256, top-6; M = 1,4,16,64,128,1024,4096; ``--m``
+overrides M). ``--variants 'deq=3;BN1=64,BK1=128;apre=0'``: launch variants of the default path, each a
+','-list of Config fields (deq, BN1, BK1, BN2, BK2, warps1, warps2, stages, BM), align=inkernel|triton|torch|
+auto, aload=split|strided, apre=0|1; timed at ``--variant-m`` and recorded with that text as ``variant``.
 
-  python bench/bench_moe.py                 # full table (H 4096, I 512, E 256, k 6)
-  python bench/bench_moe.py --out bench/results/moe_h200.md
+  python bench/bench_moe.py                      # the tp4 case
+  python bench/bench_moe.py --m 1,64 --variants 'deq=3' --variant-m 1,64
+  python bench/bench_moe.py --dry-run            # the rows it would write; no GPU needed
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
+
+from dsv4_sm120 import bench_results as R  # noqa: E402
+
+# name -> (hidden, inter per rank, experts, top-k, token counts)
+CASES = {"tp4": (4096, 512, 256, 6, (1, 4, 16, 64, 128, 1024, 4096))}
+CONFIG_FIELDS = ("deq", "BN1", "BK1", "BN2", "BK2", "warps1", "warps2", "stages", "BM")
+ENV_KEYS = {"align": ("DSV4_SM120_MOE_ALIGN", ("inkernel", "triton", "torch", "auto")),
+            "aload": ("DSV4_SM120_MOE_ALOAD", ("split", "strided"))}
 
 try:  # the kernels below need triton; --help does not
     import torch
@@ -223,22 +233,91 @@ def _routings(M, E, k, n, gen_seed):
     return out
 
 
-def run(args, ms):
-    from dsv4_sm120.moe.fused_moe import Config, choose_config, default_path, nvfp4_fused_moe_impl
+class UsageError(Exception):
+    pass
+
+
+def parse_variant(spec: str):
+    """'deq=3,align=triton,apre=0' -> (Config field overrides, env overrides, apre or None); bad items raise."""
+    fields, env, apre = {}, {}, None
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        k, sep, v = (x.strip() for x in item.partition("="))
+        if not sep or not v:
+            raise UsageError(f"--variants item {spec!r}: expected key=value, got {item!r}")
+        if k in ENV_KEYS:
+            name, choices = ENV_KEYS[k]
+            if v not in choices:
+                raise UsageError(f"--variants item {spec!r}: {k} must be one of {', '.join(choices)}, got {v!r}")
+            env[name] = v
+        elif k == "apre":
+            if v not in ("0", "1"):
+                raise UsageError(f"--variants item {spec!r}: apre must be 0 or 1, got {v!r}")
+            apre = v == "1"
+        elif k in CONFIG_FIELDS:
+            try:
+                fields[k] = int(v)
+            except ValueError:
+                raise UsageError(f"--variants item {spec!r}: {k} needs an integer, got {v!r}") from None
+        else:
+            raise UsageError(f"--variants item {spec!r}: unknown key {k!r}; keys: "
+                             f"{', '.join(CONFIG_FIELDS + tuple(ENV_KEYS) + ('apre',))}")
+    return fields, env, apre
+
+
+def plan(args):
+    if args.cases not in CASES:
+        raise UsageError(f"unknown case {args.cases!r}; cases: {', '.join(CASES)}")
+    H, I, E, k, ms = CASES[args.cases]
+    try:
+        if args.m:
+            ms = [int(v) for v in args.m.split(",") if v.strip()]
+        vms = [int(v) for v in args.variant_m.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--m / --variant-m must be comma-separated integers, got {args.m!r} / "
+                         f"{args.variant_m!r}") from None
+    ms = list(ms)
+    if not ms or min(ms + vms) < 1:
+        raise UsageError("--m / --variant-m must be positive integers")
+    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
+    for v in variants:
+        parse_variant(v)
+    return (H, I, E, k), list(ms), vms, variants
+
+
+def dry_run(args, shape, ms, vms, variants, command):
+    H, I, E, k = shape
+    print(f"results file: {args.results}\ncommand recorded: {command}")
+    print(",".join(R.columns("moe")))
+    rows = []
+    paths = ["<default path>"] + (["<other path>"] if args.all_paths else [])
+    for M in ms:
+        impls = [f"nvfp4-{p}" for p in paths] + ([] if args.no_baselines else ["fp8-baseline", "bf16-baseline"])
+        rows += [(M, i, "default") for i in impls]
+    rows += [(M, "nvfp4-<default path>", v) for v in variants for M in vms]
+    for M, impl, variant in rows:
+        print(R.csv_line("moe", R.make_row("moe", case=args.cases, impl=impl, variant=variant, tokens=M, hidden=H,
+                                           inter=I, experts=E, topk=k, routing="random", date=R.now(),
+                                           command=command)))
+    print(f"{len(rows)} rows (GPU, versions, us, GB/s, rel_err filled when run)")
+    return 0
+
+
+def run(args, shape, ms, vms, variants, command):
+    import dataclasses
+
+    from dsv4_sm120.moe.fused_moe import choose_config, default_path, nvfp4_fused_moe_impl
+    from dsv4_sm120.moe.reference import moe_reference, rel_err
     from dsv4_sm120.moe.testing import make_experts
 
-    H, I, E, k = args.hidden, args.inter, args.experts, args.topk
-    if args.aload:
-        os.environ["DSV4_SM120_MOE_ALOAD"] = args.aload
-    if args.align:
-        os.environ["DSV4_SM120_MOE_ALIGN"] = args.align
+    H, I, E, k = shape
     dev = torch.device("cuda")
-    name = torch.cuda.get_device_name()
-    cap = torch.cuda.get_device_capability()
     limit = 10.0
-    print(f"# {name} sm_{cap[0]}{cap[1]}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    env = R.environment(REPO, command)
     bw = copy_bandwidth()
-    print(f"copy bandwidth (read+write): {bw:.0f} GB/s", flush=True)
+    print(f"# {env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy bandwidth (read+write) {bw:.0f} GB/s",
+          flush=True)
     W = make_experts(E, H, I, 0, device=dev)
     fp4_bytes = (W["w13"].numel() + W["w13_scale"].numel() + W["w2"].numel() + W["w2_scale"].numel()) // E
     base = {}
@@ -250,239 +329,125 @@ def run(args, ms):
         s2 = torch.full((E, H // 128, I // 128), 2.0 / 448, device=dev)
         w13f = (w13b.float() * 448 * 0.5).to(torch.float8_e4m3fn)
         w2f = (w2b.float() * 448 * 0.5).to(torch.float8_e4m3fn)
-        base["fp8"] = (w13f, s13, w2f, s2, True, (w13f.numel() + w2f.numel()) // E + (s13.numel() + s2.numel()) * 4 // E)
-        base["bf16"] = (w13b, s13, w2b, s2, False, (w13b.numel() + w2b.numel()) * 2 // E)
+        base["fp8-baseline"] = (w13f, s13, w2f, s2, True,
+                                (w13f.numel() + w2f.numel()) // E + (s13.numel() + s2.numel()) * 4 // E)
+        base["bf16-baseline"] = (w13b, s13, w2b, s2, False, (w13b.numel() + w2b.numel()) * 2 // E)
     dpath = default_path(dev)
-    check_lines = []
-    if not args.no_check:
-        from dsv4_sm120.moe.reference import moe_reference, rel_err
-
-        tw_c, ids_c = _routings(64, E, k, 1, 7)[0]
-        ids_c[::5, 0] = -1  # some dropped slots
-        x_c = (torch.randn((64, H), device=dev) * 2).to(torch.bfloat16)
-        ref = moe_reference(x_c, **W, topk_weights=tw_c, topk_ids=ids_c, swiglu_limit=limit)
-        refq = moe_reference(x_c, **W, topk_weights=tw_c, topk_ids=ids_c, swiglu_limit=limit, act_quant=True)
-        for p in ("bf16", "fp4"):
-            try:
-                o = nvfp4_fused_moe_impl(x_c, **W, topk_weights=tw_c, topk_ids=ids_c, swiglu_limit=limit, path=p)
-                line = (f"correctness M=64 path={p}{' (default)' if p == dpath else ''}: rel err vs float64 "
-                        f"{rel_err(o, ref):.2e}" + (f", vs act-quant reference {rel_err(o, refq):.2e} (activation "
-                                                     f"quantization alone {rel_err(refq, ref):.2e})" if p == "fp4" else ""))
-            except Exception as exc:  # noqa: BLE001
-                line = f"correctness M=64 path={p}: failed {type(exc).__name__}: {str(exc)[:200]}"
-            print("  " + line, flush=True)
-            check_lines.append(line)
-    sweep_lines = []
-    if args.sweep and dpath == "bf16":
-        import dataclasses
-
-        best = {}
-        for M in (1, 64):
-            routs = _routings(M, E, k, args.rotate, 100 + M)
-            active = statistics.mean(float(torch.unique(ids).numel()) for _, ids in routs)
-            x0 = (torch.randn((M, H), device=dev) * 2).to(torch.bfloat16)
-            ref_cfg = dataclasses.replace(choose_config(M, k, E, H, I, dpath), deq=0)
-            tw0, ids0 = routs[0]
-            ref_out = nvfp4_fused_moe_impl(x0, **W, topk_weights=tw0, topk_ids=ids0, swiglu_limit=limit,
-                                           path=dpath, config=ref_cfg).double()
-            variants = [Config(16, 32, 256, 64, 256, 4, 4, 3, 0)] + [
-                Config(16, bn1, bk1, bn2, bk2, w, w, 3, deq)
-                for deq in (1, 2)
-                for (bn1, bk1, bn2, bk2, w) in ((32, 256, 64, 256, 4), (64, 128, 128, 128, 4), (32, 256, 64, 256, 8))]
-            for cfg in variants:
-                try:
-                    o = nvfp4_fused_moe_impl(x0, **W, topk_weights=tw0, topk_ids=ids0, swiglu_limit=limit,
-                                             path=dpath, config=cfg).double()
-                    diff = ((o - ref_out).norm() / ref_out.norm()).item()
-                    fns = [lambda tw=tw, ids=ids, cfg=cfg: nvfp4_fused_moe_impl(
-                        x0, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, path=dpath, config=cfg)
-                        for (tw, ids) in routs]
-                    t = time_graph(fns, max(10, args.reps // 2))
-                    line = (f"sweep M={M} deq={cfg.deq} BN1={cfg.BN1} BK1={cfg.BK1} BN2={cfg.BN2} BK2={cfg.BK2} "
-                            f"warps={cfg.warps1}: {t:.1f} us, {fp4_bytes * active / t / 1e3:.0f} GB/s, "
-                            f"diff vs deq0 {diff:.1e}")
-                    if diff < 1e-2 and (M not in best or t < best[M][0]):
-                        best[M] = (t, cfg)
-                except Exception as exc:  # noqa: BLE001
-                    line = f"sweep M={M} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}"
-                print("  " + line, flush=True)
-                sweep_lines.append(line)
-        if args.deq == "auto" and 64 in best:
-            os.environ["DSV4_SM120_MOE_DEQ"] = str(best[64][1].deq)
-        for M, (t, cfg) in sorted(best.items()):
-            line = f"best M={M}: {t:.1f} us with {cfg}"
-            print("  " + line, flush=True)
-            sweep_lines.append(line)
-    if args.variants and dpath == "bf16":
-        import dataclasses
-
-        from dsv4_sm120.moe.reference import moe_reference, rel_err
-
-        sweep_lines.append("variants: rel err = out vs float64 reference (first routing); us = graph replay")
-        for M in [int(v) for v in args.variant_m.split(",") if v]:
-            routs = _routings(M, E, k, max(1, min(args.rotate, 4096 * 4 // M)), 300 + M)
-            active = statistics.mean(float(torch.unique(ids).numel()) for _, ids in routs)
-            x0 = (torch.randn((M, H), device=dev) * 2).to(torch.bfloat16)
-            tw0, ids0 = routs[0]
-            ref = moe_reference(x0, **W, topk_weights=tw0, topk_ids=ids0, swiglu_limit=limit)
-            for spec in [v for v in args.variants.split(";") if v.strip()]:
-                kv = dict(item.split("=", 1) for item in spec.split(",") if item.strip())
-                saved = os.environ.get("DSV4_SM120_MOE_ALIGN")
-                try:
-                    if "align" in kv:
-                        os.environ["DSV4_SM120_MOE_ALIGN"] = kv.pop("align")
-                    apre = bool(int(kv.pop("apre"))) if "apre" in kv else None
-                    cfg = choose_config(M, k, E, H, I, dpath)
-                    cfg = dataclasses.replace(cfg, **{f: int(v) for f, v in kv.items()})
-                    o = nvfp4_fused_moe_impl(x0, **W, topk_weights=tw0, topk_ids=ids0, swiglu_limit=limit,
-                                             path=dpath, config=cfg, apre=apre)
-                    err = rel_err(o, ref)
-                    fns = [lambda tw=tw, ids=ids, cfg=cfg: nvfp4_fused_moe_impl(
-                        x0, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, path=dpath, config=cfg,
-                        apre=apre)
-                        for (tw, ids) in routs]
-                    t = time_graph(fns, args.reps)
-                    line = (f"variant M={M} [{spec}] {cfg}: {t:.1f} us, {fp4_bytes * active / t / 1e3:.0f} GB/s "
-                            f"({100 * fp4_bytes * active / t / 1e3 / bw:.1f}% of copy), rel err {err:.2e}")
-                except Exception as exc:  # noqa: BLE001
-                    line = f"variant M={M} [{spec}]: failed {type(exc).__name__}: {str(exc)[:300]}"
-                finally:
-                    if saved is None:
-                        os.environ.pop("DSV4_SM120_MOE_ALIGN", None)
-                    else:
-                        os.environ["DSV4_SM120_MOE_ALIGN"] = saved
-                print("  " + line, flush=True)
-                sweep_lines.append(line)
-    if args.deq in ("0", "1", "2", "3", "4"):
-        os.environ["DSV4_SM120_MOE_DEQ"] = args.deq
-    deq_used = os.environ.get("DSV4_SM120_MOE_DEQ", "default")
-    print(f"  main table uses DSV4_SM120_MOE_DEQ={deq_used}", flush=True)
     paths = [dpath] + ([p for p in ("bf16", "fp4") if p != dpath] if args.all_paths else [])
-    rows = []
+    out_rows = []
+
+    def emit(M, impl, variant, t, nbytes, active, err=None, extra=(), error=None):
+        notes = [f"copy_gbps={bw:.0f}", f"rotate={args.rotate}", *extra]
+        gbs = None
+        if t is not None:
+            gbs = nbytes * active / t / 1e3
+            notes += [f"active_experts={active:.1f}", f"weight_mb={nbytes * active / 1e6:.1f}",
+                      f"pct_of_copy={100 * gbs / bw:.1f}"]
+        if error:
+            notes.append("error=" + error.replace(";", ","))
+        row = R.make_row("moe", case=args.cases, impl=impl, variant=variant, tokens=M, hidden=H, inter=I,
+                         experts=E, topk=k, routing="random", us=None if t is None else round(t, 2),
+                         gbps=None if gbs is None else round(gbs, 1), rel_err=err, notes="; ".join(notes), **env)
+        R.append_rows(args.results, "moe", [row])  # row by row: an interrupted run keeps what it measured
+        out_rows.append(row)
+        print(f"M={M:5d} {impl:14s} {variant:24s} " + (f"{t:9.1f} us  {gbs:7.0f} GB/s" if t is not None else "failed")
+              + (f"  rel err {err:.2e}" if err is not None else "") + (f"  {error}" if error else ""), flush=True)
+
+    def check(x, tw, ids, **kw):
+        if args.no_check:
+            return None
+        ref = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit)
+        return rel_err(nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, **kw), ref)
+
     for M in ms:
         rot = max(1, min(args.rotate, 4096 * 4 // M))
         routs = _routings(M, E, k, rot, 100 + M)
         active = statistics.mean(float(torch.unique(ids).numel()) for _, ids in routs)
         xs = [(torch.randn((M, H), device=dev) * 2).to(torch.bfloat16) for _ in range(min(rot, 4))]
-        res = {}
         for p in paths:
             fns = [lambda tw=tw, ids=ids, x=xs[i % len(xs)], p=p: nvfp4_fused_moe_impl(
                 x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, path=p)
                 for i, (tw, ids) in enumerate(routs)]
+            cfg = choose_config(M, k, E, H, I, p)
             try:
-                res[f"nvfp4-{p}"] = (time_graph(fns, args.reps), fp4_bytes)
-            except Exception as exc:  # noqa: BLE001
-                print(f"  nvfp4-{p} M={M}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        if base and M == ms[0]:
-            tw0, ids0 = routs[0]
-            ob = baseline_moe(xs[0], *base["bf16"][:4], tw0, ids0, limit, False).double()
-            of = baseline_moe(xs[0], *base["fp8"][:4], tw0, ids0, limit, True).double()
-            print(f"  sanity: fp8 baseline vs bf16 baseline rel diff {((of - ob).norm() / ob.norm()).item():.3e}",
-                  flush=True)
+                err = check(xs[0], *routs[0], path=p)
+                emit(M, f"nvfp4-{p}", "default", time_graph(fns, args.reps), fp4_bytes, active, err,
+                     extra=[f"config={cfg}".replace(",", "")])
+            except Exception as exc:  # noqa: BLE001 - record the failure, go on
+                emit(M, f"nvfp4-{p}", "default", None, fp4_bytes, active, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         for bn, (a13, b13, a2, b2, fp8, nbytes) in base.items():
             fns = [lambda tw=tw, ids=ids, x=xs[i % len(xs)]: baseline_moe(x, a13, b13, a2, b2, tw, ids, limit, fp8)
                    for i, (tw, ids) in enumerate(routs)]
             try:
-                res[bn] = (time_graph(fns, args.reps), nbytes)
+                emit(M, bn, "default", time_graph(fns, args.reps), nbytes, active)
             except Exception as exc:  # noqa: BLE001
-                print(f"  {bn} M={M}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        for kname, (t, nbytes) in res.items():
-            gbs = nbytes * active / t / 1e3
-            rows.append((M, kname, t, active, nbytes * active / 1e6, gbs, gbs / bw))
-            print(f"M={M:5d} {kname:12s} {t:9.1f} us  experts {active:6.1f}  weights {nbytes * active / 1e6:8.1f} MB"
-                  f"  {gbs:7.0f} GB/s  {100 * gbs / bw:5.1f}% of copy", flush=True)
-        cfg = choose_config(M, k, E, H, I, dpath)
-        print(f"  (nvfp4 config for M={M}: {cfg})", flush=True)
-    lines = [
-        f"# MoE benchmark: {name} (sm_{cap[0]}{cap[1]})",
-        "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- versions: torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
-        f"- command: `python bench/bench_moe.py {' '.join(sys.argv[1:])}`",
-        f"- shapes: H {H}, I {I}, E {E}, k {k}, swiglu_limit {limit}; random routing (distinct experts per "
-        f"token), {args.rotate} routings per CUDA-graph replay (median of {args.reps} replays)",
-        f"- measured copy bandwidth (read + write): {bw:.0f} GB/s",
-        f"- bf16-path weight decode (DSV4_SM120_MOE_DEQ): {deq_used}; activation load (DSV4_SM120_MOE_ALOAD): "
-        f"{os.environ.get('DSV4_SM120_MOE_ALOAD', 'default (split)')}; grouping (DSV4_SM120_MOE_ALIGN): "
-        f"{os.environ.get('DSV4_SM120_MOE_ALIGN', 'default (auto)')}",
-        f"- nvfp4 default path here: `{dpath}`; `fp8` = this file's Triton W8A8 block-FP8 MoE; `bf16` = same kernel, "
-        "bf16 weights; bytes = distinct active experts x weight bytes per expert (scales included)",
-        "",
-        "| M | kernel | us / call | active experts | weight MB | GB/s | % of copy bw |",
-        "|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for (M, kname, t, active, mb, gbs, frac) in rows:
-        lines.append(f"| {M} | {kname} | {t:.1f} | {active:.1f} | {mb:.1f} | {gbs:.0f} | {100 * frac:.1f} |")
-    if check_lines:
-        lines += ["", "Correctness (float64 reference from exactly dequantized weights):", ""] + [
-            f"- {c}" for c in check_lines]
-    if sweep_lines:
-        lines += ["", "Sweep (nvfp4 bf16 path, tile / weight-decode variants):", "", "```"] + sweep_lines + ["```"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out_arg = args.out or str(REPO / "bench" / "results" / ("moe_" + "".join(
-        c if c.isalnum() else "_" for c in name) + ".md"))
-    if out_arg != "-":
-        out = Path(out_arg)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out)
-        print(f"wrote {out}")
+                emit(M, bn, "default", None, nbytes, active, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+    for M in vms if variants else []:
+        routs = _routings(M, E, k, max(1, min(args.rotate, 4096 * 4 // M)), 300 + M)
+        active = statistics.mean(float(torch.unique(ids).numel()) for _, ids in routs)
+        x0 = (torch.randn((M, H), device=dev) * 2).to(torch.bfloat16)
+        for spec in variants:
+            fields, env_over, apre = parse_variant(spec)
+            saved = {n: os.environ.get(n) for n in env_over}
+            try:
+                os.environ.update(env_over)
+                cfg = dataclasses.replace(choose_config(M, k, E, H, I, dpath), **fields)
+                err = check(x0, *routs[0], path=dpath, config=cfg, apre=apre)
+                fns = [lambda tw=tw, ids=ids, cfg=cfg: nvfp4_fused_moe_impl(
+                    x0, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=limit, path=dpath, config=cfg, apre=apre)
+                    for (tw, ids) in routs]
+                emit(M, f"nvfp4-{dpath}", spec, time_graph(fns, args.reps), fp4_bytes, active, err,
+                     extra=[f"config={cfg}".replace(",", "")])
+            except Exception as exc:  # noqa: BLE001
+                emit(M, f"nvfp4-{dpath}", spec, None, fp4_bytes, active, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            finally:
+                for n, v in saved.items():
+                    if v is None:
+                        os.environ.pop(n, None)
+                    else:
+                        os.environ[n] = v
+    print(R.render_table("moe", out_rows, env["gpu"], all_variants=True) if out_rows else "no rows measured")
+    print(f"appended {len(out_rows)} rows to {args.results}")
     return 0
-
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--m", default="1,4,16,64,128,1024,4096", help="comma-separated token counts M")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--inter", type=int, default=512, help="expert intermediate size per rank (TP4: 512)")
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=6)
+    p.add_argument("--cases", default="tp4", help=f"one of {', '.join(CASES)}")
+    p.add_argument("--m", default="", help="comma-separated token counts M (default: the case's)")
     p.add_argument("--rotate", type=int, default=16, help="routings per graph replay")
     p.add_argument("--reps", type=int, default=30, help="timed graph replays (median)")
     p.add_argument("--all-paths", action="store_true", help="also time the non-default nvfp4 path")
     p.add_argument("--no-baselines", action="store_true", help="skip the fp8 / bf16 baselines")
-    p.add_argument("--sweep", action="store_true",
-                   help="first time tile / weight-decode variants of the bf16 path at M=1 and M=64")
-    p.add_argument("--variants", default="",
-                   help="';'-separated launch variants of the default path timed at --variant-m, each a ','-list "
-                        "of Config fields (deq, BN1, BK1, BN2, BK2, warps1, warps2, stages, BM), align=... and "
-                        "apre=0|1 (fp4 path: activations quantized in every GEMM program / once per row), "
-                        "e.g. 'deq=3;deq=3,align=triton;apre=0'")
+    p.add_argument("--variants", default="", help="';'-separated launch variants of the default path (see below)")
     p.add_argument("--variant-m", default="1,4,16,64", help="token counts for --variants")
-    p.add_argument("--deq", default="default", choices=("default", "auto", "0", "1", "2", "3", "4"),
-                   help="weight decode of the bf16 path for the table (auto: fastest at M=64 in --sweep)")
-    p.add_argument("--aload", default=None, choices=("strided", "split"),
-                   help="activation tile load of the nvfp4 kernel (env DSV4_SM120_MOE_ALOAD; default split)")
-    p.add_argument("--align", default=None, choices=("inkernel", "triton", "torch", "auto"),
-                   help="token grouping of the nvfp4 kernel (env DSV4_SM120_MOE_ALIGN; default auto)")
-    p.add_argument("--out", default=None,
-                   help="write the markdown table here (atomically); default bench/results/moe_<gpu name>.md; '-' = none")
-    p.add_argument("--no-check", action="store_true", help="skip the float64 correctness check at M=64")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 reference (rows get no rel_err)")
+    p.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "moe.csv",
+                   help="results file to append to (default bench/results/moe.csv)")
+    p.add_argument("--dry-run", action="store_true", help="list the rows it would write; no GPU")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = "python bench/bench_moe.py " + " ".join(shlex.quote(a) for a in argv)
     try:
-        import torch
-    except ImportError:
-        print("error: torch is not installed", file=sys.stderr)
+        shape, ms, vms, variants = plan(args)
+    except UsageError as exc:
+        print(f"bench_moe: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(args, shape, ms, vms, variants, command)
+    if torch is None or triton is None:
+        print("bench_moe: error: torch and triton are needed (not installed); --dry-run lists the rows without them",
+              file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("error: bench_moe needs a CUDA GPU (none visible)", file=sys.stderr)
+        print("bench_moe: error: no CUDA GPU visible; nothing to measure (--dry-run lists the rows)", file=sys.stderr)
         return 2
-    try:
-        ms = [int(v) for v in args.m.split(",") if v.strip()]
-        if not ms or min(ms) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"error: --m must be positive integers, got {args.m!r}", file=sys.stderr)
-        return 2
-    return run(args, ms)
+    return run(args, shape, ms, vms, variants, command)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,7 @@ def check_capture(env, out: Path, stdout: str) -> None:
     assert "largest remaining bottleneck: MoE" in stdout
     # the decode server got exactly the body bench/profile_capture.py builds (validated against SGLang's
     # ProfileReq in tests/test_serve_dryrun.py::test_start_profile_body_is_an_sglang_profile_request)
-    sys.path.insert(0, str(REPO / "bench"))
-    import profile_capture as pc
+    from dsv4_sm120.perf import profile_capture as pc
     rec = [json.loads(x) for x in Path(env["DSV4_STANDIN_RECORD"]).read_text().splitlines()]
     prof = [e for e in rec if e["path"] == "/start_profile"]
     assert len(prof) == 1 and prof[0]["role"] == "decode"
@@ -57,8 +56,7 @@ def check_capture(env, out: Path, stdout: str) -> None:
 
 
 def test_wait_for_traces(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    import profile_capture as pc
+    from dsv4_sm120.perf import profile_capture as pc
 
     (tmp_path / "other-TP-0.trace.json.gz").write_bytes(b"x")          # another profile: ignored
     (tmp_path / "pid7-TP-0.trace.json.gz.part").write_bytes(b"x")      # still being written: ignored

@@ -1,5 +1,5 @@
-"""bench/profile_summary.py on synthetic torch-profiler traces (fresh random durations each run,
-expected numbers recomputed independently here)."""
+"""dsv4_sm120.perf.profile_summary (command: bench/profile_summary.py) on synthetic torch-profiler traces
+(fresh random durations each run, expected numbers recomputed independently here)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-import profile_summary as ps  # noqa: E402
+from dsv4_sm120.perf import profile_summary as ps  # noqa: E402
 
 # Real-world kernel names (as CUPTI reports them) -> expected group.
 NAMES = {

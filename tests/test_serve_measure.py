@@ -20,8 +20,7 @@ from test_serve_orchestration import SERVE, env, free_ports  # noqa: E402,F401
 REPO = Path(__file__).resolve().parents[1]
 MEASURE = REPO / "bench" / "measure.py"
 CAPTURE = REPO / "bench" / "profile_capture.py"
-sys.path.insert(0, str(REPO / "bench"))
-import measure  # noqa: E402
+from dsv4_sm120.perf import measure  # noqa: E402
 
 
 def make_tokenizer(d: Path) -> Path:

@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""Decode throughput of a running deployment at fixed concurrencies (default 1, 8, 16).
+
+    python bench/measure.py [--concurrency 1,8,16] [--input-len 1024] [--output-len 512] [--router URL]
+
+For each concurrency C it runs SGLang's own load generator,
+``python -m sglang.benchmark.serving --dataset-name random-ids --random-range-ratio 1
+--max-concurrency C`` (fixed input/output lengths, EOS ignored), against the router, then
+writes ``results.json`` (every run's metrics plus the deployment it measured), prints a table
+(output tok/s, per-user tok/s, TPOT, TTFT p50/p99) and draws ``throughput.png``.
+
+It refuses to run without a healthy router (``/health`` and an end-to-end ``/health_generate``).
+Defaults come from the newest serving run (``LOG_DIR/latest``: router URL, model path for the
+tokenizer) when there is one. ``--dataset random`` samples ShareGPT text instead of random ids
+(upstream's usual choice; downloads the ShareGPT file once).
+Exit codes: 0 all runs ok, 1 a run failed, 2 no healthy router / bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import List, Optional
+
+# the checkout this runs from (overlay/dsv4_sm120/perf/ -> repository root): relative log / venv paths and the
+# default output directory are taken from there; bench/measure.py sets it to its own checkout
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-Flash"
+METRICS = ("completed", "duration", "total_output_tokens", "output_throughput", "request_throughput",
+           "median_tpot_ms", "p99_tpot_ms", "mean_tpot_ms", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
+           "median_itl_ms", "median_e2e_latency_ms", "accept_length", "concurrency")
+
+
+class MeasureError(Exception):
+    pass
+
+
+def latest_run(log_dir: Optional[str]) -> Optional[Path]:
+    d = Path(os.path.expanduser(log_dir or os.environ.get("LOG_DIR") or "logs"))
+    d = d if d.is_absolute() else REPO / d
+    latest = d / "latest"
+    return latest.resolve() if latest.exists() else None
+
+
+def read_json(p: Path) -> Optional[dict]:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def deployment_info(run_dir: Optional[Path]) -> dict:
+    """What the newest serving run says about itself (empty when there is none)."""
+    if run_dir is None:
+        return {}
+    st = read_json(run_dir / "state.json") or {}
+    plan = read_json(run_dir / "plan.json") or {}
+    s = plan.get("settings", {})
+    return {"run_dir": str(run_dir), "status": st.get("status"), "variant": st.get("variant"),
+            "router_url": (st.get("urls") or {}).get("router"), "standin": st.get("standin"),
+            "settings": {k: s.get(k) for k in ("MODEL_PATH", "PREFILL_GPUS", "DECODE_GPUS", "MAX_RUNNING",
+                                              "CONTEXT_LEN", "MEM_FRACTION", "SPEC_NUM_STEPS",
+                                              "SPEC_NUM_DRAFT_TOKENS", "FP8_GEMM_BACKEND") if k in s},
+            "fp8_gemm_backend": plan.get("fp8_reason"),
+            "env": {k: v for k, v, _ in plan.get("common_env", [])}}
+
+
+def http_status(url: str, timeout: float) -> Optional[int]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def require_healthy_router(url: str, timeout: float = 120.0) -> None:
+    st = http_status(url + "/health", 5)
+    if st != 200:
+        raise MeasureError(f"no healthy router at {url} (/health: {st or 'no answer'}); start the deployment first "
+                           f"(make serve, or serve/serve_dsv4_tp4.sh) or pass --router URL")
+    st = http_status(url + "/health_generate", timeout)
+    if st != 200:
+        raise MeasureError(f"router at {url} is up but a generation through it failed (/health_generate: "
+                           f"{st or 'no answer within %gs' % timeout}); check the servers' logs")
+
+
+def bench_cmd(python: str, router: str, model: str, c: int, input_len: int, output_len: int, num_prompts: int,
+              out_file: str, dataset: str, seed: int, warmup: int) -> List[str]:
+    return [python, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", router,
+            "--model", model, "--tokenizer", model, "--dataset-name", dataset,
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", "1", "--num-prompts", str(num_prompts), "--max-concurrency", str(c),
+            "--request-rate", "inf", "--seed", str(seed), "--warmup-requests", str(warmup),
+            "--output-file", out_file, "--disable-tqdm"]
+
+
+def parse_bench_output(path: Path) -> dict:
+    try:
+        lines = [x for x in path.read_text().splitlines() if x.strip()]
+        res = json.loads(lines[-1])
+    except (OSError, ValueError, IndexError) as e:
+        raise MeasureError(f"no benchmark result in {path} ({type(e).__name__})")
+    missing = [k for k in ("completed", "output_throughput", "median_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
+               if res.get(k) is None]
+    if missing:
+        raise MeasureError(f"benchmark result lacks {', '.join(missing)}")
+    out = {k: res.get(k) for k in METRICS}
+    tpot = out["median_tpot_ms"]
+    out["per_user_tok_s"] = 1000.0 / tpot if tpot and tpot > 0 else None
+    return out
+
+
+def render_table(runs: List[dict]) -> str:
+    hdr = f"{'C':>4} {'ok':>5} {'out tok/s':>10} {'tok/s/user':>11} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12} " \
+          f"{'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'accept':>7}"
+    lines = [hdr, "-" * len(hdr)]
+
+    def f(x, nd=1):
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    for r in runs:
+        m = r.get("metrics") or {}
+        if r.get("error"):
+            lines.append(f"{r['concurrency']:>4} {'FAIL':>5}  {r['error'][:90]}")
+            continue
+        lines.append(f"{r['concurrency']:>4} {m['completed']:>5} {f(m['output_throughput']):>10} "
+                     f"{f(m['per_user_tok_s']):>11} {f(m['median_tpot_ms'], 2):>12} {f(m.get('p99_tpot_ms'), 2):>12} "
+                     f"{f(m['median_ttft_ms']):>12} {f(m['p99_ttft_ms']):>12} {f(m.get('accept_length'), 2):>7}")
+    return "\n".join(lines)
+
+
+def plot(runs: List[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in runs if not r.get("error")]
+    cs = [r["concurrency"] for r in ok]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    xs = list(range(len(cs)))
+    ax.bar(xs, [r["metrics"]["output_throughput"] for r in ok], color="#3a7bd5", label="output tok/s (total)")
+    ax.set_xticks(xs, [str(c) for c in cs])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens / s")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [r["metrics"]["median_tpot_ms"] for r in ok], "o-", color="#d5533a", label="TPOT p50 (ms)")
+    ax2.set_ylabel("TPOT p50 (ms)")
+    ax2.set_ylim(bottom=0)
+    for x, r in zip(xs, ok):
+        ax.annotate(f"{r['metrics']['output_throughput']:.0f}", (x, r["metrics"]["output_throughput"]),
+                    ha="center", va="bottom", fontsize=8)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def git_rev() -> Optional[str]:
+    try:
+        r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+        return r.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def environment(python: str) -> dict:
+    """GPUs (nvidia-smi) and package versions of the serving environment, for the record."""
+    env: dict = {"gpus": None, "driver": None, "packages": {}}
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        if r.returncode == 0:
+            rows = [[x.strip() for x in line.split(",")] for line in r.stdout.strip().splitlines()]
+            env["gpus"] = [f"{row[0]}: {row[1]} ({row[2]})" for row in rows if len(row) >= 4]
+            env["driver"] = rows[0][3] if rows and len(rows[0]) >= 4 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    code = ("import importlib.metadata as m, json\nout = {}\n"
+            "for p in ('sglang', 'sglang-router', 'nixl-cu13', 'torch', 'triton', 'flashinfer-python', 'dsv4_sm120'):\n"
+            "    try: out[p] = m.version(p)\n"
+            "    except Exception: out[p] = None\n"
+            "print(json.dumps(out))")
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+        env["packages"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    return env
+
+
+def parse_concurrency(text: str) -> List[int]:
+    try:
+        cs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MeasureError(f"--concurrency {text!r}: expected a comma list of integers")
+    if not cs or any(c < 1 for c in cs):
+        raise MeasureError(f"--concurrency {text!r}: expected positive integers")
+    return cs
+
+
+def serving_python(explicit=None):
+    """The python that runs the benchmark client: explicit, else $VENV (default .venv) if present, else this one."""
+    if explicit:
+        return explicit
+    venv = Path(os.path.expanduser(os.environ.get("VENV", ".venv")))
+    venv = venv if venv.is_absolute() else REPO / venv
+    return str(venv / "bin" / "python") if (venv / "bin" / "python").exists() else sys.executable
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Results: OUT_DIR/results.json, OUT_DIR/table.txt, OUT_DIR/throughput.png.")
+    ap.add_argument("--router", help="router URL (default: the newest run's, else http://127.0.0.1:$ROUTER_PORT)")
+    ap.add_argument("--concurrency", default="1,8,16", help="comma list (default 1,8,16)")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--prompts-per-level", type=int, default=4,
+                    help="requests per run = max(this x C, --min-prompts) (default 4)")
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--warmup-requests", type=int, default=1)
+    ap.add_argument("--dataset", choices=("random-ids", "random"), default="random-ids")
+    ap.add_argument("--model", help="tokenizer / model path for the load generator (default: the run's MODEL_PATH)")
+    ap.add_argument("--python", default=None, help="python with sglang (default: VENV's, else this one)")
+    ap.add_argument("--out-dir", type=Path, help="default bench/results/measure-<UTC time>")
+    ap.add_argument("--label", default="", help="free text stored with the results (e.g. 'mtp, fp8 triton')")
+    ap.add_argument("--log-dir", default=None, help="serving LOG_DIR (default $LOG_DIR or logs)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    a = ap.parse_args(argv)
+    try:
+        cs = parse_concurrency(a.concurrency)
+        if a.input_len < 1 or a.output_len < 2:
+            raise MeasureError("--input-len must be >= 1 and --output-len >= 2 (TPOT needs two tokens)")
+        run_dir = latest_run(a.log_dir)
+        dep = deployment_info(run_dir)
+        router = (a.router or dep.get("router_url")
+                  or f"http://127.0.0.1:{os.environ.get('ROUTER_PORT', '30000')}").rstrip("/")
+        require_healthy_router(router)
+    except MeasureError as e:
+        print(f"measure: {e}", file=sys.stderr)
+        return 2
+    model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or os.environ.get("MODEL_PATH") or DEFAULT_MODEL
+    python = serving_python(a.python)
+    out_dir = a.out_dir or REPO / "bench" / "results" / time.strftime("measure-%Y%m%d-%H%M%S", time.gmtime())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"measure: router {router}, model/tokenizer {model}, input {a.input_len}, output {a.output_len}, "
+          f"concurrency {cs}, results in {out_dir}", flush=True)
+    runs = []
+    for c in cs:
+        n = max(a.prompts_per_level * c, a.min_prompts)
+        raw = out_dir / f"bench_c{c}.jsonl"
+        if raw.exists():
+            raw.unlink()
+        cmd = bench_cmd(python, router, model, c, a.input_len, a.output_len, n, str(raw), a.dataset, a.seed,
+                        a.warmup_requests)
+        t0 = time.time()
+        print(f"measure: C={c}: {n} requests ...", flush=True)
+        with open(out_dir / f"bench_c{c}.log", "w") as log:
+            try:
+                r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, cwd=str(out_dir))
+                rc = r.returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        run = {"concurrency": c, "num_prompts": n, "command": cmd, "wall_s": round(time.time() - t0, 1)}
+        try:
+            if rc != 0:
+                raise MeasureError(f"load generator {'timed out' if rc is None else 'exited ' + str(rc)}; "
+                                   f"see {out_dir / f'bench_c{c}.log'}")
+            run["metrics"] = parse_bench_output(raw)
+            if run["metrics"]["completed"] < n:
+                raise MeasureError(f"only {run['metrics']['completed']} of {n} requests completed")
+        except MeasureError as e:
+            run["error"] = str(e)
+        runs.append(run)
+    result = {"schema": 1, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
+              "router": router, "model": model, "input_len": a.input_len, "output_len": a.output_len,
+              "dataset": a.dataset, "label": a.label, "environment": environment(python), "deployment": dep,
+              "runs": runs}
+    atomic_write(out_dir / "results.json", json.dumps(result, indent=2) + "\n")
+    table = render_table(runs)
+    atomic_write(out_dir / "table.txt", table + "\n")
+    print(table)
+    rc = 0 if all(not r.get("error") for r in runs) else 1
+    if any(not r.get("error") for r in runs):
+        title = (f"DeepSeek-V4-Flash {dep.get('variant') or ''} in={a.input_len} out={a.output_len} "
+                 f"{a.label}").strip()
+        try:
+            plot(runs, out_dir / "throughput.png", title)
+        except ImportError:
+            print("measure: matplotlib is not installed in this python: no plot (pip install matplotlib)",
+                  file=sys.stderr)
+            rc = 1
+    print(f"measure: wrote {out_dir / 'results.json'}" + (" (with failures)" if rc else ""))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""dsv4_sm120.bench_results: the append-only benchmark results files and the tables generated from them; the bench
+drivers' --dry-run / no-GPU behaviour (through their command lines)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4_sm120 import bench_results as R
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _row(subject="attention", **kw):
+    base = dict(case="tp4_decode", impl="ours-bf16", layout="swa128+c4", heads=16, batch=1, context=16384,
+                gpu="NVIDIA H200", torch="2.11.0+cu130", triton="3.6.0", cuda="13.0", driver="580.1",
+                commit="abc1234", date="2026-11-30T07:43:21+00:00", command="python3 bench/bench_attention.py",
+                us=7.62, gbps=53.3, rel_err=6.2e-4)
+    base.update(kw)
+    return R.make_row(subject, **base)
+
+
+def test_header_once_and_rows_round_trip(tmp_path):
+    path = tmp_path / "sub" / "attention.csv"
+    # fields with commas, quotes and a newline must come back as one line each
+    cmd = 'python3 bench/bench_attention.py --variants "SPAN=0;BLOCK_N=64,num_warps=8"\n--cases tp4_decode'
+    assert R.append_rows(path, "attention", [_row(command=cmd)]) == 1
+    assert R.append_rows(path, "attention", [_row(batch=4, us=7.9), _row(batch=16, us=12.4)]) == 2
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and lines[0] == ",".join(R.columns("attention"))
+    assert sum(1 for ln in lines if ln.startswith("subject,")) == 1
+    rows = R.read_rows(path)
+    assert [r["batch"] for r in rows] == ["1", "4", "16"] and [r["_line"] for r in rows] == [2, 3, 4]
+    assert rows[0]["command"] == " ".join(cmd.split())
+    assert float(rows[2]["us"]) == 12.4 and rows[0]["variant"] == "default"
+    # csv's own reader agrees on every field count
+    assert all(len(r) == len(R.columns("attention")) for r in csv.reader(path.open()))
+
+
+def test_append_refuses_another_subjects_file(tmp_path):
+    path = tmp_path / "moe.csv"
+    R.append_rows(path, "attention", [_row()])
+    before = path.read_bytes()
+    with pytest.raises(R.ResultsError, match="header is not the moe header"):
+        R.append_rows(path, "moe", [R.make_row("moe", case="tp4", impl="nvfp4-bf16", tokens=1,
+                                               date="2026-11-30T00:00:00+00:00")])
+    assert path.read_bytes() == before
+
+
+def test_make_row_rejects_bad_fields():
+    with pytest.raises(R.ResultsError, match="unknown field"):
+        _row(bogus=1)
+    with pytest.raises(R.ResultsError, match="us must be a number"):
+        _row(us="fast")
+    with pytest.raises(R.ResultsError, match="date must be ISO 8601"):
+        _row(date="yesterday")
+    with pytest.raises(R.ResultsError, match="case is empty"):
+        _row(case="")
+
+
+_WRITER = """
+import sys
+from dsv4_sm120 import bench_results as R
+path, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for i in range(n):
+    R.append_rows(path, "moe", [R.make_row("moe", case="tp4", impl=tag, tokens=i, date="2026-11-30T00:00:00+00:00",
+                                          command="x" * 3000, us=i + 0.5) for _ in range(3)])
+"""
+
+
+def test_concurrent_appends_from_two_processes(tmp_path):
+    path = tmp_path / "moe.csv"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "overlay"))
+    n = 150
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), tag, str(n)], env=env)
+             for tag in ("proc-a", "proc-b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    lines = path.read_text().splitlines()
+    assert lines.count(",".join(R.columns("moe"))) == 1 and lines[0].startswith("subject,")
+    rows = R.read_rows(path)  # raises on any torn or interleaved line
+    assert len(rows) == 2 * n * 3
+    for tag in ("proc-a", "proc-b"):
+        mine = [r for r in rows if r["impl"] == tag]
+        assert sorted(int(r["tokens"]) for r in mine) == sorted(list(range(n)) * 3)
+        assert all(r["command"] == "x" * 3000 and float(r["us"]) == int(r["tokens"]) + 0.5 for r in mine)
+
+
+def test_malformed_rows_are_clear_errors(tmp_path):
+    path = tmp_path / "attention.csv"
+    R.append_rows(path, "attention", [_row(), _row(batch=4)])
+    good = path.read_text()
+    path.write_text(good + "attention,tp4_decode,default,ours-bf16,swa128+c4,16\n")
+    with pytest.raises(R.ResultsError, match=r"attention.csv:4: expected 20 fields, got 6"):
+        R.read_rows(path)
+    bad_us = good.splitlines()[1].replace(",7.62,", ",seven,")
+    path.write_text(good + bad_us + "\n")
+    with pytest.raises(R.ResultsError, match=r":4: us must be a number"):
+        R.read_rows(path)
+    path.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(R.ResultsError, match=r":1: not a results header"):
+        R.read_rows(path)
+    # the CLI says the same in one line, without a traceback
+    r = subprocess.run([sys.executable, "-m", "dsv4_sm120.bench_results", "check", str(path)], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(REPO / "overlay")))
+    assert r.returncode == 2 and "not a results header" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_latest_row_per_key_and_table(tmp_path):
+    path = tmp_path / "attention.csv"
+    rnd = random.Random()
+    old, new = rnd.uniform(20, 30), rnd.uniform(5, 10)
+    fm = rnd.uniform(11, 14)
+    rows = [
+        _row(us=old, date="2026-11-30T01:00:00+00:00"),                        # superseded by a later date
+        _row(us=new, date="2026-11-30T05:00:00+00:00"),
+        _row(us=99.0, date="2026-11-30T03:00:00+00:00"),                       # appended later, measured earlier
+        _row(impl="flashmla", us=fm, date="2026-11-30T05:00:00+00:00"),
+        _row(variant="SPAN=0", us=new * 1.5, date="2026-11-30T05:00:00+00:00"),  # current variant: shown
+        _row(variant="KCVT=0", us=55.5, date="2026-11-30T01:00:00+00:00"),       # stale variant: hidden
+        _row(batch=4, us=33.3, date="2026-11-30T01:00:00+00:00"),                # older cell: marked
+        _row(gpu="NVIDIA RTX PRO 6000", us=3.3, date="2026-12-01T00:00:00+00:00"),
+    ]
+    R.append_rows(path, "attention", rows)
+    got = R.read_rows(path)
+    lat = R.latest_rows(got, "attention", "nvidia_h200")
+    ours = [r for r in lat if r["impl"] == "ours-bf16" and r["variant"] == "default" and r["batch"] == "1"]
+    assert len(ours) == 1 and float(ours[0]["us"]) == pytest.approx(new, abs=1e-3)
+    # same date: the later line wins
+    R.append_rows(path, "attention", [_row(us=new + 1, date="2026-11-30T05:00:00+00:00")])
+    lat = R.latest_rows(R.read_rows(path), "attention", "NVIDIA H200")
+    assert [float(r["us"]) for r in lat if r["impl"] == "ours-bf16" and r["variant"] == "default"
+            and r["batch"] == "1"] == [pytest.approx(new + 1, abs=1e-3)]
+    text = R.render_table("attention", R.read_rows(path), "NVIDIA H200")
+    line = next(ln for ln in text.splitlines() if ln.startswith("| ours-bf16 | default |"))
+    cells = [c.strip() for c in line.split("|")]
+    assert cells[3] == f"{new + 1:.1f} (53 GB/s, 6.2e-04)"  # B=1: the latest row (not old, 99.0 or the other GPU)
+    assert cells[4] == "33.3 (53 GB/s, 6.2e-04) *"  # B=4: only an older run measured it
+    assert "| ours-bf16 | SPAN=0 |" in text and "KCVT=0" not in text
+    ratio = next(ln for ln in text.splitlines() if ln.startswith("| ours-bf16 / flashmla"))
+    assert f"{(new + 1) / fm:.2f}" in ratio
+    assert "KCVT=0" in R.render_table("attention", R.read_rows(path), "NVIDIA H200", all_variants=True)
+    with pytest.raises(R.ResultsError, match="no attention rows for GPU"):
+        R.render_table("attention", R.read_rows(path), "NVIDIA B200")
+
+
+def test_best_variant_summary():
+    """A DSV4_SM120_ATTN_CONFIG suggestion only for a variant never >2% slower than the default and >3% faster
+    somewhere; the fastest row per B named."""
+    def rows(us):
+        return [_row(variant=v, batch=b, us=t) for v, per_b in us.items() for b, t in per_b.items()] + [
+            _row(impl="flashmla", batch=b, us=1.0) for b in (16, 128)]
+
+    lines = "\n".join(R.best_variants(rows({"default": {16: 17.0, 128: 76.0}, "KCVT=1": {16: 17.1, 128: 60.0},
+                                              "impl=reg": {16: 25.0, 128: 50.0}})))
+    assert "B=16: default 17.0 us" in lines and "B=128: impl=reg 50.0 us (1.52x)" in lines
+    assert "DSV4_SM120_ATTN_CONFIG='KCVT=1'" in lines  # reg is faster at 128 but 47% slower at 16
+    lines = "\n".join(R.best_variants(rows({"default": {16: 17.0}, "KCVT=1": {16: 18.0}})))
+    assert "keep the default" in lines and "DSV4_SM120_ATTN_CONFIG" not in lines
+    assert R.best_variants(rows({"default": {16: 17.0}})) == []
+
+
+def test_results_table_command(tmp_path):
+    path = tmp_path / "fp8.csv"
+    R.append_rows(path, "fp8", [R.make_row("fp8", case="tp4_gemms", impl=i, n=1024, k=4096, m=m, us=u,
+                                           gpu="NVIDIA H200", date="2026-11-29T23:40:44Z")
+                                for i, m, u in (("triton-tuned", 1, 5.8), ("triton-sglang-default-cfg", 1, 20.6))])
+    out = tmp_path / "t.md"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "results_table.py"), "table", "fp8", "--results",
+                        str(path), "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "| triton-tuned | default | 5.8 |" in text and "3.55" in text
+    R.append_rows(path, "fp8", [R.make_row("fp8", case="tp4_gemms", impl="triton-tuned", n=1024, k=4096, m=1,
+                                           us=6.0, gpu="NVIDIA B200", date="2026-11-29T23:40:44Z")])
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "results_table.py"), "table", "fp8", "--results",
+                        str(path), "--out", "-"], capture_output=True, text=True)
+    assert r.returncode == 2 and "pick one with --gpu" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_committed_tables_are_generated_from_the_results_files(tmp_path):
+    """The committed tables are exactly what the generator makes from the committed results files."""
+    for subject in ("attention", "moe", "fp8"):
+        committed = REPO / "bench" / "results" / f"{subject}_h200.md"
+        out = tmp_path / f"{subject}.md"
+        assert R.main(["table", subject, "--gpu", "NVIDIA H200", "--out", str(out)],
+                      results_dir=REPO / "bench" / "results") == 0
+        assert out.read_text() == committed.read_text(), f"regenerate {committed.name}: make bench-tables"
+    # today's headline numbers (README) are rows of the results file
+    t = (REPO / "bench" / "results" / "attention_h200.md").read_text()
+    row = next(ln for ln in t.splitlines() if ln.startswith("| ours-bf16 | default |"))
+    assert all(f" {v} (" in row for v in ("7.6", "7.9", "12.4", "25.1", "42.8"))
+
+
+@pytest.mark.parametrize("script,args", [
+    ("bench_attention.py", ["--cases", "tp4_decode,h32", "--variants", "SPAN=0", "--batches", "1,64"]),
+    ("bench_moe.py", ["--m", "1,64", "--variants", "deq=3", "--variant-m", "64"]),
+])
+def test_drivers_dry_run_and_no_gpu(script, args, tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    res = tmp_path / "r.csv"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--dry-run", "--results", str(res)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    subject = "attention" if "attention" in script else "moe"
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith(subject + ",")]
+    if subject == "attention":
+        # 2 cases x 2 B x (default + SPAN=0 at tp4_decode only, 4 baselines)
+        assert sum(",SPAN=0,ours-bf16," in ln for ln in rows) == 2
+        assert sum(",h32,default,ours-bf16," in ln for ln in rows) == 2
+    else:
+        assert sum(",deq=3," in ln for ln in rows) == 1 and len(rows) == 2 * 3 + 1
+    assert not res.exists()  # a dry run writes nothing
+    r = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--results", str(res)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not res.exists()
+    r = subprocess.run([sys.executable, str(REPO / "bench" / script), "--dry-run", "--variants", "NOPE=1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "NOPE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fp8_driver_dry_run_and_no_gpu(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    script = str(REPO / "bench" / "bench_fp8.py")
+    summary = REPO / "configs" / "fp8" / "summary_NVIDIA_H200.json"
+    r = subprocess.run([sys.executable, script, "--from-summary", str(summary), "--dry-run", "--results",
+                        str(tmp_path / "f.csv")], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("fp8,tp4_gemms,default,triton-tuned,1024,4096,1,")]
+    assert len(rows) == 1 and ",2026-11-29T23:40:44Z," in rows[0]  # the tuner's date, not today's
+    r = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "case tp4_gemms: python -m dsv4_sm120.tune_fp8 --tp 4 --quick" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, script, "--results", str(tmp_path / "f.csv")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "f.csv").exists()
