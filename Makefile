@@ -16,13 +16,19 @@ PATCHING := DSV4_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(P
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
         bench-attention bench-moe tune-fp8 convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
 
+# `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
+# them in two sections, each in file order.
 help: ## list the targets
 	@echo "dsv4_sm120 — serve DeepSeek-V4-Flash on 8x RTX PRO 6000 Blackwell (sm_120) with SGLang 0.5.23"
 	@echo
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
 	@echo
+	@echo "Maintainer targets (changing the patch series or the pinned environment):"
+	@grep -E '^[a-zA-Z0-9_-]+:.*##m ' $(MAKEFILE_LIST) | sed -E 's/:.*##m /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
+	@echo
 	@echo "Variables: VENV=$(VENV) (environment), SGLANG_ROOT=<sglang package dir> (patch another tree), DSV4_CACHE=$(DSV4_CACHE)"
 	@echo "           ATTN_VARIANTS / MOE_VARIANTS (launch variants bench-attention / bench-moe time next to the defaults; empty = none), ARGS=... (more bench options)"
+	@echo "Serving is configured by environment variables: bash serve/serve_dsv4_tp4.sh --help-vars lists them."
 
 setup: ## create the pinned environment in VENV (sglang==0.5.23, router, nixl); no system-wide installs
 	@scripts/setup_env.sh $(VENV)
@@ -43,7 +49,7 @@ patch-status: ## say whether the SGLang tree is patched, and with which series
 check-patches: ## verify the series on a pristine scratch copy of the pinned wheel (cached download; touches no env)
 	@$(PATCHING) check
 
-lock-patches: ## rewrite patches/targets.lock after changing a patch
+lock-patches: ##m rewrite patches/targets.lock after changing a patch
 	@$(PATCHING) lock
 
 test: ## the CPU test suite (creates/updates the cached test env, then pytest tests/)
@@ -60,13 +66,13 @@ BENCH_OUT ?= bench/results/local_$(shell hostname -s 2>/dev/null || echo host)
 # carrying the raw bytes; BLOCK_N=64,num_warps=8,waves=1: one 8-warp CTA per SM; BLOCK_N=16: smaller blocks;
 # KCVT=0: the conversion-pipe e4m3 decode.
 ATTN_VARIANTS ?= impl=tiled;SPAN=0;DEC_LATE=0;BLOCK_N=64,num_warps=8,waves=1;BLOCK_N=16;KCVT=0
-bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); table also in BENCH_OUT_attention.md
+bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); writes bench/results/local_<host>_attention.md
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_attention.py --qk-modes bf16,fp8 --variants '$(ATTN_VARIANTS)' \
 		--out $(BENCH_OUT)_attention $(ARGS)
 
 # apre=0: the fp4 path with the activation quantization inside every GEMM program (before session 3's default)
 MOE_VARIANTS ?= apre=0
-bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU)
+bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU); writes bench/results/moe_<gpu>.md
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_moe.py --variants '$(MOE_VARIANTS)' $(ARGS)
 
 tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARGS=... for more); writes configs/fp8/
@@ -95,7 +101,7 @@ profile-summary: ## summarise a trace file offline: make profile-summary TRACE=p
 	@if [ -z "$(TRACE)" ]; then echo "usage: make profile-summary TRACE=<trace.json[.gz]>"; exit 2; fi
 	python3 bench/profile_summary.py $(TRACE)
 
-freeze: ## regenerate requirements/constraints.txt from VENV
+freeze: ##m regenerate requirements/constraints.txt from VENV
 	@{ echo "# pip freeze of the pinned environment (sglang==0.5.23 + requirements/runtime.txt), made by make freeze on $$(date -u +%F)."; \
 	   echo "# Python $$($(PY) -c 'import sys; print(sys.version.split()[0])'), $$(uname -m). Regenerate with: make freeze VENV=..."; \
 	   $(PY) -m pip freeze --exclude-editable | grep -v -E '^(sglang( @|==)|dsv4.sm120)'; } > requirements/constraints.txt
