@@ -16,13 +16,19 @@ PATCHING := DSV4_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(P
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
         bench-attention bench-moe bench-fp8 bench-tables tune-fp8 convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
 
+# `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
+# them in two sections, each in file order.
 help: ## list the targets
 	@echo "dsv4_sm120 — serve DeepSeek-V4-Flash on 8x RTX PRO 6000 Blackwell (sm_120) with SGLang 0.5.23"
 	@echo
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
 	@echo
+	@echo "Maintainer targets (changing the patch series or the pinned environment):"
+	@grep -E '^[a-zA-Z0-9_-]+:.*##m ' $(MAKEFILE_LIST) | sed -E 's/:.*##m /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
+	@echo
 	@echo "Variables: VENV=$(VENV) (environment), SGLANG_ROOT=<sglang package dir> (patch another tree), DSV4_CACHE=$(DSV4_CACHE)"
 	@echo "           ATTN_VARIANTS / MOE_VARIANTS (launch variants bench-attention / bench-moe time next to the defaults; empty = none), ARGS=... (more bench options)"
+	@echo "Serving is configured by environment variables: bash serve/serve_dsv4_tp4.sh --help-vars lists them."
 
 setup: ## create the pinned environment in VENV (sglang==0.5.23, router, nixl); no system-wide installs
 	@scripts/setup_env.sh $(VENV)
@@ -43,7 +49,7 @@ patch-status: ## say whether the SGLang tree is patched, and with which series
 check-patches: ## verify the series on a pristine scratch copy of the pinned wheel (cached download; touches no env)
 	@$(PATCHING) check
 
-lock-patches: ## rewrite patches/targets.lock after changing a patch
+lock-patches: ##m rewrite patches/targets.lock after changing a patch
 	@$(PATCHING) lock
 
 test: ## the CPU test suite (creates/updates the cached test env, then pytest tests/)
@@ -106,7 +112,7 @@ profile-summary: ## summarise a trace file offline: make profile-summary TRACE=p
 	@if [ -z "$(TRACE)" ]; then echo "usage: make profile-summary TRACE=<trace.json[.gz]>"; exit 2; fi
 	python3 bench/profile_summary.py $(TRACE)
 
-freeze: ## regenerate requirements/constraints.txt from VENV
+freeze: ##m regenerate requirements/constraints.txt from VENV
 	@{ echo "# pip freeze of the pinned environment (sglang==0.5.23 + requirements/runtime.txt), made by make freeze on $$(date -u +%F)."; \
 	   echo "# Python $$($(PY) -c 'import sys; print(sys.version.split()[0])'), $$(uname -m). Regenerate with: make freeze VENV=..."; \
 	   $(PY) -m pip freeze --exclude-editable | grep -v -E '^(sglang( @|==)|dsv4.sm120)'; } > requirements/constraints.txt

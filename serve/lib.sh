@@ -19,6 +19,21 @@ dsv4_python() {
   fi
 }
 
+# dsv4_help SCRIPT: print the script's header comment (its --help).
+dsv4_help() {
+  awk 'NR>1 && /^#/ {sub(/^# ?/, ""); print; next} NR>1 {exit}' "$1"
+}
+
+# dsv4_usage_error SCRIPT ARG: one line naming the bad argument, the script's usage, exit 2.
+dsv4_usage_error() {
+  local name="serve/$(basename "$1")"
+  {
+    echo "[serve] error: unknown argument '$2' (settings are environment variables: $name --help-vars)"
+    echo "usage: [VAR=value ...] $name [--dry-run] [--detach] [--help] [--help-vars]"
+  } >&2
+  exit 2
+}
+
 # dsv4_launch SUBCOMMAND [ARGS...]
 dsv4_launch() {
   local py

@@ -6,6 +6,10 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 case "${1-}" in
-  -h|--help) awk 'NR>1 && /^#/ {sub(/^# ?/, ""); print; next} NR>1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;;
+  -h|--help) dsv4_help "${BASH_SOURCE[0]}"; exit 0 ;;
+  -*) echo "[serve] error: unknown option '$1'" >&2; echo "usage: serve/stop.sh [RUN_DIR]" >&2; exit 2 ;;
 esac
+if [ $# -gt 1 ]; then
+  echo "[serve] error: one run directory at most, got $#" >&2; echo "usage: serve/stop.sh [RUN_DIR]" >&2; exit 2
+fi
 dsv4_launch stop "$@"

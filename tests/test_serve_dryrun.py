@@ -158,7 +158,9 @@ def outputs():
                                               "ROUTER_HOST": "0.0.0.0", "IB_DEVICE": "mlx5_0"}).stdout
     fp8 = dry_run("serve_dsv4_tp4.sh", {"FP8_GEMM_BACKEND": "triton", "MAX_RUNNING": "8",
                                         "DECODE_EXTRA_ARGS": "--chunked-prefill-size 4096"}).stdout
-    return {"base": base, "mtp": mtp, "mn_prefill": mn_prefill, "mn_decode": mn_decode, "fp8": fp8}
+    explicit = dry_run("serve_dsv4_tp4.sh", {"DECODE_EXTRA_ARGS": "--cuda-graph-bs-decode 1 2 3 5 16"}).stdout
+    return {"base": base, "mtp": mtp, "mn_prefill": mn_prefill, "mn_decode": mn_decode, "fp8": fp8,
+            "explicit": explicit}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +168,7 @@ def validated(outputs, tmp_path_factory):
     """One subprocess (one sglang import) parses/resolves every server command and parses the routers'."""
     cfg = str(write_dsv4_config(tmp_path_factory.mktemp("dsv4") / "cfg"))
     jobs, expect = [], []
-    for name in ("base", "mtp", "fp8"):
+    for name in ("base", "mtp", "fp8", "explicit"):
         cmds = commands(outputs[name])
         assert set(cmds) == {"prefill", "decode", "router"}, outputs[name]
         for role in ("prefill", "decode"):
@@ -198,11 +200,17 @@ def validated(outputs, tmp_path_factory):
     return list(zip(expect, res))
 
 
+# Decode CUDA-graph batch sizes SGLang 0.5.23 captures for each dry run: without speculation 1, 2, 4, 8, 12, then
+# every 8th; with it 1-8, then every 2nd; an explicit --cuda-graph-bs-decode list as given.
+DECODE_GRAPH_BS = {"base": [1, 2, 4, 8, 12, 16], "mtp": [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16],
+                   "fp8": [1, 2, 4, 8], "explicit": [1, 2, 3, 5, 16]}
+
+
 def test_dry_run_commands_parse_and_resolve_with_sglang(validated):
     neg = [r for (kind, _, _), r in validated if kind == "negative"][0]
     assert not neg["ok"] and neg["stage"] == "parse" and "cuda-graph-max-bs" in neg["error"], neg
     good = [(name, role, r) for (kind, name, role), r in validated if kind == "server"]
-    assert sum(1 for *_, r in good if r.get("resolved")) == 6, good
+    assert sum(1 for *_, r in good if r.get("resolved")) == 8, good
     for name, role, r in good:
         assert r["ok"], (name, role, r)
         assert r["tp"] == 4 and r["mode"] == role and r["backend"] == "nixl", (name, role, r)
@@ -213,8 +221,9 @@ def test_dry_run_commands_parse_and_resolve_with_sglang(validated):
         if role == "decode":
             want = 8 if name == "fp8" else 16
             assert r["max_running"] == want, r
-            assert r["decode_graph_max_bs"] == want and max(r["decode_graph_bs"]) == want, r
-            assert 1 in r["decode_graph_bs"] and r["decode_graph_backend"] != "disabled", r
+            assert r["decode_graph_max_bs"] == want and r["decode_graph_backend"] != "disabled", r
+            # SGLang captures its own list of sizes up to MAX_RUNNING, not every size (docs/serving.md)
+            assert r["decode_graph_bs"] == DECODE_GRAPH_BS[name], (name, r["decode_graph_bs"])
         if name == "mtp":
             assert (r["spec"], r["spec_steps"], r["spec_topk"], r["spec_draft"]) == ("EAGLE", 3, 1, 4), r
         else:
@@ -376,3 +385,80 @@ def test_start_profile_body_is_an_sglang_profile_request(validated):
     assert good["ok"] and good["num_steps"] == 7 and good["output_dir"] == "/tmp/traces", good
     assert good["activities"] == ["GPU", "CPU"] and good["profile_id"] == "pid-x"
     assert not bad["ok"] and bad["unknown"] == ["num_stepz"], bad
+
+
+def test_docs_state_the_resolved_decode_graph_batch_sizes(validated):
+    """docs/serving.md names, for the default MAX_RUNNING, the batch sizes SGLang really resolves."""
+    doc = (REPO / "docs" / "serving.md").read_text()
+    for (kind, name, role), r in validated:
+        if kind == "server" and role == "decode" and name in ("base", "mtp"):
+            listed = ", ".join(map(str, r["decode_graph_bs"]))
+            assert f"batch sizes {listed} (" in doc, (name, listed)
+    assert "1..MAX_RUNNING" not in doc
+
+
+def _sections(out: str):
+    """Kinds of the dry run's lines, in order: cmd, env, setting, comment, other."""
+    kinds = []
+    for line in out.splitlines():
+        word = line.split(" ", 1)[0]
+        kinds.append(word if word in ("cmd", "env", "setting") else "comment" if word == "#" else "other")
+    return kinds
+
+
+def test_dry_run_prints_commands_first_then_a_compact_environment(outputs):
+    base = outputs["base"].splitlines()
+    kinds = _sections(outputs["base"])
+    # the header, then the three commands, before any environment or setting line
+    assert kinds[:4] == ["comment", "cmd", "cmd", "cmd"], base[:5]
+    assert kinds.count("cmd") == 3
+    # settings: only those that differ from their defaults (the test sets VENV and RUN_DIR, nothing else)
+    settings = [x for x in base if x.startswith("setting ")]
+    assert settings == [f"setting VENV={VENV}", "setting RUN_DIR=/tmp/dsv4-dry-run-dir"], settings
+    fp8 = [x for x in outputs["fp8"].splitlines() if x.startswith("setting ")]
+    assert "setting MAX_RUNNING=8" in fp8 and "setting FP8_GEMM_BACKEND=triton" in fp8, fp8
+    assert "setting DECODE_EXTRA_ARGS='--chunked-prefill-size 4096'" in fp8, fp8
+    assert not any(x.startswith(("setting CONTEXT_LEN", "setting PREFILL_PORT")) for x in fp8), fp8
+    # one line per environment variable, none twice
+    env_keys = [x.split(" ", 2)[1].split("=", 1)[0] for x in base if x.startswith("env ")]
+    assert len(env_keys) == len(set(env_keys)) and "NCCL_PROTO" in env_keys, env_keys
+    assert len(base) < 30, len(base)
+
+
+def test_internal_variables_are_not_shown_as_settings(outputs):
+    """serve_dsv4_mtp.sh selects the variant through an internal variable: the user never set it."""
+    for name in ("mtp", "mn_decode"):
+        assert "DSV4_VARIANT" not in outputs[name], outputs[name]
+    assert "variant=mtp" in outputs["mtp"].splitlines()[0]
+    # a DSV4_* variable the user did set is still listed as theirs
+    out = dry_run("serve_dsv4_mtp.sh", {"DSV4_SM120_ATTN_QK": "bf16"}).stdout
+    assert "env DSV4_SM120_ATTN_QK=bf16  # environment" in out and "DSV4_VARIANT" not in out
+
+
+@pytest.mark.parametrize("script", ["serve_dsv4_tp4.sh", "serve_dsv4_mtp.sh"])
+@pytest.mark.parametrize("args", [("--bogus",), ("--dry-run", "--detatch"), ("MAX_RUNNING=8",)])
+def test_unknown_argument_gets_the_scripts_usage(script, args):
+    r = dry_run(script, args=args, check=False)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == "" and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert f"unknown argument '{args[-1]}'" in lines[0], lines
+    assert lines[-1].startswith("usage: ") and f"serve/{script}" in lines[-1] and "--dry-run" in lines[-1], lines
+    # not the inner python module's argparse usage
+    assert "{start,stop" not in r.stderr and "dsv4_sm120.serving.deploy" not in r.stderr
+
+
+@pytest.mark.parametrize("script", ["serve_dsv4_tp4.sh", "serve_dsv4_mtp.sh"])
+def test_help_lists_the_options(script):
+    r = dry_run(script, args=("--help",))
+    for opt in ("--dry-run", "--detach", "--help-vars"):
+        assert opt in r.stdout, (opt, r.stdout)
+    assert ("MTP" in r.stdout) == (script == "serve_dsv4_mtp.sh")
+    r = dry_run(script, args=("--detach", "--help"))   # --help anywhere wins: nothing starts
+    assert "--help-vars" in r.stdout
+
+
+def test_stop_refuses_unknown_options(tmp_path):
+    r = subprocess.run(["bash", str(SERVE / "stop.sh"), "--bogus"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, LOG_DIR=str(tmp_path)))
+    assert r.returncode == 2 and "usage: serve/stop.sh" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -24,7 +24,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 FP8_BACKENDS = ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_deepgemm",
                 "flashinfer_cutedsl", "cutlass", "triton", "aiter")
 
-# name: (default, help). Order = the order printed by --help and the dry run.
+# name: (default, help). Order = the order printed by --help-vars and the dry run.
 VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "VENV": (".venv", "environment whose python runs SGLang and the router (relative = to the repo)"),
     "MODEL_PATH": (DEFAULT_MODEL, "checkpoint directory or Hugging Face id"),
@@ -43,7 +43,7 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "MEM_FRACTION": ("0.85", "--mem-fraction-static of both servers"),
     "PREFILL_MEM_FRACTION": ("", "override MEM_FRACTION for prefill"),
     "DECODE_MEM_FRACTION": ("", "override MEM_FRACTION for decode"),
-    "MAX_RUNNING": ("16", "decode --max-running-requests; decode CUDA graphs cover batch sizes up to it"),
+    "MAX_RUNNING": ("16", "decode --max-running-requests and --cuda-graph-max-bs-decode (SGLang captures its own list of batch sizes up to it: docs/serving.md)"),
     "PREFILL_MAX_RUNNING": ("", "prefill --max-running-requests (default: SGLang's)"),
     "CHUNKED_PREFILL_SIZE": ("", "prefill --chunked-prefill-size (default: SGLang's)"),
     "FP8_GEMM_BACKEND": ("auto", "auto = the FP8 tuner's configs/fp8/summary_<gpu>.json decides, else SGLang's default; or a --fp8-gemm-backend value"),
@@ -72,7 +72,8 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
 
 
 PASS_THROUGH = re.compile(r"^(SGLANG_|DSV4_|NCCL_|UCX_|NIXL_|TORCH_NCCL_|CUDA_DEVICE_ORDER$)")
-INTERNAL = re.compile(r"^(DSV4_SERVE_|DSV4_STANDIN_|DSV4_ORIG_PYTHONPATH$|DSV4_REPO_ROOT$|DSV4_CACHE$|"
+# Variables the scripts, the tests and the stand-ins use among themselves: never listed as user settings.
+INTERNAL = re.compile(r"^(DSV4_SERVE_|DSV4_STANDIN_|DSV4_ORIG_PYTHONPATH$|DSV4_REPO_ROOT$|DSV4_CACHE$|DSV4_VARIANT$|"
                       r"SGLANG_TORCH_PROFILER_DIR$|SGLANG_HOST_IP$)")
 
 
@@ -357,21 +358,37 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
                 urls={"prefill": prefill_url, "decode": decode_url, "router": router_url}, fp8_reason=fp8_reason)
 
 
+def changed_settings(plan: Plan) -> List[Tuple[str, str]]:
+    """[(name, value)] of the variables whose value differs from their default (DRY_RUN left out)."""
+    return [(k, plan.settings[k]) for k, (d, _) in VARIABLES.items()
+            if k != "DRY_RUN" and plan.settings[k] != (d or "")]
+
+
 def render_dry_run(plan: Plan) -> str:
-    """The plan as text: one setting / env var / command per line (commands shell-quoted)."""
+    """The plan as text: the commands first (``cmd ROLE: ENV=... argv``, shell-quoted, one line each),
+    then the environment the servers get on top of the inherited one, the settings that differ from
+    their defaults, and where health checks, logs and the router are."""
     out = [f"# dsv4_sm120 serve plan: variant={plan.variant} roles={','.join(plan.roles)}"
            f"{' STANDIN' if plan.standin else ''} (dry run: nothing started, no preflight)"]
-    for k in VARIABLES:
-        if k in ("DRY_RUN",):
-            continue
-        out.append(f"setting {k}={plan.settings[k]}")
-    out.append(f"setting fp8_gemm_backend: {plan.fp8_reason}")
-    out.append(f"run_dir {plan.run_dir}")
-    for k, v, src in plan.common_env:
-        out.append(f"env {k}={v}  # {src}")
     for p in plan.procs:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items())
         out.append(f"cmd {p.role}: {prefix + ' ' if prefix else ''}{shlex.join(p.argv)}")
+    files = [(k, v, src) for k, v, src in plan.common_env if src != "environment"]
+    caller = [(k, v, src) for k, v, src in plan.common_env if src == "environment"]
+    if files:
+        out.append("# environment added for both servers by serve/env/*.env:")
+        out += [f"env {k}={shlex.quote(v)}  # {src}" for k, v, src in files]
+    if caller:
+        out.append("# from your environment (both servers inherit it; it wins over serve/env/*.env):")
+        out += [f"env {k}={shlex.quote(v)}  # {src}" for k, v, src in caller]
+    changed = changed_settings(plan)
+    if changed:
+        out.append("# settings that differ from their defaults (serve/serve_dsv4_tp4.sh --help-vars lists all):")
+        out += [f"setting {k}={shlex.quote(v)}" for k, v in changed]
+    else:
+        out.append("# every setting at its default (serve/serve_dsv4_tp4.sh --help-vars lists them)")
+    out.append(f"# fp8 gemm backend: {plan.fp8_reason}")
+    out.append(f"run_dir {plan.run_dir}")
     for p in plan.procs:
         out.append(f"health {p.role}: {p.health_url}")
     for r, url in plan.remote_health.items():

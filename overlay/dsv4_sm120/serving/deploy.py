@@ -172,8 +172,10 @@ def cmd_stop(a) -> int:
 
 def cmd_vars(_a) -> int:
     w = max(len(k) for k in VARIABLES)
+    wd = max(len(repr(d)) for d, _ in VARIABLES.values())
+    print("Set these in the environment, e.g. MAX_RUNNING=8 serve/serve_dsv4_tp4.sh (docs/serving.md).")
     for k, (d, h) in VARIABLES.items():
-        print(f"{k:<{w}}  default {d!r:<24} {h}")
+        print(f"{k:<{w}}  default {d!r:<{wd}}  {h}")
     return 0
 
 
@@ -196,4 +198,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:   # output piped into e.g. head: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
