@@ -100,6 +100,11 @@ def test_config_file_name_matches_sglang_template():
             assert fc.parse_config_file_name(fc.config_file_name(N, K, dev))["N"] == N
     assert fc.parse_config_file_name("N=1,K=2,device_name=X,dtype=fp8_w8a8,block_shape=[128,128].json") is None
     assert fc.parse_config_file_name("N=1,K=2,device_name=X,dtype=int8_w8a8,block_shape=[128, 128].json") is None
+    # the tuner writes with the same implementation the lookup reads with
+    from dsv4_sm120.fp8 import configs as cf
+
+    for name in ("config_file_name", "parse_config_file_name", "validate_config_table", "summary_file_stem"):
+        assert getattr(fc, name) is getattr(cf, name), name
 
 
 GOOD = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,

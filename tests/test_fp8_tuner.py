@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from dsv4_sm120 import fp8_configs as fc
-from dsv4_sm120 import tune_fp8 as tf
+from dsv4_sm120.fp8 import configs as cf
+from dsv4_sm120.fp8 import summary
+from dsv4_sm120.fp8.errors import EXIT_INCOMPLETE, CandidateError, UsageError
+from dsv4_sm120.fp8.gpu import GpuBench
+from dsv4_sm120.fp8.search import Bench, candidate_configs, config_id, sglang_default_config
+from dsv4_sm120.fp8.shapes import DEFAULT_MS, Shape, parse_ms, parse_shapes, shapes_for_tp
+from dsv4_sm120.fp8.tuner import Tuner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +34,7 @@ class FakeClock:
         return self.t
 
 
-class FakeBench(tf.Bench):
+class FakeBench(Bench):
     """Deterministic pseudo-random 'timings'; some configs fail their correctness check."""
 
     def __init__(self, clock: FakeClock, salt: str, sm90=False, fail_frac=0.2, step=1.0):
@@ -47,12 +53,12 @@ class FakeBench(tf.Bench):
 
     def time_config(self, shape, M, cfg):
         self.clock.t += self.step
-        self.calls.append((shape.key, M, None if cfg is None else tf.config_id(cfg)))
+        self.calls.append((shape.key, M, None if cfg is None else config_id(cfg)))
         if cfg is None:
             return 100.0 + M
-        if self._h("fail", shape.key, M, tf.config_id(cfg)) < self.fail_frac:
-            raise tf.CandidateError("relative error 1.0 > 0.01")
-        return 10.0 + 80.0 * self._h("t", shape.key, M, tf.config_id(cfg))
+        if self._h("fail", shape.key, M, config_id(cfg)) < self.fail_frac:
+            raise CandidateError("relative error 1.0 > 0.01")
+        return 10.0 + 80.0 * self._h("t", shape.key, M, config_id(cfg))
 
     def time_linear(self, shape, M, cfg):
         return 50.0
@@ -61,23 +67,23 @@ class FakeBench(tf.Bench):
         return 60.0 if M <= 64 else 45.0
 
 
-SHAPES = [tf.Shape(1536, 4096, "a"), tf.Shape(4096, 512, "b")]
+SHAPES = [Shape(1536, 4096, "a"), Shape(4096, 512, "b")]
 MS = [1, 4, 24, 64, 300]
 
 
 def expected_best(bench: FakeBench, shape, M, quick=True):
     best, best_t = None, math.inf
-    for c in tf.candidate_configs(M, shape.N, shape.K, sm90=bench.sm90, quick=quick):
-        if bench._h("fail", shape.key, M, tf.config_id(c)) < bench.fail_frac:
+    for c in candidate_configs(M, shape.N, shape.K, sm90=bench.sm90, quick=quick):
+        if bench._h("fail", shape.key, M, config_id(c)) < bench.fail_frac:
             continue
-        t = 10.0 + 80.0 * bench._h("t", shape.key, M, tf.config_id(c))
+        t = 10.0 + 80.0 * bench._h("t", shape.key, M, config_id(c))
         if t < best_t:
             best, best_t = c, t
     return best
 
 
 def _tuner(bench, out, clock, **kw):
-    return tf.Tuner(bench, SHAPES, MS, out, quick=True, clock=clock, progress=False, log=lambda s: None, **kw)
+    return Tuner(bench, SHAPES, MS, out, quick=True, clock=clock, progress=False, log=lambda s: None, **kw)
 
 
 @pytest.mark.parametrize("sm90", [False, True])
@@ -86,9 +92,9 @@ def test_search_picks_fastest_passing_config(tmp_path, sm90):
     b = FakeBench(clock, salt=str(random.random()), sm90=sm90)
     assert _tuner(b, tmp_path, clock).run() == 0
     for sh in SHAPES:
-        table = json.loads((tmp_path / fc.config_file_name(sh.N, sh.K, b.device_name_raw)).read_text())
+        table = json.loads((tmp_path / cf.config_file_name(sh.N, sh.K, b.device_name_raw)).read_text())
         assert set(table) == {str(m) for m in MS}
-        fc.validate_config_table(table)
+        cf.validate_config_table(table)
         for m in MS:
             assert table[str(m)] == expected_best(b, sh, m)
     s = json.loads((tmp_path / "summary_Fake_GPU_9000.json").read_text())
@@ -96,8 +102,8 @@ def test_search_picks_fastest_passing_config(tmp_path, sm90):
     assert row["sglang_default_cfg_us"] == 104.0
     for sh in SHAPES:
         for m in MS:
-            want = sum(b._h("fail", sh.key, m, tf.config_id(c)) < b.fail_frac
-                       for c in tf.candidate_configs(m, sh.N, sh.K, sm90=sm90, quick=True))
+            want = sum(b._h("fail", sh.key, m, config_id(c)) < b.fail_frac
+                       for c in candidate_configs(m, sh.N, sh.K, sm90=sm90, quick=True))
             assert s["shapes"][sh.key]["rows"][str(m)]["failed"] == want
     assert row["winner"] == "triton"
     # decision: 60/50 = 1.2x at M<=64, 45/50 = 0.9x at M>=256 -> triton
@@ -120,10 +126,10 @@ def test_resume_after_time_budget_matches_uninterrupted(tmp_path):
     per_shape = len(full.calls) // 2
     budget = per_shape + per_shape // 2
     rc = _tuner(b1, tmp_path / "res", clock2, time_budget=budget).run()
-    assert rc == tf.EXIT_INCOMPLETE
+    assert rc == EXIT_INCOMPLETE
     out = tmp_path / "res"
-    assert (out / fc.config_file_name(SHAPES[0].N, SHAPES[0].K, b1.device_name_raw)).is_file()
-    assert not (out / fc.config_file_name(SHAPES[1].N, SHAPES[1].K, b1.device_name_raw)).exists()
+    assert (out / cf.config_file_name(SHAPES[0].N, SHAPES[0].K, b1.device_name_raw)).is_file()
+    assert not (out / cf.config_file_name(SHAPES[1].N, SHAPES[1].K, b1.device_name_raw)).exists()
     partial = json.loads(next(out.glob(".*.partial")).read_text())
     done_ms = set(partial["rows"])
     assert done_ms and done_ms != {str(m) for m in MS}
@@ -136,10 +142,10 @@ def test_resume_after_time_budget_matches_uninterrupted(tmp_path):
     # nothing finished was timed again: first shape skipped, finished M values of the second skipped
     assert not any(k == SHAPES[0].key for k, _, _ in b2.calls)
     assert not any(k == SHAPES[1].key and str(m) in done_ms for k, m, _ in b2.calls)
-    worst_m = max(len(tf.candidate_configs(m, sh.N, sh.K, sm90=False, quick=True)) for m in MS for sh in SHAPES)
+    worst_m = max(len(candidate_configs(m, sh.N, sh.K, sm90=False, quick=True)) for m in MS for sh in SHAPES)
     assert n_full <= len(b1.calls) + len(b2.calls) <= n_full + worst_m + 2   # at most one M's work redone
     for sh in SHAPES:
-        name = fc.config_file_name(sh.N, sh.K, b2.device_name_raw)
+        name = cf.config_file_name(sh.N, sh.K, b2.device_name_raw)
         assert json.loads((out / name).read_text()) == json.loads((tmp_path / "full" / name).read_text())
     assert not list(out.glob(".*.partial"))
 
@@ -150,7 +156,7 @@ def test_resume_after_time_budget_matches_uninterrupted(tmp_path):
     # --force, or a different search space (fingerprint), retunes
     assert _tuner(b3, out, clock4, force=True).run() == 0 and b3.calls
     b4 = FakeBench(FakeClock(), salt)
-    t = tf.Tuner(b4, SHAPES, MS + [2048], out, quick=True, clock=b4.clock, progress=False, log=lambda s: None)
+    t = Tuner(b4, SHAPES, MS + [2048], out, quick=True, clock=b4.clock, progress=False, log=lambda s: None)
     assert t.run() == 0 and {k for k, _, _ in b4.calls} == {s.key for s in SHAPES}
 
 
@@ -164,14 +170,14 @@ def test_all_candidates_fail_is_an_error(tmp_path):
 def test_candidate_space_is_valid_for_sglang():
     for sm90 in (False, True):
         for quick in (True, False):
-            for m in tf.DEFAULT_MS:
-                for sh in tf.shapes_for_tp(4):
-                    cands = tf.candidate_configs(m, sh.N, sh.K, sm90=sm90, quick=quick)
-                    assert tf.sglang_default_config() in cands
-                    ids = [tf.config_id(c) for c in cands]
+            for m in DEFAULT_MS:
+                for sh in shapes_for_tp(4):
+                    cands = candidate_configs(m, sh.N, sh.K, sm90=sm90, quick=quick)
+                    assert sglang_default_config() in cands
+                    ids = [config_id(c) for c in cands]
                     assert len(ids) == len(set(ids))
                     for c in cands:
-                        fc.validate_config_table({str(m): c})
+                        cf.validate_config_table({str(m): c})
                         if not sm90:
                             assert "SWAP_AB" not in c and "SPLIT_K" not in c   # ignored by SGLang off sm_90
                         assert c.get("SPLIT_K", 1) <= -(-sh.K // c["BLOCK_SIZE_K"])
@@ -180,16 +186,16 @@ def test_candidate_space_is_valid_for_sglang():
 
 
 def test_shapes_for_tp():
-    four = [(s.N, s.K) for s in tf.shapes_for_tp(4)]
+    four = [(s.N, s.K) for s in shapes_for_tp(4)]
     assert four == [(1536, 4096), (8192, 1024), (4096, 2048), (1024, 4096), (4096, 512), (4096, 4096)]
-    eight = [(s.N, s.K) for s in tf.shapes_for_tp(8)]
+    eight = [(s.N, s.K) for s in shapes_for_tp(8)]
     assert (4096, 1024) in eight and (512, 4096) in eight and (1536, 4096) in eight
-    with pytest.raises(tf.UsageError):
-        tf.shapes_for_tp(3)
-    with pytest.raises(tf.UsageError):
-        tf.parse_shapes("100,4096")
-    with pytest.raises(tf.UsageError):
-        tf.parse_ms("1,x")
+    with pytest.raises(UsageError):
+        shapes_for_tp(3)
+    with pytest.raises(UsageError):
+        parse_shapes("100,4096")
+    with pytest.raises(UsageError):
+        parse_ms("1,x")
 
 
 def _cli(*args, env=None):
@@ -206,13 +212,86 @@ def test_cli_help_dry_run_and_errors(tmp_path):
     r = _cli("--dry-run", "--quick", "--device-name", "NVIDIA RTX PRO 6000 Blackwell Server Edition",
              "--out-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert fc.config_file_name(8192, 1024, "NVIDIA RTX PRO 6000 Blackwell Server Edition") in r.stdout
+    assert cf.config_file_name(8192, 1024, "NVIDIA RTX PRO 6000 Blackwell Server Edition") in r.stdout
     assert not list(tmp_path.iterdir())                          # dry run writes nothing
     for bad in (["--ms", "0,1"], ["--shapes", "1,2"], ["--tp", "3"], ["--time-budget", "-1"]):
         r = _cli("--dry-run", *bad)
         assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr, bad
     r = _cli("--quick", "--out-dir", str(tmp_path))               # no GPU here
     assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_dry_run_lists_per_m_candidate_counts(tmp_path):
+    dev = "Fake GPU " + str(random.randrange(10 ** 6))
+    ms = sorted({random.randint(1, 64)} | set(random.sample(range(65, 5000), 4)))   # a decode M and larger ones
+    counts = {}
+    for sm90 in ("yes", "no"):
+        r = _cli("--dry-run", "--tp", "8", "--ms", ",".join(map(str, ms)), "--sm90", sm90, "--device-name", dev,
+                 "--out-dir", str(tmp_path))
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        shapes = shapes_for_tp(8)
+        per_m_lines = [l for l in lines if "candidates per M:" in l]
+        assert len(per_m_lines) == len(shapes)
+        total = 0
+        for sh, line in zip(shapes, per_m_lines):
+            got = dict(tuple(map(int, kv.split(":"))) for kv in line.split("candidates per M:")[1].split())
+            want = {m: len(candidate_configs(m, sh.N, sh.K, sm90=sm90 == "yes", quick=False)) for m in ms}
+            assert got == want, (sh, line)
+            assert any(cf.config_file_name(sh.N, sh.K, dev) in l and f" {sum(want.values())} candidates" in l
+                       for l in lines)
+            total += sum(want.values())
+        assert f"total {total} candidate timings" in r.stdout
+        counts[sm90] = total
+    assert counts["yes"] > counts["no"]          # SWAP_AB / SPLIT_K are searched on sm_90 only
+    assert not list(tmp_path.iterdir())
+
+
+def test_real_run_refuses_dry_run_flags_and_missing_torch(tmp_path):
+    r = _cli("--device-name", "X", "--out-dir", str(tmp_path))
+    assert r.returncode == 2 and "--dry-run only" in r.stderr and "Traceback" not in r.stderr
+    # an environment without torch: a one-line error, nothing written
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("raise ImportError('no torch in this test')\n")
+    out = tmp_path / "out"
+    r = _cli("--quick", "--out-dir", str(out), env={"PYTHONPATH": f"{fake}{os.pathsep}{REPO / 'overlay'}"})
+    assert r.returncode == 2 and "needs torch and triton" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_config_for_m_matches_nearest_m_rule():
+    rnd = random.Random()
+    for _ in range(200):
+        keys = rnd.sample(range(1, 5000), rnd.randint(1, 8))
+        table = {str(k): {"BLOCK_SIZE_K": rnd.choice([16, 32, 48, 64, 96, 128, 256]), "tag": k} for k in keys}
+        M = rnd.randint(1, 6000)
+        # reference: smallest distance, ties to the first key in file order
+        best = None
+        for k in keys:
+            if best is None or abs(k - M) < abs(best - M):
+                best = k
+        got = cf.config_for_m(table, M)
+        assert got["tag"] == best
+        bk = table[str(best)]["BLOCK_SIZE_K"]
+        assert got["BLOCK_SIZE_K"] == (128 if bk in (48, 96) else bk)
+        assert table[str(best)]["BLOCK_SIZE_K"] == bk                 # the loaded table is not modified
+
+
+@pytest.mark.parametrize("decode,prefill,want", [
+    (1.06, 0.81, "triton"), (1.06, None, "triton"), (1.04, 2.0, None), (1.5, 0.79, None)])
+def test_backend_decision_rule(decode, prefill, want):
+    rows = {"1": {"triton_linear_us": 10.0, "default_backend_linear_us": 10.0 * decode}}
+    if prefill is not None:
+        rows["512"] = {"triton_linear_us": 10.0, "default_backend_linear_us": 10.0 * prefill}
+    s = {"default_backend": {"name": "cutlass", "available": True},
+         "shapes": {"N=128,K=128": {"complete": True, "rows": rows}}, "pending_shapes": []}
+    s["comparison"] = summary.compare_rows(s)
+    assert s["comparison"]["tuned_vs_default_backend_geomean_m_le_64"] == pytest.approx(decode, abs=1e-4)
+    assert summary.decide_backend(s)["recommended_backend"] == want
+    s["shapes"]["N=128,K=128"]["complete"] = False                      # incomplete tuning never recommends
+    s["comparison"] = summary.compare_rows(s)
+    assert summary.decide_backend(s)["recommended_backend"] is None
 
 
 # --------------------------------------------------------------------------- SGLang's real kernel, interpreted
@@ -222,7 +301,7 @@ def interp_bench():
     prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"   # read when SGLang's kernel module is loaded (decorated)
     try:
-        yield tf.GpuBench(source="installed-file", device="cpu", seed=random.randrange(1 << 30))
+        yield GpuBench(source="installed-file", device="cpu", seed=random.randrange(1 << 30))
     finally:
         if prev is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -232,7 +311,7 @@ def interp_bench():
 
 def test_real_kernel_check_rejects_wrong_and_unwritten_output(interp_bench):
     b = interp_bench
-    sh = tf.Shape(256, 256, "t")
+    sh = Shape(256, 256, "t")
     b.setup_shape(sh, [5])
     b.setup_m(sh, 5)
     good = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
@@ -240,7 +319,7 @@ def test_real_kernel_check_rejects_wrong_and_unwritten_output(interp_bench):
     assert b.time_config(sh, 5, good) > 0
     assert b.time_config(sh, 5, None) > 0                          # SGLang's own default config
     # a K tile spanning two scale blocks computes the wrong product: must be rejected
-    with pytest.raises(tf.CandidateError, match="relative error"):
+    with pytest.raises(CandidateError, match="relative error"):
         b.time_config(sh, 5, dict(good, BLOCK_SIZE_K=256))
     # a launcher that returns its output without writing it: the NaN poison must catch it
     orig = b.mod.w8a8_block_fp8_matmul_triton
@@ -250,7 +329,7 @@ def test_real_kernel_check_rejects_wrong_and_unwritten_output(interp_bench):
 
     b.mod.w8a8_block_fp8_matmul_triton = lazy
     try:
-        with pytest.raises(tf.CandidateError, match="non-finite"):
+        with pytest.raises(CandidateError, match="non-finite"):
             b.time_config(sh, 5, good)
     finally:
         b.mod.w8a8_block_fp8_matmul_triton = orig
@@ -261,11 +340,11 @@ def test_real_kernel_check_rejects_wrong_and_unwritten_output(interp_bench):
 
 def test_real_kernel_end_to_end_tuning(interp_bench, tmp_path):
     b = interp_bench
-    t = tf.Tuner(b, [tf.Shape(256, 256, "t")], [3], tmp_path, quick=True, progress=False, log=lambda s: None)
+    t = Tuner(b, [Shape(256, 256, "t")], [3], tmp_path, quick=True, progress=False, log=lambda s: None)
     assert t.run() == 0
-    name = fc.config_file_name(256, 256, b.device_name_raw)
+    name = cf.config_file_name(256, 256, b.device_name_raw)
     table = json.loads((tmp_path / name).read_text())
-    fc.validate_config_table(table)
-    s = json.loads((tmp_path / fc.summary_file_stem(b.device_name_raw)).with_suffix(".json").read_text())
+    cf.validate_config_table(table)
+    s = json.loads((tmp_path / cf.summary_file_stem(b.device_name_raw)).with_suffix(".json").read_text())
     row = s["shapes"]["N=256,K=256"]["rows"]["3"]
     assert row["failed"] == 0 and row["best_config"] == table["3"]

@@ -3,7 +3,8 @@
 SGLang 0.5.23 reads the Triton ``w8a8_block_fp8_matmul`` tile configs only from
 ``sglang/kernels/ops/gemm/configs/`` inside the wheel, under the name
 ``N={N},K={K},device_name={dev},dtype=fp8_w8a8,block_shape=[{bn}, {bk}].json``
-(``dev`` = ``torch.cuda.get_device_name().replace(" ", "_")``).  Patch
+(``dev`` = ``torch.cuda.get_device_name().replace(" ", "_")``; the scheme and the
+schema check are in :mod:`dsv4_sm120.fp8.configs`).  Patch
 ``0004-fp8-config-dir.patch`` makes ``get_w8a8_block_fp8_configs`` ask
 :func:`project_config_path` first; when that returns None SGLang's own directory
 is used as before.
@@ -36,87 +37,43 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
+
+# The file naming scheme and the schema check are the tuner's (one implementation for writer and reader);
+# re-exported so that this module alone answers every question about the project's config files.
+from dsv4_sm120.fp8.configs import (
+    CONFIG_NAME_RE,
+    OPTIONAL_KEYS,
+    REQUIRED_KEYS,
+    config_file_name,
+    parse_config_file_name,
+    read_json_object,
+    sglang_device_name,
+    summary_file_stem,
+    validate_config_table,
+)
+
+__all__ = [
+    "ENV_CONFIG_DIR", "ENV_BACKEND", "project_config_dir", "project_config_path", "load_summary",
+    "detect_device_name", "recommended_fp8_gemm_backend",
+    "CONFIG_NAME_RE", "OPTIONAL_KEYS", "REQUIRED_KEYS", "config_file_name", "parse_config_file_name",
+    "sglang_device_name", "summary_file_stem", "validate_config_table",
+]
 
 logger = logging.getLogger(__name__)
 
 ENV_CONFIG_DIR = "SGLANG_DSV4_FP8_CONFIG_DIR"
 ENV_BACKEND = "DSV4_FP8_GEMM_BACKEND"
 
-# SGLang 0.5.23, kernels/ops/gemm/fp8_kernel.py, get_w8a8_block_fp8_configs
-CONFIG_NAME_RE = re.compile(
-    r"^N=(?P<N>[1-9][0-9]*),K=(?P<K>[1-9][0-9]*),device_name=(?P<dev>[^,/\\]+),"
-    r"dtype=fp8_w8a8,block_shape=\[(?P<bn>[1-9][0-9]*), (?P<bk>[1-9][0-9]*)\]\.json$"
-)
-REQUIRED_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-OPTIONAL_KEYS = {"SWAP_AB": bool, "SPLIT_K": int}  # honoured by SGLang 0.5.23 on sm_90 only
-
 _warned: set = set()
 
 
-def sglang_device_name(raw: str) -> str:
-    """The device-name field SGLang puts in config file names (spaces -> underscores)."""
-    return raw.replace(" ", "_")
-
-
-def config_file_name(N: int, K: int, device_name: str, block_n: int = 128, block_k: int = 128) -> str:
-    """The exact file name SGLang 0.5.23 looks up for a block-FP8 GEMM of weight shape (N, K)."""
-    dev = sglang_device_name(device_name)
-    return f"N={N},K={K},device_name={dev},dtype=fp8_w8a8,block_shape=[{block_n}, {block_k}].json"
-
-
-def parse_config_file_name(name: str) -> Optional[Dict[str, object]]:
-    m = CONFIG_NAME_RE.match(name)
-    if not m:
-        return None
-    return {"N": int(m["N"]), "K": int(m["K"]), "device_name": m["dev"],
-            "block_n": int(m["bn"]), "block_k": int(m["bk"])}
-
-
-def validate_config_table(table: object, block_k: int = 128) -> None:
-    """Raise ValueError unless ``table`` is a config JSON SGLang 0.5.23 can use as is."""
-    if not isinstance(table, dict) or not table:
-        raise ValueError("config must be a non-empty JSON object mapping M to a tile config")
-    for key, cfg in table.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) > 0):
-            raise ValueError(f"key {key!r} is not a positive integer M")
-        if not isinstance(cfg, dict):
-            raise ValueError(f"M={key}: value is not an object")
-        missing = [k for k in REQUIRED_KEYS if k not in cfg]
-        if missing:
-            raise ValueError(f"M={key}: missing {missing}")
-        extra = [k for k in cfg if k not in REQUIRED_KEYS and k not in OPTIONAL_KEYS]
-        if extra:
-            raise ValueError(f"M={key}: unknown keys {extra}")
-        for k in REQUIRED_KEYS:
-            v = cfg[k]
-            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-                raise ValueError(f"M={key}: {k}={v!r} is not a positive integer")
-        for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps"):
-            if cfg[k] & (cfg[k] - 1):
-                raise ValueError(f"M={key}: {k}={cfg[k]} is not a power of two")
-        if min(cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]) < 16:
-            raise ValueError(f"M={key}: Triton tl.dot needs every block size >= 16")
-        bk = cfg["BLOCK_SIZE_K"]
-        if bk > block_k or block_k % bk:
-            raise ValueError(f"M={key}: BLOCK_SIZE_K={bk} must divide the quantization block {block_k}")
-        if "SWAP_AB" in cfg and not isinstance(cfg["SWAP_AB"], bool):
-            raise ValueError(f"M={key}: SWAP_AB must be true/false")
-        if "SPLIT_K" in cfg:
-            s = cfg["SPLIT_K"]
-            if not (isinstance(s, int) and not isinstance(s, bool) and s > 0 and not s & (s - 1)):
-                raise ValueError(f"M={key}: SPLIT_K={s!r} must be a power of two")
-
-
 def _repo_fp8_dir_from_manifest(sglang_root: Optional[Path]) -> Optional[Path]:
+    """``<repo_root>/configs/fp8`` from the apply manifest ``make apply-patches`` wrote into SGLang, or None."""
     if sglang_root is None:
         return None
-    try:
-        with open(sglang_root / ".dsv4_sm120" / "manifest.json") as fh:
-            repo = json.load(fh).get("repo_root")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not repo:
+    repo = (read_json_object(sglang_root / ".dsv4_sm120" / "manifest.json") or {}).get("repo_root")
+    if not repo or not isinstance(repo, str):
         return None
     return Path(repo) / "configs" / "fp8"
 
@@ -182,21 +139,12 @@ def project_config_path(json_file_name: str, sglang_root: Optional[Path] = None)
 # Backend recommendation for the serve scripts
 # --------------------------------------------------------------------------
 
-def summary_file_stem(device_name: str) -> str:
-    return f"summary_{sglang_device_name(device_name)}"
-
-
 def load_summary(device_name: str, config_dir: Optional[Path] = None) -> Optional[dict]:
+    """The tuner's summary for ``device_name`` in ``config_dir`` (default: the project directory), or None."""
     d = config_dir if config_dir is not None else project_config_dir()
     if d is None:
         return None
-    path = Path(d) / (summary_file_stem(device_name) + ".json")
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(Path(d) / (summary_file_stem(device_name) + ".json"))
 
 
 def detect_device_name() -> Optional[str]:
