@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,7 +94,7 @@ def test_readme_setup_apply_status_in_fresh_clone():
             assert os.stat(torch_init).st_nlink >= 2
     finally:
         t = time.monotonic()
-        shutil.rmtree(clone, ignore_errors=True)
+        subprocess.run(["rm", "-rf", str(clone)])  # faster than shutil.rmtree on ~40,000 files
         print(f"removed the clone in {time.monotonic() - t:.1f} s")
     assert not clone.exists()
 
