@@ -3,12 +3,14 @@
 
 SHELL := /bin/bash
 VENV ?= .venv
-PY := $(VENV)/bin/python
+# absolute: the patch tool runs the environment's python from other directories
+VENV_ABS := $(abspath $(VENV))
+PY := $(VENV_ABS)/bin/python
 DSV4_CACHE ?= $(HOME)/.cache/dsv4_sm120
 export DSV4_CACHE
 # SGLANG_ROOT=/path/to/site-packages/sglang patches that tree instead of the one in $(VENV).
 SGLANG_ROOT ?=
-ROOT_ARG := $(if $(SGLANG_ROOT),--sglang-root $(SGLANG_ROOT),)
+ROOT_ARG := $(if $(SGLANG_ROOT),--sglang-root $(abspath $(SGLANG_ROOT)),)
 PATCH_PY := $(if $(wildcard $(PY)),$(PY),python3)
 PATCHING := DSV4_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.patching
 
@@ -31,7 +33,7 @@ help: ## list the targets
 	@echo "Serving is configured by environment variables: bash serve/serve_dsv4_tp4.sh --help-vars lists them."
 
 setup: ## create the pinned environment in VENV (sglang==0.5.23, router, nixl); no system-wide installs
-	@scripts/setup_env.sh $(VENV)
+	@scripts/setup_env.sh $(VENV_ABS)
 
 apply-patches: ## apply patches/series to the SGLang in VENV (or SGLANG_ROOT) and install dsv4_sm120 there
 	@if [ -z "$(SGLANG_ROOT)" ] && [ ! -x "$(PY)" ]; then \
@@ -55,8 +57,14 @@ lock-patches: ##m rewrite patches/targets.lock after changing a patch
 test: ## the CPU test suite (creates/updates the cached test env, then pytest tests/)
 	@scripts/run_tests.sh
 
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
-	$(if $(wildcard $(PY)),$(PY),python3) -m pytest tests/gpu -q
+	@$(GPU_PY) -c 'import importlib.util as u, sys; sys.exit(3 if u.find_spec("torch") is None else 0 if __import__("torch").cuda.is_available() else 4)'; \
+	case $$? in 0) ;; \
+	  3) echo "[test-gpu] error: torch is not importable from $(GPU_PY): run \`make setup\` (or pass VENV=...)"; exit 2;; \
+	  4) echo "[test-gpu] error: no CUDA GPU is visible to torch (torch.cuda.is_available() is False; CUDA_VISIBLE_DEVICES=$${CUDA_VISIBLE_DEVICES-unset}): the GPU tests need one, none were run"; exit 2;; \
+	  *) echo "[test-gpu] error: $(GPU_PY) could not import torch (see above)"; exit 2;; esac
+	$(GPU_PY) -m pytest tests/gpu -q
 
 # Every bench run appends rows to $(BENCH_OUT)/<subject>.csv (attention, moe, fp8); `make bench-tables` regenerates
 # the committed tables from them (bench/results/README.md).

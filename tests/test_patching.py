@@ -21,11 +21,11 @@ from dsv4_sm120 import SGLANG_VERSION, patching
 SERIES = patching.load_series()
 
 
-def cli(*args, env=None):
+def cli(*args, env=None, cwd=REPO, python=sys.executable):
     e = dict(os.environ, PYTHONPATH=str(OVERLAY))
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "dsv4_sm120.patching", *args], capture_output=True,
-                          text=True, env=e, cwd=str(REPO))
+    return subprocess.run([python, "-m", "dsv4_sm120.patching", *args], capture_output=True,
+                          text=True, env=e, cwd=str(cwd))
 
 
 def snapshot(root: Path) -> dict:
@@ -295,3 +295,104 @@ def test_fetch_wheel_cold_cache_prints_only_the_path(tmp_path):
     assert "downloading" in r.stderr
     r = cli("fetch-wheel", "--py", "39", env={"DSV4_CACHE": str(cache)})
     assert r.returncode == 2 and "3.11, 3.12 or 3.13" in r.stderr
+
+
+def test_relative_python_is_taken_from_the_callers_cwd(tree, tmp_path):
+    """--python .venv/bin/python works from the directory it is relative to (subprocesses run elsewhere)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], check=True)
+    r = cli("status", "--sglang-root", str(tree), "--python", ".venv/bin/python", "--json", cwd=tmp_path,
+            env={"DSV4_ORIG_PYTHONPATH": ""})  # as the Makefile does: ask the env, not the checkout
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    st = json.loads(r.stdout)
+    assert st["overlay_current"] is False  # asked of that environment, which has no overlay
+    r = cli("apply", "--python", ".venv/bin/python", cwd=tmp_path)  # no SGLang there: a clear refusal
+    assert r.returncode == 2 and "SGLang is not installed" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_python_is_a_clear_error_and_changes_nothing(tree, tmp_path):
+    before = snapshot(tree)
+    for cmd in (["apply", "--sglang-root", str(tree)], ["status", "--sglang-root", str(tree)], ["status"],
+                ["revert", "--sglang-root", str(tree)]):
+        r = cli(*cmd, "--python", "nowhere/bin/python", cwd=tmp_path)
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and "make setup" in r.stderr, r.stderr
+        assert str(tmp_path / "nowhere/bin/python") in r.stderr
+    assert snapshot(tree) == before
+
+
+def test_status_without_arguments_uses_this_interpreters_sglang():
+    import importlib.util
+    r = cli("status", "--json")  # the test environment has SGLang
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["sglang_root"] == str(Path(importlib.util.find_spec("sglang").origin).parent)
+
+
+def test_status_without_arguments_and_without_sglang_names_the_missing_env(tmp_path):
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    bare = str(venv / "bin" / "python")  # no SGLang: status looks for $VENV / the checkout's .venv
+    r = cli("status", python=bare, env={"VENV": str(tmp_path / "absent")})
+    assert r.returncode == 2 and "make setup" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = cli("status", "--json", python=bare, env={"VENV": sys.prefix})  # $VENV: the test environment
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["sglang_version"] == SGLANG_VERSION
+
+
+def test_installed_copy_finds_its_checkout(tree, tmp_path):
+    """The overlay copy installed into an environment (run as `.venv/bin/python -m dsv4_sm120.patching status`)
+    compares against the checkout it was installed from, not against its own site-packages location."""
+    site = tmp_path / "site"
+    shutil.copytree(OVERLAY / "dsv4_sm120", site / "dsv4_sm120", ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "dsv4_sm120" / "_build.py").write_text(
+        f"OVERLAY_HASH = {patching.overlay_tree_hash()!r}\nREPO_ROOT = {str(REPO)!r}\n")
+    assert cli("apply", "--sglang-root", str(tree), "--no-install").returncode == 0
+    env = {"PYTHONPATH": str(site)}
+    r = cli("status", "--sglang-root", str(tree), cwd=tmp_path, env=env)
+    assert r.returncode == 0 and "matches this repo's series" in r.stdout, r.stdout + r.stderr
+    st = json.loads(cli("status", "--sglang-root", str(tree), "--json", cwd=tmp_path, env=env).stdout)
+    assert st["matches_repo"] and st["repo_series_hash"] == SERIES.hash
+    # a copy whose checkout is gone says so instead of claiming the series differs
+    (site / "dsv4_sm120" / "_build.py").write_text(f"OVERLAY_HASH = 'x'\nREPO_ROOT = {str(tmp_path / 'gone')!r}\n")
+    r = cli("status", "--sglang-root", str(tree), cwd=tmp_path, env=env)
+    assert "cannot be read" in r.stdout and "DIFFERS" not in r.stdout, r.stdout + r.stderr
+
+
+def test_pinned_wheels_come_from_the_data_file(tmp_path):
+    assert len(patching.PINNED_WHEELS) == 3
+    assert patching.load_pinned_wheels(REPO / "requirements" / "sglang-wheels.txt") == patching.PINNED_WHEELS
+    assert all(f"cp3{v}-cp3{v}" in "".join(patching.PINNED_WHEELS) for v in (11, 12, 13))
+    assert patching.load_pinned_wheels(tmp_path / "absent.txt") == {}
+
+
+def _fake_checkout(tmp_path: Path) -> Path:
+    co = tmp_path / "co"
+    for d in ("scripts", "requirements", "overlay"):
+        shutil.copytree(REPO / d, co / d, ignore=shutil.ignore_patterns("__pycache__"))
+    return co
+
+
+def test_setup_env_stamp_covers_the_environment_not_the_patch_tool(tmp_path):
+    """Editing patching.py must not force a reinstall; changing a pin must."""
+    co = _fake_checkout(tmp_path)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, venv / "bin" / "python")
+    run = lambda: subprocess.run(["bash", str(co / "scripts" / "setup_env.sh"), str(venv)], capture_output=True,
+                                 text=True, env=dict(os.environ, PYTHON=str(tmp_path / "no-python")))
+    (venv / ".dsv4_env_stamp").write_text("0" * 16 + "\n")
+    r = run()  # stale stamp: it would reinstall, and stops at the missing interpreter
+    assert r.returncode == 2 and "not found" in r.stdout, r.stdout + r.stderr
+    import hashlib
+    stamp = hashlib.sha256(b"".join((co / "requirements" / f).read_bytes() for f in (
+        "runtime.txt", "nodeps.txt", "constraints.txt", "sglang-wheels.txt"))).hexdigest()[:16]
+    (venv / ".dsv4_env_stamp").write_text(stamp + "\n")
+    r = run()
+    assert r.returncode == 0 and "up to date" in r.stdout, r.stdout + r.stderr
+    with open(co / "overlay" / "dsv4_sm120" / "patching.py", "a") as fh:
+        fh.write("\n# an edit to the patch tool\n")
+    r = run()
+    assert r.returncode == 0 and "up to date" in r.stdout, r.stdout + r.stderr
+    wf = co / "requirements" / "sglang-wheels.txt"
+    wf.write_text(wf.read_text().replace("00b3cd5b", "11b3cd5b"))
+    r = run()
+    assert r.returncode == 2 and "up to date" not in r.stdout, r.stdout + r.stderr

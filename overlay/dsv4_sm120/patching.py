@@ -53,18 +53,6 @@ STATE_DIR = ".dsv4_sm120"
 MANIFEST = "manifest.json"
 BACKUP_DIR = "backup"
 
-# sha256 of the pinned wheel(s) on PyPI; `check` refuses anything else.
-# The Python sources are identical in all of them (checked with their RECORDs); `check` and `lock` use cp311.
-PINNED_WHEELS = {
-    "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl":
-        "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937",
-    "sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl":
-        "8d257a319395b322bb1be327d05e5528859358153c8563b04c0a4a3c8af164b6",
-    "sglang-0.5.23-cp313-cp313-manylinux_2_34_x86_64.whl":
-        "10f0b2b29c8fea616e4b27cbbbb147f32a879bf3db71c9767425a3d9d77a36cb",
-}
-
-
 class PatchError(Exception):
     """A refusal or failure with a one-line message for the user."""
 
@@ -74,11 +62,46 @@ class PatchError(Exception):
 
 
 def repo_root() -> Path:
-    """The product checkout this module belongs to (overlay/dsv4_sm120/..)."""
+    """The product checkout this module belongs to.
+
+    Run from the checkout (PYTHONPATH=overlay) that is overlay/dsv4_sm120/../..; the copy `make apply-patches`
+    installs into an environment records its checkout in ``_build.REPO_ROOT``.  DSV4_REPO_ROOT overrides both.
+    """
     env = os.environ.get("DSV4_REPO_ROOT")
     if env:
         return Path(env).resolve()
-    return Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve().parents[2]
+    if (here / "patches" / "series").is_file():
+        return here
+    try:
+        from dsv4_sm120 import _build  # only in an installed copy
+    except ImportError:
+        return here
+    recorded = Path(getattr(_build, "REPO_ROOT", "") or here)
+    return recorded if (recorded / "patches" / "series").is_file() else here
+
+
+def wheels_file() -> Path:
+    return repo_root() / "requirements" / "sglang-wheels.txt"
+
+
+def load_pinned_wheels(path: Optional[Path] = None) -> Dict[str, str]:
+    """{wheel file name: sha256} of the pinned SGLang wheels (requirements/sglang-wheels.txt); {} if absent."""
+    path = path or wheels_file()
+    out: Dict[str, str] = {}
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for raw in text.splitlines():
+        parts = raw.split("#", 1)[0].split()
+        if len(parts) == 2 and parts[0].endswith(".whl") and re.fullmatch(r"[0-9a-f]{64}", parts[1]):
+            out[parts[0]] = parts[1]
+    return out
+
+
+# sha256 of the pinned wheel(s) on PyPI; `check` and `setup` refuse anything else.
+PINNED_WHEELS = load_pinned_wheels()
 
 
 def default_series_path() -> Path:
@@ -335,13 +358,15 @@ def load_lock(series: Series) -> Optional[dict]:
 
 def resolve_root(arg: Optional[str], python: Optional[str]) -> Path:
     cand = arg or os.environ.get("SGLANG_ROOT")
+    python = absolute_python(python)
     if not cand and python:
-        if not Path(python).exists():
+        if not os.path.lexists(python):
             raise PatchError(
                 f"no environment at {python}: run `make setup` first (or pass SGLANG_ROOT=/path/to/sglang)", 2)
+        check_python(python)
         code = ("import importlib.util, os; s = importlib.util.find_spec('sglang'); "
                 "print(os.path.dirname(s.origin) if s and s.origin else '')")
-        r = subprocess.run([python, "-c", code], capture_output=True, text=True)
+        r = run_python(python, ["-c", code], cwd="/")
         cand = r.stdout.strip()
         if r.returncode != 0 or not cand:
             raise PatchError(
@@ -426,6 +451,27 @@ def _write_manifest(root: Path, manifest: dict) -> None:
 
 def _say(msg: str) -> None:
     print(f"[dsv4_sm120.patching] {msg}", flush=True)
+
+
+def absolute_python(python: Optional[str]) -> Optional[str]:
+    """`python` made absolute against the caller's cwd (subprocesses here run elsewhere); symlinks kept, since a
+    venv's bin/python is a symlink whose own location selects the environment."""
+    return os.path.abspath(os.path.expanduser(python)) if python else python
+
+
+def check_python(python: str) -> None:
+    if not os.path.isfile(python) or not os.access(python, os.X_OK):
+        raise PatchError(f"no Python interpreter at {python}: run `make setup` first "
+                         "(or pass --python PATH of an environment's python)", 2)
+
+
+def run_python(python: str, args: List[str], **kw) -> subprocess.CompletedProcess:
+    """subprocess.run([python, *args]) with a one-line error instead of a traceback when python is missing."""
+    try:
+        return subprocess.run([python, *args], capture_output=True, text=True, **kw)
+    except OSError as e:
+        raise PatchError(f"cannot run {python}: {e.strerror}; run `make setup` first "
+                         "(or pass --python PATH of an environment's python)", 2) from None
 
 
 # --------------------------------------------------------------------------
@@ -637,7 +683,7 @@ def revert(root: Path, series: Optional[Series], python: Optional[str] = None, s
     _rollback(root, m, say)
     say(f"reverted {len(m['files'])} files to pristine sglang=={SGLANG_VERSION} (byte-identical, verified)")
     if python:
-        subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", "dsv4_sm120"], capture_output=True)
+        run_python(python, ["-m", "pip", "uninstall", "-y", "-q", "dsv4_sm120"])
     return "reverted"
 
 
@@ -668,7 +714,7 @@ def installed_overlay(python: str) -> dict:
             env["PYTHONPATH"] = orig
         else:
             env.pop("PYTHONPATH", None)
-    r = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/", env=env)
+    r = run_python(python, ["-c", code], cwd="/", env=env)
     if r.returncode != 0:
         return {"importable": False, "file": None, "hash": None, "current": False}
     info = json.loads(r.stdout.strip().splitlines()[-1])
@@ -685,7 +731,7 @@ def _install_overlay(python: str, say=_say, only_if_missing: bool = False) -> No
             return
         say("the dsv4_sm120 installed in the environment differs from this checkout: reinstalling")
     say(f"installing dsv4_sm120 {__version__} into {python}")
-    base = [python, "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--disable-pip-version-check"]
+    base = ["-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "--disable-pip-version-check"]
     # Without build isolation first (works offline where setuptools is in the env, as in the pinned env);
     # with it otherwise (pip fetches setuptools).
     with tempfile.TemporaryDirectory() as td:  # build from a copy: never leave build/ or egg-info in the repo
@@ -694,13 +740,12 @@ def _install_overlay(python: str, say=_say, only_if_missing: bool = False) -> No
         (src / "dsv4_sm120" / "_build.py").write_text(
             f'"""Written by `make apply-patches`: the checkout this copy was installed from."""\n'
             f"OVERLAY_HASH = {overlay_tree_hash()!r}\nREPO_ROOT = {str(repo_root())!r}\n")
-        r = subprocess.run(base + ["--no-build-isolation", str(src)], capture_output=True, text=True)
+        r = run_python(python, base + ["--no-build-isolation", str(src)])
         if r.returncode != 0:
-            r = subprocess.run(base + [str(src)], capture_output=True, text=True)
+            r = run_python(python, base + [str(src)])
     if r.returncode != 0:
         raise PatchError("installing the overlay failed:\n" + r.stderr[-2000:])
-    r = subprocess.run([python, "-c", "import dsv4_sm120; print(dsv4_sm120.__version__)"],
-                       capture_output=True, text=True, cwd="/")
+    r = run_python(python, ["-c", "import dsv4_sm120; print(dsv4_sm120.__version__)"], cwd="/")
     if r.returncode != 0 or r.stdout.strip() != __version__ or not installed_overlay(python)["current"]:
         raise PatchError(f"dsv4_sm120 {__version__} is not importable from {python} after installing it")
 
@@ -713,6 +758,8 @@ def _install_overlay(python: str, say=_say, only_if_missing: bool = False) -> No
 def pinned_wheel(download: bool = True, py: str = "311") -> Path:
     """The pinned wheel for CPython `py` (e.g. '311'), from the cache or PyPI, sha256-verified."""
     wdir = cache_dir() / "wheels"
+    if not PINNED_WHEELS:
+        raise PatchError(f"{wheels_file()} is missing or lists no wheels: cannot verify the pinned SGLang wheel", 2)
     names = [n for n in PINNED_WHEELS if f"-cp{py}-" in n]
     if not names:
         raise PatchError(f"no pinned sglang=={SGLANG_VERSION} wheel for CPython {py} "
@@ -834,6 +881,19 @@ def check(series: Series, say=_say) -> None:
 # --------------------------------------------------------------------------
 
 
+def default_status_python() -> Optional[str]:
+    """The environment `status` inspects when given no tree: this interpreter if it has SGLang (as when run as
+    `.venv/bin/python -m dsv4_sm120.patching status`), else the checkout's default environment ($VENV or .venv,
+    what `make setup` creates)."""
+    import importlib.util
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    venv = Path(os.environ.get("VENV") or ".venv")
+    venv = venv if venv.is_absolute() else repo_root() / venv
+    py = venv / "bin" / "python"
+    return str(py) if os.path.lexists(py) else None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.patching", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -849,7 +909,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-install", action="store_true", help="do not pip-install dsv4_sm120 into the env")
     p = sub.add_parser("revert", help="restore every touched file byte-for-byte")
     common(p)
-    p = sub.add_parser("status", help="is this tree patched, and with which series?")
+    p = sub.add_parser("status", help="is this tree patched, and with which series? (without --sglang-root/--python: "
+                                      "this interpreter's SGLang, else the checkout's .venv or $VENV)")
     common(p)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("check", help="verify the series against a pristine copy of the pinned wheel")
@@ -860,6 +921,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--py", default="%d%d" % sys.version_info[:2], help="CPython version, e.g. 311 (default: this one)")
     a = ap.parse_args(argv)
     try:
+        if getattr(a, "python", None):
+            a.python = absolute_python(a.python)
+            check_python(a.python)
+        if a.cmd == "status" and not (a.sglang_root or os.environ.get("SGLANG_ROOT") or a.python):
+            a.python = default_status_python()
+            if a.python is None:
+                raise PatchError(f"no SGLang here and no environment at {repo_root() / '.venv'}: run `make setup` "
+                                 "(or pass --python PY / --sglang-root DIR)", 2)
         if a.cmd == "fetch-wheel":
             print(pinned_wheel(py=a.py))
             return 0
@@ -883,8 +952,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps(st, indent=2))
             else:
                 if st["patched"]:
-                    _say(f"{root}: patched with series {st['series_hash'][:12]} at {st['applied_at']} "
-                         f"({'matches' if st['matches_repo'] else 'DIFFERS from'} this repo's series)")
+                    if series is None:
+                        versus = f"this checkout's series cannot be read: {a.series or default_series_path()}"
+                    else:
+                        versus = ("matches" if st["matches_repo"] else "DIFFERS from") + " this repo's series"
+                    _say(f"{root}: patched with series {st['series_hash'][:12]} at {st['applied_at']} ({versus})")
                     if st["overlay_current"] is False:
                         _say("the dsv4_sm120 the environment imports differs from this checkout: "
                              "run `make apply-patches`")
