@@ -15,34 +15,31 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# bench/sass_tools.py (compile sources / disassembly shared with the SASS counters); the compile children
-# inherit this path through gpu_compile_result's PYTHONPATH
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+# tests/sass_tools.py (compile sources / disassembly) reaches the compile children through gpu_compile_result's
+# PYTHONPATH (tests/ is on sys.path)
 from conftest import gpu_compile_result  # noqa: E402
-from test_attention_cases import Case, build, lonely_rows  # noqa: E402
-from dsv4_sm120.attention import DecodeInputError, sparse_mla_decode  # noqa: E402
-from dsv4_sm120.attention import kernel as K  # noqa: E402
+from attention_cases import Case, build, lonely_rows  # noqa: E402
+from dsv4_sm120.attention import DecodeInputError, launch, plan_span, plan_splits, sparse_mla_decode  # noqa: E402
+from dsv4_sm120.attention import config, plan  # noqa: E402
 from dsv4_sm120.attention.reference import quantize_q_mx, rel_fro, sparse_mla_decode_ref  # noqa: E402
 
 OUT_TOL = {"bf16": 1e-2, "fp8": 2e-2}
 LSE_TOL = 1e-3
 
 
-def poison_workspace():
-    for buf in K._WORKSPACE.values():
-        buf.fill_(float("nan"))
+def config_text(keys):
+    """{"impl": "reg", "KCVT": 1} -> "impl=reg,KCVT=1" (DSV4_SM120_ATTN_CONFIG)."""
+    return ",".join(f"{k}={v}" for k, v in keys.items())
 
 
 def check(kw, mode):
-    poison_workspace()
+    launch.poison_workspace()
     out, lse = sparse_mla_decode(**kw, qk_mode=mode)
     T, _, H, _ = kw["q"].shape
     assert out.shape == (T, 1, H, 512) and out.dtype == torch.bfloat16
@@ -121,44 +118,42 @@ def test_split_plan_properties():
         for HG in (1, 2):
             for K1, K2 in ((128, 0), (128, 512), (128, 8192), (64, 64), (7, 0)):
                 for bn in (16, 32, 64):
-                    s1, c1, s2, c2 = K.plan_splits(T, HG, K1, K2, bn, 132)
+                    s1, c1, s2, c2 = plan_splits(T, HG, K1, K2, bn, 132)
                     assert s1 >= 1 and c1 % bn == 0 and (s1 - 1) * c1 < K1 <= s1 * c1
                     if K2:
                         assert s2 >= 1 and c2 % bn == 0 and (s2 - 1) * c2 < K2 <= s2 * c2
                     else:
                         assert s2 == 0
     # more rows -> fewer splits per row
-    assert K.plan_splits(1, 1, 128, 512, 32, 132)[0] >= K.plan_splits(64, 1, 128, 512, 32, 132)[0]
-    # min_blocks: at least that many blocks per program where the candidates allow it
-    for mb in (1, 2, 3, 4):
-        for K1, K2 in ((128, 512), (128, 0), (64, 64), (7, 8192)):
-            s1, c1, s2, c2 = K.plan_splits(1, 1, K1, K2, 64, 132, 2.0, mb)
+    assert plan_splits(1, 1, 128, 512, 32, 132)[0] >= plan_splits(64, 1, 128, 512, 32, 132)[0]
+    # never more splits than candidate blocks (one per cache at least)
+    for K1, K2 in ((128, 512), (128, 0), (64, 64), (7, 8192)):
+        for waves in (1.0, 2.0, 64.0):
+            s1, c1, s2, c2 = plan_splits(1, 1, K1, K2, 64, 132, waves)
             assert (s1 - 1) * c1 < K1 <= s1 * c1 and (not K2 or (s2 - 1) * c2 < K2 <= s2 * c2)
-            nb = -(-K1 // 64) + -(-K2 // 64)
-            assert s1 + s2 <= max(1 + (K2 > 0), -(-nb // mb))
-    assert K.plan_splits(1, 1, 128, 512, 64, 132, 2.0, 2) == (1, 128, 4, 128)
+            assert s1 + s2 <= max(1 + (K2 > 0), -(-K1 // 64) + -(-K2 // 64))
+    assert plan_splits(1, 1, 128, 512, 64, 132, 2.0) == (2, 64, 8, 64)
 
 
 def test_span_plan_properties():
     """The spanning register body's plan: equal whole-block chunks covering main ++ extra exactly, never more
-    programs than the slots in one round (when the rows alone fit), never a chunk below min_blocks blocks where the
-    candidates allow it, and the H200 shapes this plan exists for (two CTAs per SM: 264 slots)."""
+    programs than the slots in one round (when the rows alone fit), never more splits than candidate blocks, and
+    the H200 shapes this plan exists for (two CTAs per SM: 264 slots)."""
     for T in (1, 3, 16, 17, 64, 128, 300):
         for HG in (1, 2):
             for K1, K2 in ((128, 0), (128, 512), (100, 512), (128, 8192), (7, 0), (64, 64)):
                 for bn in (16, 32, 64):
                     for waves in (0.25, 1.0, 2.0, 4.0):
-                        for mb in (1, 3):
-                            S, c = K.plan_span(T, HG, K1, K2, bn, 132, waves, mb)
-                            nb = -(-(K1 + K2) // bn)
-                            assert S >= 1 and c % bn == 0 and (S - 1) * c < K1 + K2 <= S * c, (T, K1, K2, bn, S, c)
-                            if T * HG <= waves * 132:
-                                assert T * HG * S <= waves * 132
-                            assert S <= max(1, -(-nb // mb))
-    assert K.plan_span(128, 1, 128, 512, 32, 132, 2.0) == (2, 320)
-    assert K.plan_span(64, 1, 128, 512, 32, 132, 2.0) == (4, 160)
-    assert K.plan_span(16, 1, 128, 512, 32, 132, 2.0) == (10, 64)
-    assert K.plan_span(1, 1, 128, 512, 32, 132, 2.0) == (20, 32)
+                        S, c = plan_span(T, HG, K1, K2, bn, 132, waves)
+                        nb = -(-(K1 + K2) // bn)
+                        assert S >= 1 and c % bn == 0 and (S - 1) * c < K1 + K2 <= S * c, (T, K1, K2, bn, S, c)
+                        if T * HG <= waves * 132:
+                            assert T * HG * S <= waves * 132
+                        assert S <= nb
+    assert plan_span(128, 1, 128, 512, 32, 132, 2.0) == (2, 320)
+    assert plan_span(64, 1, 128, 512, 32, 132, 2.0) == (4, 160)
+    assert plan_span(16, 1, 128, 512, 32, 132, 2.0) == (10, 64)
+    assert plan_span(1, 1, 128, 512, 32, 132, 2.0) == (20, 32)
 
 
 @pytest.mark.parametrize(
@@ -230,89 +225,61 @@ SPLIT_IMPLS = {
     "tiled+kcvt+scale-prefetch": dict(impl="tiled", KCVT=1, PREFETCH=2),
     "tiled+scale-prefetch": dict(impl="tiled", PREFETCH=2, BLOCK_N=32),
     "tiled+bf16part": dict(impl="tiled", PART_BF16=1, BLOCK_S=16),
-    "tiled+bf16part+minblocks": dict(impl="tiled", PART_BF16=1, min_blocks=2, BLOCK_S=2),
+    "tiled+bf16part+2-per-step": dict(impl="tiled", PART_BF16=1, waves=8, BLOCK_S=2),
 }
 
 
 @pytest.mark.parametrize("impl", list(SPLIT_IMPLS))
-def test_all_split_implementations(impl):
-    """Every split body (tiled, its index-prefetch variant, the software-pipelined one with fp32 or
-    bf16 partials, the flat one) agrees with the float64 reference, on both QK paths."""
-    K.CONFIG_OVERRIDE.clear()
-    K.CONFIG_OVERRIDE.update(SPLIT_IMPLS[impl])
-    try:
-        for mode in ("bf16", "fp8"):
-            check(build(Case(T=2, H=8, K=24, extra="c4", extra_K=20, lengths="random", head_slice=True,
-                             seed=50 + (mode == "fp8"))), mode)
-    finally:
-        K.CONFIG_OVERRIDE.clear()
-
-
-def test_fp8_q_quantized_once_is_bit_identical():
-    """QPRE (default of the fp8 QK path, tiled body): Q quantized once per (row, head) by _q_fp8_kernel gives
-    the in-loop quantization's output and lse bit for bit (head slice, padded heads, c4 extra, all-invalid
-    row), and QPRE=0 still works."""
-    kw = build(Case(T=3, H=12, K=40, extra="c4", extra_K=24, lengths="random", head_slice=True,
-                    all_invalid_rows=(1,), seed=120))
-    outs = []
-    for qpre in (1, 0):
-        K.CONFIG_OVERRIDE.clear()
-        K.CONFIG_OVERRIDE.update(impl="tiled", QPRE=qpre)
-        try:
-            outs.append(sparse_mla_decode(**kw, qk_mode="fp8"))
-        finally:
-            K.CONFIG_OVERRIDE.clear()
-    (o1, l1), (o0, l0) = outs
-    assert torch.equal(o1, o0) and torch.equal(l1, l0)
-    check(kw, "fp8")
+def test_all_split_implementations(impl, monkeypatch):
+    """Every split body (tiled, its prefetch variants, with fp32 or bf16 partials, the flat one) agrees with the
+    float64 reference, on both QK paths (fp8: Q quantized before the tiled launch), selected through
+    DSV4_SM120_ATTN_CONFIG."""
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", config_text(SPLIT_IMPLS[impl]))
+    for mode in ("bf16", "fp8"):
+        check(build(Case(T=2, H=8, K=24, extra="c4", extra_K=20, lengths="random", head_slice=True,
+                         seed=50 + (mode == "fp8"))), mode)
+    check(build(Case(T=3, H=12, K=40, extra="c4", extra_K=24, lengths="random", head_slice=True,
+                     all_invalid_rows=(1,), seed=120)), "fp8")
 
 
 @pytest.mark.parametrize("kcvt", [0, 1])
-def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt):
+def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt, monkeypatch):
     """PREFETCH=2 reads the next block's tile scales one block early: rows whose length ends inside a block,
     zero-length rows, all-invalid rows, odd pages and several blocks per program still match float64 (scale
     bytes past a row's length are never read as if valid)."""
-    K.CONFIG_OVERRIDE.clear()
-    K.CONFIG_OVERRIDE.update(impl="tiled", PREFETCH=2, KCVT=kcvt, waves=0.25)
-    try:
-        check(build(Case(T=4, H=8, K=64, lengths="zero_some", extra="c4", extra_K=40, all_invalid_rows=(2,),
-                         seed=95 + kcvt)), "bf16")
-        check(build(Case(T=3, H=5, K=50, main_page=3, lengths="random", extra="c128", extra_page=2, extra_K=70,
-                         seed=97 + kcvt)), "bf16")
-    finally:
-        K.CONFIG_OVERRIDE.clear()
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", config_text(dict(impl="tiled", PREFETCH=2, KCVT=kcvt, waves=0.25)))
+    check(build(Case(T=4, H=8, K=64, lengths="zero_some", extra="c4", extra_K=40, all_invalid_rows=(2,),
+                     seed=95 + kcvt)), "bf16")
+    check(build(Case(T=3, H=5, K=50, main_page=3, lengths="random", extra="c128", extra_page=2, extra_K=70,
+                     seed=97 + kcvt)), "bf16")
 
 
-@pytest.mark.parametrize("variant", [dict(impl="reg", waves=0.25), dict(impl="reg", PART_BF16=1, BLOCK_N=32, KCVT=1),
-                                     dict(impl="reg", Q_RES=1, waves=0.25),
-                                     dict(impl="reg", Q_RES=1, DEC_LATE=1, waves=0.25),
-                                     dict(impl="reg", DEC_LATE=1, BLOCK_N=32, KCVT=1, PART_BF16=1),
+@pytest.mark.parametrize("variant", [dict(impl="reg", waves=0.25, DEC_LATE=0, SPAN=0),
+                                     dict(impl="reg", PART_BF16=1, BLOCK_N=32, KCVT=1, DEC_LATE=0, SPAN=0),
+                                     dict(impl="reg", DEC_LATE=1, SPAN=0, waves=0.25, PART_BF16=0),
+                                     dict(impl="reg", DEC_LATE=1, SPAN=0, BLOCK_N=32, KCVT=1, PART_BF16=1),
                                      # SPAN: splits that run from the main cache into the extra one (waves=3 cuts
                                      # these cases mid-block and across the boundary; 0.25: one program per row)
-                                     dict(impl="reg", SPAN=1, DEC_LATE=1, Q_RES=1, waves=3),
-                                     dict(impl="reg", SPAN=1, waves=3),
+                                     dict(impl="reg", SPAN=1, DEC_LATE=1, waves=3),
+                                     dict(impl="reg", SPAN=1, DEC_LATE=0, waves=3),
                                      dict(impl="reg", SPAN=1, DEC_LATE=1, BLOCK_N=32, num_warps=4, KCVT=1, PART_BF16=1,
                                           waves=0.25)])
-def test_reg_split_body(variant):
+def test_reg_split_body(variant, monkeypatch):
     """The register body (impl=reg: each K byte read and decoded once per block, the next block's tiles loaded
     while the current one computes, its indices two blocks ahead) against the float64 reference: several
     blocks per program with lengths ending inside a block and zero-length rows, an all-invalid row, a head
     slice; c128 on odd pages; main cache only with a -inf sink; its fp8 QK request is refused clearly."""
-    K.CONFIG_OVERRIDE.clear()
-    K.CONFIG_OVERRIDE.update(variant)
-    try:
-        check(build(Case(T=4, H=8, K=64, extra="c4", extra_K=40, lengths="zero_some", head_slice=True,
-                         all_invalid_rows=(2,), seed=80)), "bf16")
-        check(build(Case(T=3, H=8, K=24, extra="c4", extra_K=20, lengths="random", seed=84)), "bf16")
-        check(build(Case(T=2, H=5, K=17, main_page=3, extra="c128", extra_page=2, extra_K=70, seed=81)), "bf16")
-        check(build(Case(T=2, H=16, K=40, sink="-inf", seed=82)), "bf16")
-        if variant.get("SPAN"):  # several 16-row head groups (H = 40: three programs per row and split)
-            check(build(Case(T=2, H=40, K=40, extra="c4", extra_K=24, lengths="random", head_slice=True, seed=85)),
-                  "bf16")
-        with pytest.raises(DecodeInputError, match="impl=reg"):
-            sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=83)), qk_mode="fp8")
-    finally:
-        K.CONFIG_OVERRIDE.clear()
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", config_text(variant))
+    check(build(Case(T=4, H=8, K=64, extra="c4", extra_K=40, lengths="zero_some", head_slice=True,
+                     all_invalid_rows=(2,), seed=80)), "bf16")
+    check(build(Case(T=3, H=8, K=24, extra="c4", extra_K=20, lengths="random", seed=84)), "bf16")
+    check(build(Case(T=2, H=5, K=17, main_page=3, extra="c128", extra_page=2, extra_K=70, seed=81)), "bf16")
+    check(build(Case(T=2, H=16, K=40, sink="-inf", seed=82)), "bf16")
+    if variant.get("SPAN"):  # several 16-row head groups (H = 40: three programs per row and split)
+        check(build(Case(T=2, H=40, K=40, extra="c4", extra_K=24, lengths="random", head_slice=True, seed=85)),
+              "bf16")
+    with pytest.raises(DecodeInputError, match="impl=reg"):
+        sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=83)), qk_mode="fp8")
 
 
 def _combine_inputs(T, H, S, HP, part_bf16, sink, gen):
@@ -363,8 +330,8 @@ COMBINE_CONFIGS = {
     "auto": {},
     "chunks-of-4": dict(BLOCK_S=4),  # S=10: 4+4+2, S=17: 4x4+1 (ragged last chunk)
     "chunks-of-3-d128": dict(BLOCK_S=3, BLOCK_D=128),
-    "4-heads-per-program-d256": dict(BLOCK_HC=4, BLOCK_D=256, BLOCK_S=2),  # H=6: ragged last head block
-    "5-heads-per-program": dict(BLOCK_HC=5, BLOCK_S=7),  # not a power of two; S=10: 7 + 3
+    "d256-chunks-of-2": dict(BLOCK_D=256, BLOCK_S=2),
+    "chunks-of-7": dict(BLOCK_S=7),  # not a power of two; S=10: 7 + 3
     "one-split-per-step-2warps": dict(BLOCK_S=1, BLOCK_D=256, combine_warps=2),
 }
 
@@ -376,14 +343,18 @@ def test_combine_kernel_against_float64(cfg_name):
     head), fp32 and bf16 partials; out and lse poisoned before each call; padded heads poisoned."""
     T, H, HP = 3, 6, 16
     gen = torch.Generator().manual_seed(7000 + list(COMBINE_CONFIGS).index(cfg_name))
-    cfg = dict(K._default_config(H, torch.device("cpu"), False), **COMBINE_CONFIGS[cfg_name])
+    fixed = dict(dict(BLOCK_D=None, BLOCK_S=None, warps=None), **COMBINE_CONFIGS[cfg_name])
+    if "combine_warps" in fixed:
+        fixed["warps"] = fixed.pop("combine_warps")
     for S in (1, 3, 10, 17):
+        bd, bs, w, mr = plan.combine_plan(T, H, S, 4, **fixed)
+        L = config.Launch(dict(BLOCK_D=bd, BLOCK_S=bs, combine_warps=w, combine_maxnreg=mr), (S, 64, 0, 64), "test")
         combos = ((False, None), (True, "finite"), (False, "-inf"), (False, "finite"))
         for part_bf16, sink in combos if cfg_name == "auto" else combos[1::2]:
             acc_ws, m_ws, l_ws, sk = _combine_inputs(T, H, S, HP, part_bf16, sink, gen)
             out = torch.full((T, 1, H, 512), float("nan"), dtype=torch.bfloat16)
             lse = torch.full((T, H, 1), float("nan"))
-            K._launch_combine(cfg, acc_ws, m_ws, l_ws, None if sk is None else sk.float(), out, lse, T, H, S, HP, 4)
+            launch.launch_combine(L, acc_ws, m_ws, l_ws, None if sk is None else sk.float(), out, lse, H, HP, True)
             ro, rl, lonely = _combine_ref(acc_ws, m_ws, l_ws, sk, T, H, S, HP)
             o = out[:, 0].double()
             what = (cfg_name, S, part_bf16, sink)
@@ -405,28 +376,30 @@ def test_combine_launch_plan():
         for T in (1, 2, 4, 16, 64, 128, 300):
             for H in (1, 8, 16, 64, 128):
                 for S in (1, 2, 3, 8, 9, 10, 17, 40):
-                    bhc, bd, bs, w = K._combine_plan(T, H, S, nsm)
-                    progs = T * -(-H // bhc) * (512 // bd)
-                    assert bhc == 1 and bd in (128, 256, 512) and w == bd // 128
+                    bd, bs, w, mr = plan.combine_plan(T, H, S, nsm)
+                    progs = T * H * (512 // bd)
+                    assert bd in (128, 256, 512) and w == bd // 128
                     assert progs >= min(2 * nsm, T * H * 4)
                     assert bd == 128 or progs < 4 * nsm or bd == 512
                     cap = 16 if progs <= 2 * nsm else 8
                     assert 1 <= bs <= cap and -(-S // bs) == -(-S // cap) and bs * (-(-S // bs) - 1) < S
-    assert K._combine_plan(1, 16, 10, 132) == (1, 128, 10, 1)  # 64 programs, one chunk of 10
-    assert K._combine_plan(1, 16, 17, 132) == (1, 128, 9, 1)  # 9 + 8
-    assert K._combine_plan(128, 16, 10, 132) == (1, 512, 5, 4)  # 2048 programs, 5 + 5
-    cfg = dict(K._default_config(16, torch.device("cpu"), False))
-    got = K._resolve_combine(dict(cfg, BLOCK_D=256, BLOCK_S=16), 128, 16, 3, 132)
-    assert (got["BLOCK_D"], got["BLOCK_S"], got["combine_warps"], got["BLOCK_HC"]) == (256, 16, 2, 1)
-    got = K._resolve_combine(dict(cfg, combine_warps=1), 128, 16, 17, 132)
-    assert (got["BLOCK_D"], got["combine_warps"], got["BLOCK_S"]) == (512, 1, 2)  # 16 fp32 per thread
+                    assert mr == plan.combine_maxnreg(bs, 4)
+    assert plan.combine_plan(1, 16, 10, 132)[:3] == (128, 10, 1)  # 64 programs, one chunk of 10
+    assert plan.combine_plan(1, 16, 17, 132)[:3] == (128, 9, 1)  # 9 + 8
+    assert plan.combine_plan(128, 16, 10, 132)[:3] == (512, 5, 4)  # 2048 programs, 5 + 5
+    assert plan.combine_plan(128, 16, 3, 132, BLOCK_D=256, BLOCK_S=16)[:3] == (256, 16, 2)
+    assert plan.combine_plan(128, 16, 17, 132, warps=1)[:3] == (512, 2, 1)  # 16 fp32 per thread
     # register cap: room for all BLOCK_S loads of a chunk (see the code-generation test), or none (0)
-    got = K._resolve_combine(dict(cfg), 128, 16, 3, 132)
-    assert got["combine_maxnreg"] == K._combine_maxnreg(3, 4) == 48
-    assert K._resolve_combine(dict(cfg, combine_maxnreg=0), 128, 16, 3, 132)["combine_maxnreg"] == 0
-    assert K._combine_maxnreg(16, 4) == 120 and K._combine_maxnreg(1, 4) == 32
-    with pytest.raises(DecodeInputError, match="BLOCK_D"):
-        K._launch_combine(dict(cfg, BLOCK_D=96), None, None, None, None, None, None, 1, 16, 3, 16, 4)
+    assert plan.combine_plan(128, 16, 3, 132)[3] == plan.combine_maxnreg(3, 4) == 48
+    assert plan.combine_plan(128, 16, 3, 132, maxnreg=0)[3] == 0
+    assert plan.combine_maxnreg(16, 4) == 120 and plan.combine_maxnreg(1, 4) == 32
+    # the same through the launch configuration: explicit combine keys are kept, the rest fitted around them
+    dev = config.Device("NVIDIA H200", (9, 0), 132)
+    got = config.resolve(16, 128, 128, 512, dev, overrides={"BLOCK_D": 256, "BLOCK_S": 16}).config
+    assert (got["BLOCK_D"], got["BLOCK_S"], got["combine_warps"]) == (256, 16, 2)
+    for bad, needle in (("BLOCK_D=96", "power of two"), ("BLOCK_D=1024", "<= 512"), ("BLOCK_S=0", ">= 1")):
+        with pytest.raises(DecodeInputError, match=needle):
+            config.parse_config(bad)
 
 
 _COMBINE_COMPILE = r"""
@@ -434,20 +407,20 @@ import json, os, re, subprocess, tempfile
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from dsv4_sm120.attention import kernel as K
-fn = K._dsv4_combine_kernel
+from dsv4_sm120.attention.kernels import combine_kernel as fn
+from dsv4_sm120.attention.plan import combine_maxnreg
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = {}
 for cap in (90, 120):
-    for bhc, bd, bs, w, bf16 in ((1, 512, 3, 4, 0), (1, 128, 10, 1, 0), (1, 512, 6, 4, 1), (1, 256, 5, 2, 0)):
+    for bd, bs, w, bf16 in ((512, 3, 4, 0), (128, 10, 1, 0), (512, 6, 4, 1), (256, 5, 2, 0)):
         sig = {"acc_ws": "*bf16" if bf16 else "*fp32", "m_ws": "*fp32", "l_ws": "*fp32", "sink_ptr": "*fp32",
                "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32", "S": "i32", "HP": "i32"}
-        cst = dict(HAS_SINK=True, BLOCK_HC=bhc, BLOCK_D=bd, BLOCK_S=bs)
+        cst = dict(HAS_SINK=True, BLOCK_D=bd, BLOCK_S=bs)
         src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in cst}),
                         constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()},
                         attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
-        name = f"sm{cap}_hc{bhc}_d{bd}_s{bs}_w{w}" + ("_bf16" if bf16 else "")
-        opts = {"num_warps": w, "num_stages": 1, "maxnreg": K._combine_maxnreg(bs, bd // (32 * w))}
+        name = f"sm{cap}_d{bd}_s{bs}_w{w}" + ("_bf16" if bf16 else "")
+        opts = {"num_warps": w, "num_stages": 1, "maxnreg": combine_maxnreg(bs, bd // (32 * w))}
         try:
             k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
         except Exception as e:
@@ -503,107 +476,15 @@ def test_rows_split_across_launches_when_workspace_is_capped(monkeypatch):
     assert torch.equal(fin, torch.isfinite(l2)) and (l1[fin] - l2[fin]).abs().max() < 1e-4
 
 
-def test_launch_configuration_rules(monkeypatch):
-    """Shape/architecture rules of the default launch configuration (H200 calls 4, 15, 16, 22): for H <= 16
-    with bf16 QK the spanning register body on 4 warps at every batch size; on Hopper the
-    tiled body is pipelined (num_stages=2) only when a program owns >= 2 candidate blocks, the
-    combine merges all partials in one unrolled step when there are <= 8 (else the fewest balanced
-    chunks), and H > 16 runs the register body in 16-row head groups up to 4 group rows per SM (bf16 QK), else
-    16-row head groups of the tiled body on small grids and the flat body on large ones;
-    sm_120 keeps one stage and <= 32 rows."""
-    dev = torch.device("cpu")
-    monkeypatch.setattr(K, "_interpreting", lambda: False)
-    monkeypatch.setattr(K, "_is_sm120", lambda d: False)
-    monkeypatch.setattr(K, "_is_hopper", lambda d: True)
-
-    def resolved(H, T, nsm=132, fp8=False):
-        cfg = K._default_config(H, dev, fp8, T, nsm, 128, 512)
-        hg = -(-H // cfg["BLOCK_H"])
-        plan = K._plan(cfg, T, hg, 128, 512, nsm)
-        return K._resolve_auto(cfg, *plan, T=T, H=H, num_sms=nsm), plan
-
-    # H <= 16, bf16 QK (H200 call 22): the register body with 32-candidate blocks on 4 warps (two CTAs per SM),
-    # Q resident, the next block decoded late, spanning splits filling the 2 x 132 program slots in one round;
-    # never capped (it would spill), never pipelined
-    for T in (1, 4, 8, 16, 43, 44, 64, 128, 300):
-        cfg, plan = resolved(16, T)
-        got = tuple(cfg.get(k) for k in ("impl", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "BLOCK_H", "waves",
-                                         "Q_RES", "DEC_LATE", "SPAN"))
-        assert got == ("reg", 32, 4, 1, 0, 16, 2.0, 1, 1, 1), (T, got)
-        assert plan[2] == 0 and plan[0] == K.plan_span(T, 1, 128, 512, 32, 132, 2.0)[0], (T, plan)
-        assert T * plan[0] <= 264 or plan[0] == 1, (T, plan)
-    assert resolved(16, 1)[1][:2] == (20, 32) and resolved(16, 128)[1][:2] == (2, 320)
-    # a user asking for another body gets that body's own defaults, not the register body's launch
-    tiled = K._default_config(16, dev, False, 128, 132, 128, 512, impl="tiled")
-    assert (tiled["impl"], tiled["BLOCK_N"], tiled["num_warps"], tiled.get("SPAN")) == ("tiled", 64, 8, None)
-    assert K._default_config(16, dev, False, 128, 132, 128, 512, impl="reg")["SPAN"] == 1
-    # asked for by name, the register body gets its launch (16-row head groups) past the 4-group-rows bound too
-    big_reg = K._default_config(128, dev, False, 128, 132, 128, 512, impl="reg")
-    assert (big_reg["BLOCK_H"], big_reg["BLOCK_N"], big_reg["SPAN"]) == (16, 32, 1)
-    # fp8 QK (no register body): tiled, pipelined (num_stages=2) only when a program owns >= 2 candidate
-    # blocks, and then without the 128-register cap (two stages' shared memory leave one CTA per SM anyway:
-    # H200 call 15)
-    for T, st in ((1, 1), (4, 1), (16, 1), (64, 2), (128, 2)):
-        cfg, plan = resolved(16, T, fp8=True)
-        assert (cfg["impl"], cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["maxnreg"]) == ("tiled", 16, 64, 0 if st == 2 else 128)
-        S = plan[0] + plan[2]
-        assert cfg["num_stages"] == st, (T, plan, cfg)
-        cap = 16 if T * 16 * 512 // cfg["BLOCK_D"] <= 264 else 8
-        assert cfg["BLOCK_S"] == -(-S // -(-S // cap)), (T, plan, cfg)
-        assert T * 16 * 512 // cfg["BLOCK_D"] >= min(264, T * 16 * 4) and cfg["combine_warps"] * 128 == cfg["BLOCK_D"]
-    # H <= 16 on Hopper with fp8 QK (H200 call 6): bf16 partials; 4 waves of split programs on small grids, 1 on
-    # large
-    for fp8 in (True,):
-        assert [K._default_config(16, dev, fp8, T, 132, 128, 512)["waves"] for T in (1, 64, 96, 100, 128, 512)] == \
-            [4.0, 4.0, 4.0, 2.0, 1.0, 1.0]
-        # the thresholds scale with the SM count (an RTX PRO 6000 has 188 SMs)
-        assert [K._default_config(16, dev, fp8, T, 188, 128, 512)["waves"] for T in (128, 141, 142, 178, 179)] == \
-            [4.0, 4.0, 2.0, 2.0, 1.0]
-    assert K._default_config(16, dev, False, 1, 132)["PART_BF16"] == 1
-    assert [K._default_config(16, dev, True, T, 132)["PREFETCH"] for T in (1, 16, 64, 128)] == [0, 0, 2, 2]
-    assert K._default_config(16, dev, False, 1, 132)["impl"] == "reg"
-    assert K._default_config(64, dev, False, 1, 132)["waves"] == 2.0
-    # H > 16 with bf16 QK (H200 calls 24-25): the same register-body launch in 16-row head groups up to 4 group rows
-    # per SM (H = 128 at B = 128 is the first shape past it); fp8 QK keeps the tiled / flat rules below
-    for H, T in ((32, 128), (64, 1), (64, 16), (64, 128), (128, 64), (128, 66)):
-        cfg, plan = resolved(H, T)
-        assert (cfg["impl"], cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_warps"], cfg["SPAN"]) == ("reg", 16, 32, 4, 1)
-        assert plan[0] == K.plan_span(T, -(-H // 16), 128, 512, 32, 132, 2.0)[0]
-    assert resolved(64, 128)[1][:2] == (1, 640)  # 512 group rows: one program per group row
-    assert resolved(64, 1, fp8=True)[0]["BLOCK_H"] == 16 and resolved(64, 16, fp8=True)[0]["impl"] == "tiled"
-    for H, T, fp8 in ((64, 128, True), (128, 128, False), (128, 67, False)):
-        big = resolved(H, T, fp8=fp8)[0]
-        assert (big["impl"], big["BLOCK_H"], big["num_stages"]) == ("flat", 64, 1), (H, T, fp8)
-    # never more than one stage for the flat body or a one-block program
-    assert K._resolve_auto(dict(big, num_stages="auto"), 1, 64, 1, 64)["num_stages"] == 1
-    # sm_120: no kernel-level pipelining (shared memory), head blocks <= 32
-    monkeypatch.setattr(K, "_is_hopper", lambda d: False)
-    monkeypatch.setattr(K, "_is_sm120", lambda d: True)
-    for H, T in ((16, 128), (64, 1), (128, 300)):
-        cfg, _ = resolved(H, T)
-        assert cfg["num_stages"] == 1 and cfg["BLOCK_H"] <= 32 and cfg["impl"] == ("tiled" if H * T > 4 * 132 * 16
-                                                                                   else "reg")
-        assert resolved(H, T, fp8=True)[0]["impl"] == "tiled" and resolved(H, T, fp8=True)[0]["BLOCK_H"] <= 32
-    # the register body's rules hold there too (no spills on sm_120), with the slots of its 188 SMs
-    assert all(resolved(16, T)[0]["impl"] == "reg" for T in (1, 16, 128))
-    assert resolved(16, 128, nsm=188)[1][:2] == K.plan_span(128, 1, 128, 512, 32, 188, 2.0) == (2, 320)
-    assert resolved(16, 64, nsm=188)[1][:2] == (5, 128)
-    # explicit overrides win over "auto"; without T / H the combine keys wait for the combine launch
-    assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64)["BLOCK_S"] == 4
-    assert K._resolve_auto(dict(cfg, BLOCK_S=4, num_stages=3), 1, 64, 9, 64, T=1, H=16, num_sms=132)["BLOCK_S"] == 4
-    assert K._resolve_auto(dict(cfg, BLOCK_S="auto"), 1, 64, 9, 64)["BLOCK_S"] == "auto"
-
-
 _TILED_KCVT_COMPILE = r"""
 import json, re
-from dsv4_sm120.attention import kernel as K
+from dsv4_sm120.attention.kernels import split_kernel_tiled as fn
 from sass_tools import compile_inspect, split_kernel_source
-fn = K._dsv4_split_kernel_tiled
 out = {}
 for cap in (90, 120):
     for kcvt in (0, 1):
         cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=64, FP8_QK=False,
-                   INTERP=False, PREFETCH=True, KCVT=bool(kcvt), QPRE=False, q8_ptr=None, qsc_ptr=None)
+                   INTERP=False, PREFETCH=True, KCVT=bool(kcvt), q8_ptr=None, qsc_ptr=None)
         src = split_kernel_source(fn, cst)
         name = f"sm{cap}_kcvt{kcvt}"
         opts = {"num_warps": 8, "num_stages": 2 if cap == 90 else 1, "maxnreg": 128}
@@ -643,15 +524,14 @@ def test_tiled_kcvt_moves_fp8_conversion_off_the_conversion_pipe():
 
 _REG_COMPILE = r"""
 import collections, json
-from dsv4_sm120.attention import kernel as K
+from dsv4_sm120.attention.kernels import split_kernel_reg as fn
 from sass_tools import compile_inspect, hot_loop_ops, split_kernel_source
-fn = K._dsv4_split_kernel_reg
 out = {}
 for cap in (90, 120):
     # the default launch (32 candidates, 4 warps, decoded late, spanning splits) and the 8-warp 64-candidate one
     for bn, warps, late in ((32, 4, True), (64, 8, False)):
         cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=bn, FP8_QK=False,
-                   INTERP=False, KCVT=True, Q_RES=True, DEC_LATE=late, SPAN=late)
+                   INTERP=False, KCVT=True, DEC_LATE=late, SPAN=late)
         name = f"sm{cap}_bn{bn}"
         try:
             k, sass, res = compile_inspect(split_kernel_source(fn, cst), cap, {"num_warps": warps, "num_stages": 1})
@@ -673,8 +553,7 @@ def test_reg_body_code_generation_for_sm90_and_sm120():
     Q resident, DEC_LATE, SPAN; two CTAs per SM by registers and by sm_120's shared memory) and at the 8-warp
     64-candidate one, without spills and within sm_120's 99 KB of shared memory, and its loop gathers each K tile
     once with 16-byte loads per thread (7 nope tiles + 2 rope loads), with no cp.async staging, no byte-wise
-    shared-memory reads and no conversion-pipe e4m3 decode (what H200 call 15's profile of the tiled body
-    showed)."""
+    shared-memory reads and no conversion-pipe e4m3 decode."""
     out = gpu_compile_result(_REG_COMPILE, timeout=900)
     for cap in (90, 120):
         for bn in (32, 64):
@@ -691,33 +570,37 @@ def test_reg_body_code_generation_for_sm90_and_sm120():
 
 
 def test_parse_config_accepts_the_documented_keys_and_refuses_typos():
-    got = K.parse_config(" KCVT=1, maxnreg=0 ,impl=reg,waves=1.5,BLOCK_S=auto,BLOCK_N=32 ")
+    got = config.parse_config(" KCVT=1, maxnreg=0 ,impl=reg,waves=1.5,BLOCK_S=auto,BLOCK_N=32 ")
     assert got == {"KCVT": 1, "maxnreg": 0, "impl": "reg", "waves": 1.5, "BLOCK_S": "auto", "BLOCK_N": 32}
-    assert K.parse_config("") == {}
+    assert config.parse_config("") == {}
     for bad, needle in [("BLOCKN=32", "unknown key 'BLOCKN'"), ("impl=fast", "impl must be one of"),
                         ("KCVT", "key=value"), ("BLOCK_N=48", "power of two"), ("num_warps=0", "power of two"),
                         ("waves=0", "out of range"), ("maxnreg=-1", "out of range"), ("PREFETCH=yes", "integer"),
                         ("waves=fast", "a number"), ("BLOCK_N=auto", "integer"),
-                        ("PREFETCH=3", r"out of range \(0..2\)"), ("KCVT=2", "out of range")]:
-        with pytest.raises(DecodeInputError, match=needle):
-            K.parse_config(bad, "DSV4_SM120_ATTN_CONFIG")
+                        ("PREFETCH=3", r"out of range \(0..2\)"), ("KCVT=2", "out of range"),
+                        # knobs that no launch table, rule or calibration variant used are gone
+                        ("QPRE=1", "unknown key 'QPRE'"), ("Q_RES=0", "unknown key"), ("min_blocks=2", "unknown key"),
+                        ("BLOCK_HC=2", "unknown key"), ("QK_SWAP=1", "unknown key")]:
+        with pytest.raises(DecodeInputError, match="DSV4_SM120_ATTN_CONFIG: .*" + needle):
+            config.parse_config(bad, "DSV4_SM120_ATTN_CONFIG")
 
 
 def test_env_config_selects_the_launch_and_refuses_bad_values(monkeypatch):
     """DSV4_SM120_ATTN_CONFIG reaches the launch (here: the register body, seen by its kernel being the one
     launched, with the float64 reference still matched); a typo is an error naming the variable, not a
     silent default; an fp8 request on a bf16-only body is refused."""
+    from dsv4_sm120.attention import kernels
+
     launched = []
-    real = K._dsv4_split_kernel_reg
+    real = kernels.SPLIT_KERNELS["reg"]
 
     class Spy:
         def __getitem__(self, grid):
             launched.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(K, "_dsv4_split_kernel_reg", Spy())
+    monkeypatch.setitem(kernels.SPLIT_KERNELS, "reg", Spy())
     monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=reg,KCVT=1")
-    K.CONFIG_OVERRIDE.clear()
     check(build(Case(T=2, H=8, K=24, extra="c4", extra_K=20, lengths="random", seed=90)), "bf16")
     assert launched, "DSV4_SM120_ATTN_CONFIG=impl=reg did not reach the launch"
     with pytest.raises(DecodeInputError, match="impl=reg has no fp8"):
@@ -731,53 +614,16 @@ def test_env_config_selects_the_launch_and_refuses_bad_values(monkeypatch):
     assert not launched  # default launch again once the variable is gone
 
 
-def _bench_module():
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_attention_for_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_bench_best_variant_summary():
-    """The bench's closing lines name the fastest row per batch size and suggest a DSV4_SM120_ATTN_CONFIG only
-    for a variant that is never >2% slower than the default and >3% faster somewhere."""
-    B = _bench_module()
-
-    def rows(us_by_impl):
-        return [dict(layout="swa128+c4", H=16, B=b, impl=impl, us=us)
-                for impl, per_b in us_by_impl.items() for b, us in per_b.items()]
-
-    lines = "\n".join(B.best_variants(rows({
-        "ours-bf16": {16: 17.0, 128: 76.0}, "ours-bf16[KCVT=1]": {16: 17.1, 128: 60.0},
-        "ours-bf16[impl=reg]": {16: 25.0, 128: 50.0}, "flashmla(64 heads)": {16: 17.7, 128: 45.9}})))
-    assert "B=16: default 17.0 us" in lines and "B=128: impl=reg 50.0 us (1.52x)" in lines
-    assert "DSV4_SM120_ATTN_CONFIG='KCVT=1'" in lines  # reg is faster at 128 but 47% slower at 16
-    lines = "\n".join(B.best_variants(rows({"ours-bf16": {16: 17.0}, "ours-bf16[KCVT=1]": {16: 18.0}})))
-    assert "keep the default" in lines and "DSV4_SM120_ATTN_CONFIG" not in lines
-    assert B.best_variants(rows({"ours-bf16": {16: 17.0}})) == []
-
-
-def test_bench_refuses_a_variant_typo_before_touching_the_gpu():
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "bench_attention.py"),
-                        "--variants", "KCVT=1;BLOCKN=32"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "unknown key 'BLOCKN'" in r.stderr, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr
-
-
-_FP8_QPRE_COMPILE = r"""
+_FP8_COMPILE = r"""
 import json
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from dsv4_sm120.attention import kernel as K
+from dsv4_sm120.attention.kernels import q_fp8_kernel, split_kernel_tiled
 from sass_tools import split_kernel_source
 out = {}
 for cap in (90, 120):
-    fn = K._q_fp8_kernel
+    fn = q_fp8_kernel
     sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "q8_ptr": "*u8", "qsc_ptr": "*u8", "H": "i32",
            "HP": "i32", "BLOCK_H": "constexpr", "INTERP": "constexpr"}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index("BLOCK_H"),): 16,
@@ -787,9 +633,9 @@ for cap in (90, 120):
         out[f"sm{cap}_qfp8"] = {"ok": bool(k.asm.get("cubin"))}
     except Exception as e:
         out[f"sm{cap}_qfp8"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    fn = K._dsv4_split_kernel_tiled
+    fn = split_kernel_tiled
     cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=64, FP8_QK=True,
-               INTERP=False, PREFETCH=False, KCVT=True, QPRE=True)
+               INTERP=False, PREFETCH=False, KCVT=True)
     src = split_kernel_source(fn, cst)
     try:
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32),
@@ -804,10 +650,10 @@ print("RESULT" + json.dumps(out))
 
 
 def test_fp8_qk_with_q_prequantized_compiles_for_sm90_and_sm120():
-    """Without a GPU: the fp8 QK path as launched by default (Q quantized by _q_fp8_kernel, the tiled body
+    """Without a GPU: the fp8 QK path as launched by default (Q quantized by q_fp8_kernel, the tiled body
     loading it, KCVT on) compiles for sm_90 and sm_120; on sm_120 its QK is the native block-scaled MMA in
     the PTX and the launch fits sm_120's 99 KB of shared memory."""
-    out = gpu_compile_result(_FP8_QPRE_COMPILE, timeout=900)
+    out = gpu_compile_result(_FP8_COMPILE, timeout=900)
     for name, v in out.items():
         assert "error" not in v and v["ok"], (name, v)
     assert out["sm120_split"]["block_scale_mma"], out["sm120_split"]

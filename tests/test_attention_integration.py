@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent(
     from sglang.kernels.ops.attention.flash_mla_sm120 import _sm120_sparse_decode_fwd
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from dsv4_sm120.attention.reference import rel_fro
-    from test_attention_cases import Case, build
+    from attention_cases import Case, build
     # the interpreter has no benchmarker: give the upstream kernel's autotuner a single config
     from sglang.kernels.ops.attention import flash_mla_sm120_triton as up
     up._tiled_sparse_decode_kernel.configs = up._tiled_sparse_decode_kernel.configs[:1]
@@ -58,13 +58,12 @@ SCRIPT = textwrap.dedent(
         # the register body (the sm_120 default for H <= 16 at small and large batches) through the same entry
         "decode_reg_body": (ForwardMode.DECODE, Case(T=4, H=16, K=40, extra="c4", extra_K=48, lengths="zero_some",
                                                      all_invalid_rows=(2,), seed=36),
-                            {"DSV4_SM120_ATTN_CONFIG": "impl=reg,Q_RES=1,waves=0.25"}),
-        # the sm_120 default launch of session 5 (spanning splits cut across the main / extra boundary, next block
+                            {"DSV4_SM120_ATTN_CONFIG": "impl=reg,SPAN=0,DEC_LATE=0,waves=0.25"}),
+        # the register body's default launch (spanning splits cut across the main / extra boundary, next block
         # decoded late, 4 warps), H = 24: two 16-row head groups of a verify batch
         "verify_reg_span": (ForwardMode.TARGET_VERIFY, Case(T=3, H=24, K=40, extra="c4", extra_K=48, lengths="random",
                                                             head_slice=True, seed=37),
-                            {"DSV4_SM120_ATTN_CONFIG": "impl=reg,BLOCK_N=32,num_warps=4,Q_RES=1,DEC_LATE=1,SPAN=1,"
-                                                       "waves=3"}),
+                            {"DSV4_SM120_ATTN_CONFIG": "impl=reg,BLOCK_N=32,num_warps=4,DEC_LATE=1,SPAN=1,waves=3"}),
         "triton_switch": (ForwardMode.DECODE, Case(T=2, H=8, K=16, extra="c4", extra_K=16, lengths="random", seed=35),
                           {"SGLANG_DSV4_SM120_ATTN_BACKEND": "triton"}),
     }

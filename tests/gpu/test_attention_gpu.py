@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "overlay"
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from test_attention_cases import Case, build, lonely_rows  # noqa: E402
+from attention_cases import Case, build, lonely_rows  # noqa: E402
 
 OUT_TOL = {"bf16": 1e-2, "fp8": 2e-2}
 LSE_TOL = 1e-3
@@ -25,21 +25,19 @@ ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_le
 
 def _env_config():
     """DSV4_ATTN_TEST_CONFIG='impl=tiled,KCVT=0' runs every test of this file with that launch
-    configuration (validated by kernel.parse_config, as DSV4_SM120_ATTN_CONFIG is), to check a benchmark
-    variant before using it."""
-    from dsv4_sm120.attention import kernel as K
+    configuration (validated as DSV4_SM120_ATTN_CONFIG is), to check a benchmark variant before using it."""
+    from dsv4_sm120.attention import config
 
-    return K.parse_config(os.environ.get("DSV4_ATTN_TEST_CONFIG", ""), "DSV4_ATTN_TEST_CONFIG")
+    return config.parse_config(os.environ.get("DSV4_ATTN_TEST_CONFIG", ""), "DSV4_ATTN_TEST_CONFIG")
+
+
+def _set_launch(monkeypatch, keys):
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", ",".join(f"{k}={v}" for k, v in keys.items()))
 
 
 @pytest.fixture(autouse=True)
-def _config_override():
-    from dsv4_sm120.attention import kernel as K
-
-    K.CONFIG_OVERRIDE.clear()
-    K.CONFIG_OVERRIDE.update(_env_config())
-    yield
-    K.CONFIG_OVERRIDE.clear()
+def _config_override(monkeypatch):
+    _set_launch(monkeypatch, _env_config())
 
 
 def matrix():
@@ -69,12 +67,10 @@ def matrix():
 
 
 def check(kw, mode, max_rows=8):
-    from dsv4_sm120.attention import sparse_mla_decode
-    from dsv4_sm120.attention import kernel as K
+    from dsv4_sm120.attention import launch, sparse_mla_decode
     from dsv4_sm120.attention.reference import quantize_q_mx, rel_fro, sparse_mla_decode_ref
 
-    for buf in K._WORKSPACE.values():
-        buf.fill_(float("nan"))
+    launch.poison_workspace()
     out, lse = sparse_mla_decode(**kw, qk_mode=mode)
     if out.is_cuda:
         torch.cuda.synchronize()
@@ -148,21 +144,21 @@ def test_cuda_graph_replay_with_changing_indices(mode):
 @pytest.mark.parametrize(
     "variant",
     [dict(impl="flat"), dict(impl="tiled", PREFETCH=1), dict(impl="tiled"), dict(impl="tiled", KCVT=0, PREFETCH=2),
-     dict(impl="reg", BLOCK_N=32, Q_RES=1), dict(impl="reg", BLOCK_N=64, Q_RES=0, PART_BF16=0),
-     dict(impl="reg", BLOCK_N=64, Q_RES=1, DEC_LATE=1), dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, waves=2),
+     dict(impl="reg", BLOCK_N=32, DEC_LATE=0, SPAN=0), dict(impl="reg", BLOCK_N=64, DEC_LATE=0, SPAN=0, PART_BF16=0),
+     dict(impl="reg", BLOCK_N=64, DEC_LATE=1, SPAN=0),
+     dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, SPAN=0, waves=2),
      # spanning splits: waves=0.5 cuts the first case's rows across the main / extra boundary
-     dict(impl="reg", BLOCK_N=64, Q_RES=1, DEC_LATE=1, SPAN=1, waves=0.5),
-     dict(impl="reg", BLOCK_N=32, num_warps=4, Q_RES=1, DEC_LATE=1, SPAN=1, waves=2)],
-    ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-qload-fp32part", "reg64-declate",
+     dict(impl="reg", BLOCK_N=64, DEC_LATE=1, SPAN=1, waves=0.5),
+     dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, SPAN=1, waves=2)],
+    ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-fp32part", "reg64-declate",
          "reg32-4warps-declate", "reg64-span", "reg32-4warps-span"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
-def test_variants(mode, variant):
-    from dsv4_sm120.attention import kernel as K
-    from dsv4_sm120.attention.launch_config import BF16_ONLY_IMPLS
+def test_variants(mode, variant, monkeypatch):
+    from dsv4_sm120.attention.config import BF16_ONLY_IMPLS
 
     if mode == "fp8" and variant.get("impl") in BF16_ONLY_IMPLS:
         pytest.skip(f"impl={variant['impl']} has no fp8 QK path (refused: tests/test_attention.py)")
-    K.CONFIG_OVERRIDE.update(variant)
+    _set_launch(monkeypatch, dict(_env_config(), **variant))
     check(build(Case(T=17, H=16, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
                      lengths="random", all_invalid_rows=(3,), seed=950), device="cuda"), mode)
     check(build(Case(T=5, H=16, main_page=3, main_pages=100, K=64, extra="c128", extra_page=2, extra_pages=300,

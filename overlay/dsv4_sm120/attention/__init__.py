@@ -5,7 +5,7 @@ Public entry point::
     out, lse = dsv4_sm120.attention.sparse_mla_decode(
         q, k_cache, indices, topk_length=None, attn_sink=None, head_dim_v=512,
         softmax_scale=None, extra_k_cache=None, extra_indices_in_kvcache=None,
-        extra_topk_length=None)
+        extra_topk_length=None, *, qk_mode=None)
 
 Same argument meaning as SGLang's ``flash_mla_with_kvcache_sm120``: ``q [T,1,H,512]`` bf16 (any H,
 may be a head-slice view), caches in the DeepSeek-V4 page layout (``[N, P, 1, 584]`` views, any
@@ -13,22 +13,30 @@ page size), ``indices [T,1,K]`` int32 with -1 = invalid, optional per-row length
 per-head sink (natural-log logit). Returns ``out [T,1,H,512]`` bf16 (zeros for rows with no valid
 candidate) and ``lse [T,H,1]`` fp32 (natural log, sink excluded, -inf for such rows).
 
-Keyword-only ``qk_mode``: ``"bf16"`` | ``"fp8"`` | ``None`` (env ``DSV4_SM120_ATTN_QK``, default
-``auto`` = bf16 on every architecture; ``fp8`` = block-scaled QK, native on sm_120). Env
-``DSV4_SM120_ATTN_CONFIG`` (``launch_config``) overrides the per-shape launch configuration.
+``qk_mode``: ``"bf16"`` | ``"fp8"`` | ``None`` (env ``DSV4_SM120_ATTN_QK``, default ``auto`` = bf16; ``fp8`` =
+block-scaled QK, native on sm_120). Env ``DSV4_SM120_ATTN_CONFIG`` overrides launch keys (``config``).
 
-``dsv4_sm120.attention.reference`` holds a float64 reference; ``dsv4_sm120.attention.cache``
-builds paged caches for tests and benchmarks.
+Modules: ``launch`` (host side: checks, launches, workspace), ``config`` (launch tables, overrides,
+``resolve``), ``plan`` (split / combine plans), ``kernels`` (Triton), ``reference`` (float64 reference),
+``cache`` (paged caches for tests and benchmarks), ``sglang_route`` (the SGLang glue).
 """
 
 from __future__ import annotations
 
-__all__ = ["sparse_mla_decode", "DecodeInputError"]
+__all__ = ["sparse_mla_decode", "DecodeInputError", "plan_splits", "plan_span"]
 
 
 def __getattr__(name):  # lazy: importing the package does not import torch/triton
-    if name in ("sparse_mla_decode", "DecodeInputError", "plan_splits", "plan_span"):
-        from . import kernel
+    if name == "DecodeInputError":
+        from .config import DecodeInputError
 
-        return getattr(kernel, name)
+        return DecodeInputError
+    if name in ("plan_splits", "plan_span"):
+        from . import plan
+
+        return getattr(plan, name)
+    if name == "sparse_mla_decode":
+        from .launch import sparse_mla_decode
+
+        return sparse_mla_decode
     raise AttributeError(name)

@@ -91,7 +91,7 @@ def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
     b = backend()
     decode_like = is_decode_like(forward_mode)
     if b == "dsv4" and (decode_like or prefill_backend() == "dsv4"):
-        from .kernel import sparse_mla_decode
+        from .launch import sparse_mla_decode
 
         sink = kw.pop("attn_sink", None)
         if sink is not None:

@@ -1,0 +1,274 @@
+"""Launch configuration of the sparse MLA decode: table lookup, user overrides, validation, resolution.
+
+``resolve(H, T, K1, K2, device, qk=..., overrides=...)`` answers, from the shapes and the device facts
+only (so the call stays CUDA-graph safe), the whole launch: which split body runs with which keys, the
+split plan and the combine launch. Torch-free: the serving preflight checks ``DSV4_SM120_ATTN_CONFIG``
+with ``check_env`` before any server starts, and the tests run every rule on a CPU with injected
+device facts (``Device``).
+
+Tables (``dsv4_sm120/launch_tables/attention/``, read through ``dsv4_sm120.launch_tables``):
+
+* shape ``H=<16|32|64>,qk=<bf16|fp8>``: the launch used when no body is asked for. ``H`` is the head count
+  rounded up to 16 or 32; every count above 32 reads the ``H=64`` tables.
+* a request ``impl=tiled`` / ``impl=flat`` (``DSV4_SM120_ATTN_CONFIG``) takes the ``qk=fp8`` table's launch
+  with the body replaced: those tables hold the tiled / flat launches, the bodies that have an fp8 QK path,
+  and with bf16 QK the same keys apply. ``impl=reg`` takes the ``impl=reg`` table (the register body's
+  launch at any shape; bf16 QK only).
+* ``device_name=<GPU>`` tables (e.g. ``NVIDIA_H200``) are keyed by grid rows ``T x ceil(H/16)`` and hold
+  the exact row buckets of that GPU (each bucket written as its first and last row, so the nearest-size
+  lookup is exact). ``arch_sm_<major>0`` and ``default`` tables serve GPUs of any SM count: they are keyed
+  by ``ceil(rows / SMs)`` (rounds of grid rows per SM), which is exact for every rule at a whole number of
+  rows per SM; the rules below one row per SM (the Hopper ``waves`` / ``PREFETCH`` thresholds) are written
+  ``"auto"`` and resolved here from the rows and the SM count (``_auto_waves``, ``_auto_prefetch``).
+  Architecture tables are per major version (an sm_121 GPU reads ``arch_sm_120``).
+
+``"auto"`` values resolved per launch: ``waves`` / ``PREFETCH`` (above), ``num_stages`` (2 for the tiled body
+when a program owns >= 2 candidate blocks, else 1), ``maxnreg`` (128 for a one-stage tiled or flat launch,
+none otherwise), and the combine keys (``plan.combine_plan``), which tables never set. Keys given by the user
+keep their value and the "auto" ones are resolved around them. The numbers behind the table entries were
+measured on the H200: see bench/results/attention.csv.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Dict, Mapping, NamedTuple, Optional, Tuple
+
+from .. import launch_tables as lt
+from . import plan as P
+
+KERNEL = "attention"
+IMPLS = ("tiled", "flat", "reg")
+BF16_ONLY_IMPLS = ("reg",)
+QK_MODES = ("auto", "bf16", "fp8")
+
+# launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read
+KEYS = {
+    "impl": "impl", "waves": "float",
+    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "PREFETCH", "KCVT", "DEC_LATE", "SPAN",
+                          "PART_BF16")},
+    **{k: "int_or_auto" for k in ("maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")},
+}
+POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D")
+# flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body)
+MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "DEC_LATE": 1, "SPAN": 1, "PART_BF16": 1}
+
+# the keys each body reads (the resolved launch holds exactly these; absent flags are 0)
+COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "waves")
+COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
+BODY_KEYS = {"tiled": ("PREFETCH", "KCVT", "PART_BF16"), "reg": ("KCVT", "DEC_LATE", "SPAN", "PART_BF16"),
+             "flat": ()}
+
+# Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the
+# block sizes; only correctness is measured there)
+INTERPRETER_LAUNCH = {"impl": "tiled", "BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "maxnreg": 0,
+                      "waves": 1.0}
+
+
+class DecodeInputError(ValueError):
+    """Bad arguments to ``sparse_mla_decode`` (shape, dtype, layout) or a bad launch configuration."""
+
+
+class Device(NamedTuple):
+    """What the launch depends on: ``torch.cuda.get_device_name()``, ``(major, minor)`` (None: no CUDA
+    device) and the SM count."""
+    name: str
+    capability: Optional[Tuple[int, int]]
+    num_sms: int
+
+
+class Launch(NamedTuple):
+    config: Dict[str, object]        # COMMON_KEYS + BODY_KEYS[impl] + COMBINE_KEYS, all resolved
+    plan: Tuple[int, int, int, int]  # (s_main, chunk_main, s_extra, chunk_extra); a spanning plan is all main
+    source: str                      # the table entry it came from (for logs and bench rows)
+
+
+# ---- user overrides
+
+
+def parse_config(text: str, source: str = "config") -> Dict[str, object]:
+    """``"KCVT=1,maxnreg=0,impl=reg"`` -> ``{"KCVT": 1, "maxnreg": 0, "impl": "reg"}``, validated: unknown keys,
+    malformed items and out-of-range values raise ``DecodeInputError`` naming ``source`` and the valid keys (a
+    typo must not silently leave the default in place)."""
+    out: Dict[str, object] = {}
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        key, sep, val = (x.strip() for x in item.partition("="))
+        if not sep or not key or not val:
+            raise DecodeInputError(f"{source}: expected key=value items separated by commas, got {item!r}")
+        kind = KEYS.get(key)
+        if kind is None:
+            raise DecodeInputError(f"{source}: unknown key {key!r}; valid keys: {', '.join(sorted(KEYS))}")
+        if kind == "impl":
+            if val not in IMPLS:
+                raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {val!r}")
+            out[key] = val
+            continue
+        if kind == "int_or_auto" and val == "auto":
+            out[key] = val
+            continue
+        try:
+            num = float(val) if kind == "float" else int(val)
+        except ValueError:
+            raise DecodeInputError(f"{source}: {key} needs {'a number' if kind == 'float' else 'an integer'}, "
+                                   f"got {val!r}") from None
+        if key in MAX_VALUE and num > MAX_VALUE[key]:
+            raise DecodeInputError(f"{source}: {key}={val} is out of range (0..{MAX_VALUE[key]})")
+        if num < 0 or (kind == "float" and not num > 0) or (key in POW2_KEYS and (num < 1 or num & (num - 1))):
+            raise DecodeInputError(f"{source}: {key}={val} is out of range"
+                                   + (" (a power of two)" if key in POW2_KEYS else ""))
+        if key == "BLOCK_D" and num > 512:
+            raise DecodeInputError(f"{source}: BLOCK_D={val} is out of range (a power of two <= 512)")
+        if key == "BLOCK_S" and num < 1:
+            raise DecodeInputError(f"{source}: BLOCK_S={val} is out of range (>= 1)")
+        out[key] = num
+    return out
+
+
+@lru_cache(maxsize=64)
+def _env_overrides(text: str) -> Tuple[Tuple[str, object], ...]:
+    return tuple(parse_config(text, "DSV4_SM120_ATTN_CONFIG").items())
+
+
+def env_overrides(env: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
+    """The launch keys of ``DSV4_SM120_ATTN_CONFIG`` (validated; empty when unset)."""
+    env = os.environ if env is None else env
+    return dict(_env_overrides(env.get("DSV4_SM120_ATTN_CONFIG", "")))
+
+
+def qk_mode(requested: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> str:
+    """``"bf16"`` or ``"fp8"``: the ``qk_mode`` argument, else ``DSV4_SM120_ATTN_QK``; ``auto`` (the default) is
+    bf16 on every architecture (decode reads ~584 B per candidate for ~2 x 512 x H FLOP of QK, far below any
+    tensor-core ridge, and quantizing Q costs 2-3% accuracy; `make bench-attention` times both)."""
+    env = os.environ if env is None else env
+    mode = requested or env.get("DSV4_SM120_ATTN_QK", "auto") or "auto"
+    if mode not in QK_MODES:
+        raise DecodeInputError(f"qk_mode / DSV4_SM120_ATTN_QK must be one of {', '.join(QK_MODES)}, got {mode!r}")
+    return "fp8" if mode == "fp8" else "bf16"
+
+
+def check_env(env: Mapping[str, str]) -> list:
+    """Problems (one line each) with the attention variables in ``env``: an invalid DSV4_SM120_ATTN_CONFIG or
+    DSV4_SM120_ATTN_QK, or an fp8 QK request combined with a bf16-only body."""
+    problems = []
+    qk = env.get("DSV4_SM120_ATTN_QK", "auto") or "auto"
+    if qk not in QK_MODES:
+        problems.append(f"DSV4_SM120_ATTN_QK must be one of {', '.join(QK_MODES)}, got {qk!r}")
+    try:
+        cfg = parse_config(env.get("DSV4_SM120_ATTN_CONFIG", ""), "DSV4_SM120_ATTN_CONFIG")
+    except DecodeInputError as exc:
+        problems.append(str(exc))
+    else:
+        if qk == "fp8" and cfg.get("impl") in BF16_ONLY_IMPLS:
+            problems.append(f"DSV4_SM120_ATTN_CONFIG impl={cfg['impl']} has no fp8 QK path but DSV4_SM120_ATTN_QK=fp8")
+    return problems
+
+
+# ---- table lookup
+
+
+def head_class(H: int) -> int:
+    """16, 32 or 64: the ``H=`` of the table shapes (the head count rounded up; 64 for every count above 32)."""
+    return 16 if H <= 16 else (32 if H <= 32 else 64)
+
+
+def table_entry(H: int, T: int, qk: str, device: Device, impl: Optional[str] = None,
+                root=None) -> Tuple[Dict[str, object], str]:
+    """The table entry for this shape and device (before overrides and "auto" resolution) and where it came
+    from. ``impl``: a body asked for by name (see the module docstring)."""
+    if impl == "reg":
+        shape = "impl=reg"
+    else:
+        shape = f"H={head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
+    rows = T * P.cdiv(H, 16)
+    cap = None if device.capability is None else (int(device.capability[0]), 0)
+    found = lt.lookup(KERNEL, shape, rows, device.name or lt.DEFAULT_DEVICE, cap, root=root)
+    if found is None:
+        raise DecodeInputError(f"no attention launch table for shape {shape!r} (not even device_name=default) "
+                               f"under {root or lt.TABLE_DIR}")
+    cfg, size = found.config, found.size
+    if found.level != "device":
+        # architecture / default tables serve any SM count: keyed by rounds of grid rows per SM
+        table = lt.read_table(found.path)
+        size = lt.nearest(table, P.cdiv(rows, max(1, device.num_sms)))
+        cfg = table[size]
+    if impl is not None:
+        cfg = dict(cfg, impl=impl)
+    return dict(cfg), f"{found.path.name}[{size}]"
+
+
+# ---- resolution
+
+
+def _auto_waves(rows: int, num_sms: int) -> float:
+    # Hopper, H <= 16, tiled body: more splits while the grid is small, fewer once it is large (4 waves up to
+    # 3/4 of the SMs in grid rows, 1 from 95%)
+    return 4.0 if 4 * rows <= 3 * num_sms else (1.0 if 20 * rows >= 19 * num_sms else 2.0)
+
+
+def _auto_prefetch(rows: int, num_sms: int) -> int:
+    # Hopper, H <= 16, tiled body: the next block's indices and tile scales read early once programs own several
+    # blocks (from a third of the SMs in grid rows)
+    return 2 if 3 * rows >= num_sms else 0
+
+
+def resolve(H: int, T: int, K1: int, K2: int, device: Device, *, qk: str = "bf16",
+            overrides: Optional[Mapping[str, object]] = None, interpret: bool = False, call_rows: Optional[int] = None,
+            root=None) -> Launch:
+    """The launch of ``T`` rows of ``H`` heads over ``K1`` main and ``K2`` extra candidates per row (``K2 = 0``:
+    no extra cache) on ``device``: table entry (or the interpreter's launch), then ``overrides`` (parsed
+    ``DSV4_SM120_ATTN_CONFIG`` keys; ``impl`` picks the table), then the "auto" values. ``call_rows``: the rows
+    of the whole call when it is cut into row chunks (the table entry and the rows-per-SM rules follow the
+    call, the split and combine plans the chunk); default ``T``. Cached: it depends on its arguments only."""
+    ov = tuple(sorted((overrides or {}).items()))
+    cap = None if device.capability is None else tuple(int(c) for c in device.capability)
+    return _resolve(int(H), int(T), int(K1), int(K2), Device(str(device.name), cap, int(device.num_sms)), qk, ov,
+                    bool(interpret), int(call_rows or T), None if root is None else str(root))
+
+
+@lru_cache(maxsize=4096)
+def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) -> Launch:
+    if qk not in ("bf16", "fp8"):
+        raise DecodeInputError(f"qk must be bf16 or fp8, got {qk!r}")
+    user = dict(overrides)
+    bad = [k for k in user if k not in KEYS]
+    if bad:
+        raise DecodeInputError(f"unknown launch keys {bad}; valid keys: {', '.join(sorted(KEYS))}")
+    impl = user.get("impl")
+    if qk == "fp8" and impl in BF16_ONLY_IMPLS:
+        raise DecodeInputError(f"impl={impl} has no fp8 QK path (use qk_mode='bf16')")
+    if interpret:
+        cfg, source = dict(INTERPRETER_LAUNCH), "interpreter"
+    else:
+        cfg, source = table_entry(H, call_rows, qk, device, impl, root)
+    cfg.update(user)
+    impl = cfg["impl"]
+    if impl not in IMPLS:
+        raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)
+    if cfg.get("waves") == "auto":
+        cfg["waves"] = _auto_waves(rows, nsm)
+    if cfg.get("PREFETCH") == "auto":
+        cfg["PREFETCH"] = _auto_prefetch(rows, nsm)
+    HG = P.cdiv(H, int(cfg["BLOCK_H"]))
+    span = impl == "reg" and bool(int(cfg.get("SPAN", 0)))
+    plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]))
+    s1, c1, s2, c2 = plan
+    if cfg.get("num_stages", "auto") == "auto":
+        bn = int(cfg["BLOCK_N"])
+        blocks = max(c1 // bn, (c2 // bn) if s2 else 0)
+        cfg["num_stages"] = 2 if impl == "tiled" and blocks >= 2 else 1
+    if cfg.get("maxnreg", "auto") == "auto":
+        cfg["maxnreg"] = 0 if int(cfg["num_stages"]) >= 2 or impl == "reg" else 128
+    fixed = {k: (None if cfg.get(k, "auto") == "auto" else int(cfg[k])) for k in COMBINE_KEYS}
+    bd, bs, w, mr = P.combine_plan(T, H, s1 + s2, nsm, fixed["BLOCK_D"], fixed["combine_warps"], fixed["BLOCK_S"],
+                                   fixed["combine_maxnreg"])
+    out = {k: cfg.get(k, 0) for k in COMMON_KEYS + BODY_KEYS[impl]}
+    for k in out:
+        if k not in ("impl", "waves"):
+            out[k] = int(out[k])
+    out["waves"] = float(out["waves"])
+    out.update(BLOCK_D=bd, BLOCK_S=bs, combine_warps=w, combine_maxnreg=mr)
+    return Launch(out, plan, source)

@@ -1,0 +1,31 @@
+"""Triton kernels of the sparse MLA decode (device code only; the launch is ``attention.launch``).
+
+Split kernels, grid ``(T, S, HG)``: program ``(t, s, g)`` takes the heads ``g*BLOCK_H ..`` of row ``t`` (padded
+to ``BLOCK_H`` with masks: the heads are the M dimension of the tensor-core MMA) and the ``s``-th chunk of that
+row's candidates (per-cache chunks, main first; or, with the register body's ``SPAN``, chunks of main ++ extra).
+Each gathers its tokens straight from their pages (any page size), decodes the FP8 nope part with its UE8M0 tile
+scales, keeps rope in bf16, runs an online softmax in base 2 and writes the un-normalized partial ``acc`` and its
+``(m, l)`` to the workspace row ``(t*S + s)*HP + h``:
+
+* ``split_kernel_reg`` (``reg.py``): the register body, bf16 QK.
+* ``split_kernel_tiled`` (``tiled.py``): seven 64-wide e4m3 tiles; bf16 QK or fp8 QK (``tl.dot_scaled`` e4m3 x
+  e4m3 with UE8M0 scales, Q quantized by ``q_fp8_kernel`` before the launch; native on sm_120).
+* ``split_kernel_flat`` (``flat.py``): 512-wide dequantized tiles, both QK paths.
+
+``combine_kernel`` (``combine.py``), grid ``(T, H, 512 / BLOCK_D)``, merges the ``S`` partials and the sink into
+bf16 ``out`` and the natural-log ``lse`` without the sink (zeros and ``-inf`` for rows with no valid candidate).
+
+Under ``TRITON_INTERPRET=1`` (``INTERP``) the MMA operands are upcast to fp32 (the interpreter's bf16 dot is
+wrong), Q is rounded onto the e4m3 grid first, and fp8 -> bf16 casts are avoided.
+"""
+
+from .combine import combine_kernel
+from .common import E4M3_BF16_ASM, q_fp8_kernel
+from .flat import split_kernel_flat
+from .reg import split_kernel_reg
+from .tiled import split_kernel_tiled
+
+SPLIT_KERNELS = {"flat": split_kernel_flat, "tiled": split_kernel_tiled, "reg": split_kernel_reg}
+
+__all__ = ["SPLIT_KERNELS", "combine_kernel", "q_fp8_kernel", "split_kernel_flat", "split_kernel_reg",
+           "split_kernel_tiled", "E4M3_BF16_ASM"]

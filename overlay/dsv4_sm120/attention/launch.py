@@ -1,0 +1,277 @@
+"""Host side of the sparse MLA decode: argument checks, the launch (``config.resolve`` once per launch shape), the
+workspace, and the two kernel launches (split body, combine).
+
+No host synchronization, no data-dependent shapes: the launch depends only on the shapes and the device, and the
+workspace is a grow-only per-device buffer (a fresh graph-pool allocation under CUDA-graph capture), so a call
+can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Tuple
+
+import torch
+
+from . import config
+from .config import DecodeInputError, Device, Launch
+from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
+from .plan import cdiv, plan_span, plan_splits, ws_words
+
+__all__ = ["sparse_mla_decode", "DecodeInputError", "plan_splits", "plan_span", "device_facts", "CONFIG_OVERRIDE"]
+
+LOG2E = 1.4426950408889634
+BYTES_PER_TOKEN = 584
+
+# Launch keys applied over DSV4_SM120_ATTN_CONFIG (same keys, same validation), for benchmarks that time launch
+# variants in one process; empty in production.
+CONFIG_OVERRIDE: Dict[str, object] = {}
+
+_DEVICES: Dict[int, Device] = {}
+_WORKSPACE: Dict[str, torch.Tensor] = {}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_facts(device: torch.device) -> Device:
+    """Name, compute capability and SM count of ``device`` (``cpu``: no capability, 4 SMs), cached per GPU."""
+    if device.type != "cuda":
+        return Device("cpu", None, 4)
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _DEVICES:
+        p = torch.cuda.get_device_properties(i)
+        _DEVICES[i] = Device(p.name, (p.major, p.minor), p.multi_processor_count)
+    return _DEVICES[i]
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """fp32 workspace for the partial results.
+
+    Eager calls reuse one grow-only buffer per device. Under CUDA-graph capture the workspace is a fresh
+    allocation from the graph's memory pool instead: a graph must never point into the shared eager buffer,
+    which a later, larger eager call may replace (and free)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    key = str(device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        _WORKSPACE.pop(key, None)
+        with torch.inference_mode(False):
+            buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device)
+        _WORKSPACE[key] = buf
+    return buf
+
+
+def poison_workspace(value: float = float("nan")) -> None:
+    """Fill every cached workspace with ``value`` (tests: a kernel that reads a partial it did not write fails)."""
+    for buf in _WORKSPACE.values():
+        buf.fill_(value)
+
+
+# ---- argument checks
+
+
+def _cache_params(k_cache: torch.Tensor, name: str):
+    if k_cache.ndim == 3:
+        k_cache = k_cache.unsqueeze(2)
+    if k_cache.ndim != 4 or k_cache.shape[2] != 1 or k_cache.shape[3] != BYTES_PER_TOKEN:
+        raise DecodeInputError(
+            f"{name} must be the DeepSeek-V4 page view [num_pages, page_size, 1, 584], got {tuple(k_cache.shape)}")
+    if k_cache.element_size() != 1:
+        raise DecodeInputError(f"{name} must have a 1-byte dtype (float8_e4m3fn/uint8), got {k_cache.dtype}")
+    P = k_cache.shape[1]
+    PB = k_cache.stride(0)
+    if P < 1 or PB < P * BYTES_PER_TOKEN or PB % 2 != 0 or k_cache.stride(1) != BYTES_PER_TOKEN:
+        raise DecodeInputError(
+            f"{name}: page stride {PB} / token stride {k_cache.stride(1)} do not fit page size {P} in the V4 layout")
+    return k_cache.view(torch.uint8), P, PB
+
+
+def _indices(ind: torch.Tensor, T: int, name: str) -> torch.Tensor:
+    if ind.ndim == 2:
+        ind = ind.unsqueeze(1)
+    if ind.ndim != 3 or ind.shape[0] != T or ind.shape[1] != 1:
+        raise DecodeInputError(f"{name} must be [T, 1, K] with T={T}, got {tuple(ind.shape)}")
+    if ind.dtype not in (torch.int32, torch.int64):
+        raise DecodeInputError(f"{name} must be int32/int64, got {ind.dtype}")
+    if ind.dtype != torch.int32:
+        ind = ind.to(torch.int32)
+    if ind.stride(2) != 1:
+        ind = ind.contiguous()
+    return ind
+
+
+def _lengths(x, T: int, name: str):
+    if x is None:
+        return None
+    if x.numel() != T:
+        raise DecodeInputError(f"{name} must have T={T} entries, got shape {tuple(x.shape)}")
+    x = x.reshape(T)
+    if x.dtype != torch.int32:
+        x = x.to(torch.int32)
+    return x.contiguous()
+
+
+# ---- launches
+
+
+def row_chunks(H: int, T: int, K1: int, K2: int, device: Device, qk: str, overrides, interpret: bool,
+               cap_words: int) -> List[Tuple[int, int, Launch]]:
+    """``(t0, t1, launch)`` per launch: all ``T`` rows in one launch unless its workspace would pass ``cap_words``
+    4-byte words; then row chunks of the largest size (halving) that fits, the last one with its own launch."""
+    def launch(rows: int) -> Launch:
+        return config.resolve(H, rows, K1, K2, device, qk=qk, overrides=overrides, interpret=interpret, call_rows=T)
+
+    def words(L: Launch, rows: int) -> int:
+        s1, _, s2, _ = L.plan
+        HP = cdiv(H, L.config["BLOCK_H"]) * L.config["BLOCK_H"]
+        return rows * (s1 + s2) * HP * ws_words(L.config["impl"], L.config.get("PART_BF16", 0))
+
+    TC, L = T, launch(T)
+    while TC > 1 and words(L, TC) > cap_words:
+        TC = (TC + 1) // 2
+        L = launch(TC)
+    out = []
+    for t0 in range(0, T, TC):
+        t1 = min(T, t0 + TC)
+        out.append((t0, t1, L if t1 - t0 == TC else launch(t1 - t0)))
+    return out
+
+
+def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int, fp8: bool, softmax_scale: float,
+                  interp: bool) -> None:
+    cfg = L.config
+    s1, c1, s2, c2 = L.plan
+    T = q.shape[0]
+    BH = cfg["BLOCK_H"]
+    HG = HP // BH
+    main_u8, idx1, len1, K1, P1, PB1 = main
+    extra_u8, idx2, len2, K2, P2, PB2 = extra
+    args = (
+        q, q.stride(0), q.stride(2),
+        main_u8, idx1, idx1.stride(0), len1 if len1 is not None else idx1, K1, P1, PB1, PB1 // 2, s1, c1,
+        extra_u8, idx2, idx2.stride(0), len2 if len2 is not None else idx2, K2, P2, PB2, PB2 // 2, c2,
+        acc_ws, m_ws, l_ws, H, s1 + s2, HP, float(softmax_scale) * LOG2E,
+    )
+    flags = dict(HAS_MAIN_LEN=len1 is not None, HAS_EXTRA=K2 > 0, HAS_EXTRA_LEN=len2 is not None, BLOCK_H=BH,
+                 BLOCK_N=cfg["BLOCK_N"], FP8_QK=fp8, INTERP=interp, num_warps=cfg["num_warps"],
+                 num_stages=cfg["num_stages"])
+    if cfg["maxnreg"]:
+        flags["maxnreg"] = cfg["maxnreg"]
+    impl = cfg["impl"]
+    if impl == "tiled":
+        if fp8:
+            # the fp8 path's Q quantization once per (row, head), not once per candidate block
+            q8 = torch.empty((T * HP * 448,), dtype=torch.uint8, device=q.device)
+            qsc = torch.empty((T * HP * 14,), dtype=torch.uint8, device=q.device)
+            q_fp8_kernel[(T, HG)](q, q.stride(0), q.stride(2), q8, qsc, H, HP, BLOCK_H=BH, INTERP=interp, num_warps=4)
+            flags.update(q8_ptr=q8, qsc_ptr=qsc)
+        SPLIT_KERNELS["tiled"][(T, s1 + s2, HG)](*args, PREFETCH=cfg["PREFETCH"], KCVT=bool(cfg["KCVT"]), **flags)
+    elif impl == "reg":
+        SPLIT_KERNELS["reg"][(T, s1 + s2, HG)](*args, KCVT=bool(cfg["KCVT"]), DEC_LATE=bool(cfg["DEC_LATE"]),
+                                               SPAN=bool(cfg["SPAN"]), **flags)
+    else:
+        SPLIT_KERNELS["flat"][(T, s1 + s2, HG)](*args, **flags)
+
+
+def launch_combine(L: Launch, acc_ws, m_ws, l_ws, attn_sink, out, lse, H: int, HP: int, interp: bool) -> None:
+    """Merge the ``S`` partials of each (row, head) (workspace rows ``(t*S + s)*HP + h``; ``acc_ws`` fp32 or bf16,
+    512 values a row) with the sink into ``out`` [T, 1, H, 512] bf16 and ``lse`` [T, H, 1], with the combine keys
+    of ``L.config`` and ``S`` from ``L.plan``."""
+    cfg = L.config
+    s1, _, s2, _ = L.plan
+    T = out.shape[0]
+    extra = {}
+    if cfg["combine_maxnreg"] and not interp:
+        extra["maxnreg"] = cfg["combine_maxnreg"]
+    combine_kernel[(T, H, 512 // cfg["BLOCK_D"])](
+        acc_ws, m_ws, l_ws, attn_sink if attn_sink is not None else m_ws, out, lse, H, s1 + s2, HP,
+        HAS_SINK=attn_sink is not None, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"],
+        num_warps=cfg["combine_warps"], **extra,
+    )
+
+
+def _run(L: Launch, q, main, extra, attn_sink, softmax_scale, fp8, out, lse, H: int, interp: bool) -> None:
+    cfg = L.config
+    s1, _, s2, _ = L.plan
+    T = q.shape[0]
+    HP = cdiv(H, cfg["BLOCK_H"]) * cfg["BLOCK_H"]
+    nrow = T * (s1 + s2) * HP
+    ws = _workspace(q.device, nrow * ws_words(cfg["impl"], cfg.get("PART_BF16", 0)))
+    if ws_words(cfg["impl"], cfg.get("PART_BF16", 0)) == 258:
+        acc_ws = ws[: nrow * 256].view(torch.bfloat16)
+        m_ws, l_ws = ws[nrow * 256: nrow * 257], ws[nrow * 257: nrow * 258]
+    else:
+        acc_ws = ws[: nrow * 512]
+        m_ws, l_ws = ws[nrow * 512: nrow * 513], ws[nrow * 513: nrow * 514]
+    _launch_split(L, q, main, extra, acc_ws, m_ws, l_ws, H, HP, fp8, softmax_scale, interp)
+    launch_combine(L, acc_ws, m_ws, l_ws, attn_sink, out, lse, H, HP, interp)
+
+
+def sparse_mla_decode(
+    q,
+    k_cache,
+    indices,
+    topk_length=None,
+    attn_sink=None,
+    head_dim_v=512,
+    softmax_scale=None,
+    extra_k_cache=None,
+    extra_indices_in_kvcache=None,
+    extra_topk_length=None,
+    *,
+    qk_mode=None,
+):
+    """Sparse MLA decode over DeepSeek-V4 FP8 paged caches; see the package docstring."""
+    if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[1] != 1 or q.shape[3] != 512:
+        raise DecodeInputError(f"q must be [T, 1, H, 512], got {getattr(q, 'shape', type(q))}")
+    if q.dtype != torch.bfloat16:
+        raise DecodeInputError(f"q must be bfloat16, got {q.dtype}")
+    if head_dim_v != 512:
+        raise DecodeInputError(f"head_dim_v must be 512 for DeepSeek-V4, got {head_dim_v}")
+    T, _, H, D = q.shape
+    if H < 1:
+        raise DecodeInputError("q has no heads")
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    main_u8, P1, PB1 = _cache_params(k_cache, "k_cache")
+    idx1 = _indices(indices, T, "indices")
+    len1 = _lengths(topk_length, T, "topk_length")
+    if extra_k_cache is not None and extra_indices_in_kvcache is not None:
+        extra_u8, P2, PB2 = _cache_params(extra_k_cache, "extra_k_cache")
+        idx2 = _indices(extra_indices_in_kvcache, T, "extra_indices_in_kvcache")
+        len2 = _lengths(extra_topk_length, T, "extra_topk_length")
+        K2 = idx2.shape[2]
+    else:
+        extra_u8, P2, PB2, idx2, len2, K2 = main_u8, P1, PB1, idx1, None, 0
+    K1 = idx1.shape[2]
+    if attn_sink is not None:
+        if attn_sink.numel() < H:
+            raise DecodeInputError(f"attn_sink must have at least H={H} entries, got {attn_sink.numel()}")
+        attn_sink = attn_sink.reshape(-1)
+        if attn_sink.dtype != torch.float32:
+            attn_sink = attn_sink.float()
+        if attn_sink.stride(0) != 1:
+            attn_sink = attn_sink.contiguous()
+    if softmax_scale is None:
+        softmax_scale = D ** (-0.5)
+
+    out = torch.empty((T, 1, H, 512), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((T, H, 1), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+
+    qk = config.qk_mode(qk_mode)
+    overrides = dict(config.env_overrides(), **CONFIG_OVERRIDE)
+    interp = interpreting()
+    # rows per launch: bounded so the workspace stays under DSV4_SM120_ATTN_WS_MB (default 256); only huge T
+    # (prefill through this kernel) is cut, decode / verify batches run in one launch
+    cap = int(float(os.environ.get("DSV4_SM120_ATTN_WS_MB", "256")) * (1 << 20) / 4)
+    for t0, t1, L in row_chunks(H, T, K1, K2, device_facts(q.device), qk, overrides, interp, cap):
+        sl = slice(t0, t1)
+        main = (main_u8, idx1[sl], None if len1 is None else len1[sl], K1, P1, PB1)
+        extra = (extra_u8, idx2[sl], None if len2 is None else len2[sl], K2, P2, PB2)
+        _run(L, q[sl], main, extra, attn_sink, softmax_scale, qk == "fp8", out[sl], lse[sl], H, interp)
+    return out, lse

@@ -1,0 +1,106 @@
+"""Split and combine plans of the sparse MLA decode: pure functions of the shapes and the SM count.
+
+Torch-free and Triton-free (``config.resolve`` runs them on a CPU with injected device facts). No
+data-dependent value enters a plan, so a launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0):
+    """Per-cache split plan: (s_main, chunk_main, s_extra, chunk_extra).
+
+    Aim at ``waves * num_sms`` programs in total, never below one split per cache that has candidates, never more
+    splits than candidate blocks; the splits go to main / extra in proportion to their candidate blocks."""
+    nb1 = max(1, cdiv(K1, block_n))
+    nb2 = cdiv(K2, block_n) if K2 > 0 else 0
+    floor_ = 1 + (1 if nb2 else 0)
+    want = max(1, cdiv(int(waves * num_sms), max(1, T * HG)))
+    want = min(max(want, floor_), max(floor_, nb1 + nb2))
+    if nb2:
+        s1 = min(max(1, round(want * nb1 / (nb1 + nb2))), want - 1)
+        s2 = want - s1
+    else:
+        s1, s2 = want, 0
+    c1 = cdiv(nb1, s1) * block_n
+    s1 = max(1, cdiv(K1, c1))
+    if nb2:
+        c2 = cdiv(nb2, s2) * block_n
+        s2 = cdiv(K2, c2)
+    else:
+        c2 = block_n
+    return s1, c1, s2, c2
+
+
+def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0):
+    """Split plan of the spanning register body (SPAN=1): (splits, chunk) over the concatenated candidate list
+    (main ++ extra, K1 + K2 candidates). ``waves * num_sms`` is the number of programs the GPU runs at once (2 per
+    SM for a body that fits twice), and the splits per row are as many as fill those slots in one round (floor,
+    not ceil: a second, partial round costs a whole program's time), never more than the candidate blocks; the
+    chunk is a whole number of blocks, so every program but the last of a row owns the same work."""
+    nb = max(1, cdiv(K1 + K2, block_n))
+    want = max(1, int(waves * num_sms) // max(1, T * HG))
+    want = max(1, min(want, nb))
+    chunk = cdiv(nb, want) * block_n
+    return max(1, cdiv(K1 + K2, chunk)), chunk
+
+
+def split_plan(span: bool, T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int,
+               waves: float) -> Tuple[int, int, int, int]:
+    """(s_main, chunk_main, s_extra, chunk_extra) of a launch; the spanning plan's splits all count as main
+    splits (the kernel reads ``main_chunk`` only)."""
+    if span:
+        S, chunk = plan_span(T, HG, K1, K2, block_n, num_sms, waves)
+        return S, chunk, 0, block_n
+    return plan_splits(T, HG, K1, K2, block_n, num_sms, waves)
+
+
+def combine_maxnreg(block_s: int, per_thread: int) -> int:
+    """Register cap for the combine. ptxas aims multi-warp programs at ~32 registers (full occupancy) and then
+    issues only the first 1-3 loads of a chunk before the math; a cap is also the target it schedules to, so
+    this one lets all ``block_s`` loads be in flight: 24 + (per_thread + 2) registers per split, a multiple of
+    8, 32..255 (checked by the combine code-generation test)."""
+    return min(255, max(32, 8 * cdiv(24 + block_s * (per_thread + 2), 8)))
+
+
+def combine_block_s(S: int, per_thread: int = 4, max_words: int = 32) -> int:
+    """Partials merged per unrolled step of the combine: as many as fit in flight (each is one ``per_thread``-element
+    load per thread; <= ``max_words`` loaded words per thread, at most 16), spread evenly over the chunks so the
+    last chunk is as full as the others."""
+    cap = max(1, min(16, max_words // max(1, per_thread)))
+    return cdiv(S, cdiv(max(S, 1), cap))
+
+
+def combine_plan(T: int, H: int, S: int, num_sms: int, BLOCK_D: Optional[int] = None, warps: Optional[int] = None,
+                 BLOCK_S: Optional[int] = None, maxnreg: Optional[int] = None, waves: float = 2.0):
+    """Combine launch ``(BLOCK_D, BLOCK_S, warps, maxnreg)``; arguments given (not None) are kept and the others
+    chosen around them. One head per program. Columns: the whole 512-wide row, halved while the grid
+    ``T x H x 512/BLOCK_D`` has fewer than ``waves`` programs per SM, down to 128. Warps: 4 fp32 per thread (one
+    16-byte vector per partial). ``BLOCK_S``: up to 8 partials in flight per thread (32 words), up to 16 (one
+    round trip for S <= 16) when the grid is that small anyway (registers do not limit its occupancy; it is
+    latency-bound)."""
+    target = waves * max(1, num_sms)
+    if BLOCK_D is not None:
+        bd = int(BLOCK_D)
+    else:
+        bd = 512
+        while bd > 128 and T * H * (512 // bd) < target:
+            bd //= 2
+    w = int(warps) if warps is not None else max(1, min(8, bd // 128))
+    small = T * H * (512 // bd) <= target
+    per_thread = max(1, bd // (32 * w))
+    bs = int(BLOCK_S) if BLOCK_S is not None else combine_block_s(S, per_thread, 64 if small else 32)
+    mr = combine_maxnreg(bs, per_thread) if maxnreg is None else int(maxnreg)
+    return bd, bs, w, mr
+
+
+def ws_words(impl: str, part_bf16: int) -> int:
+    """4-byte workspace words per (row, split, head): the partial accumulator (fp32, or bf16 with PART_BF16 in the
+    tiled and register bodies) + m + l."""
+    return 258 if impl in ("tiled", "reg") and part_bf16 else 514

@@ -1,0 +1,177 @@
+"""Launch configuration of the sparse MLA decode (dsv4_sm120.attention.config), on the CPU with injected device
+facts: the launch tables against the launches the rules in code chose before they became tables
+(tests/data/attention_launch_before_redesign.json), the tables' own shape, and the rules read as behaviour."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from dsv4_sm120 import launch_tables as lt
+from dsv4_sm120.attention import DecodeInputError, config, plan_span
+
+FROZEN = Path(__file__).resolve().parent / "data" / "attention_launch_before_redesign.json"
+H200 = config.Device("NVIDIA H200", (9, 0), 132)
+RTX_PRO_6000 = config.Device("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188)
+
+
+def _frozen():
+    return json.loads(FROZEN.read_text())
+
+
+def _as_text(launch: config.Launch) -> str:
+    return ",".join(f"{k}={v}" for k, v in launch.config.items()) + "|" + ",".join(map(str, launch.plan))
+
+
+def _parts(text: str):
+    if text == "error":
+        return text
+    keys, plan = text.split("|")
+    return dict(kv.split("=") for kv in keys.split(",")), plan
+
+
+def test_tables_give_the_launches_the_rules_gave():
+    """Over the frozen grid (H200, H100 PCIe, A100, B200, RTX PRO 6000 server and workstation, RTX 5090, GB10 and
+    the interpreter; H 1..128, rows around every rows-per-SM threshold of each device, two candidate layouts, both
+    QK paths, every impl request and the calibration variants of the Makefile as overrides): the resolved launch
+    (the keys the chosen body reads, the split plan and the combine launch) is the one of the code before the
+    launch tables, and fp8 QK with the register body is still refused."""
+    d = _frozen()
+    devices = {k: config.Device(v["name"], tuple(v["capability"]), v["num_sms"]) for k, v in d["devices"].items()}
+    devices["interp"] = config.Device("cpu", None, 4)
+    seen, wrong = 0, []
+    for key, (Ts, results) in d["groups"].items():
+        dev, H, K1, K2, fp8, impl, ov = key.split("|")
+        overrides = config.parse_config(ov)
+        if impl:
+            overrides["impl"] = impl
+        for T, r in zip(Ts, results):
+            want = d["results"][r]
+            try:
+                got = _as_text(config.resolve(int(H), T, int(K1), int(K2), devices[dev], qk="fp8" if fp8 == "1" else "bf16",
+                                              overrides=overrides, interpret=dev == "interp"))
+            except DecodeInputError:
+                got = "error"
+            seen += 1
+            if _parts(got) != _parts(want):
+                wrong.append((key, T, got, want))
+    assert seen > 20000 and {k.split("|")[0] for k in d["groups"]} >= {"h200", "rtxpro6000_ws", "a100", "interp"}
+    assert not wrong, f"{len(wrong)} of {seen} launches changed, e.g. {wrong[:3]}"
+
+
+def test_the_comparison_sees_a_changed_table(tmp_path):
+    """The frozen comparison is able to fail: one bucket boundary moved by a row in a copy of the H200 table
+    changes exactly the launches at that row."""
+    root = tmp_path / "tables"
+    (root / "attention").mkdir(parents=True)
+    for p in (lt.TABLE_DIR / "attention").iterdir():
+        (root / "attention" / p.name).write_text(p.read_text())
+    path = lt.table_path("attention", "H=16,qk=fp8", "NVIDIA_H200", root)
+    table = json.loads(path.read_text())
+    table["44"], table["45"] = table["43"], table["44"]  # PREFETCH=2 from 45 grid rows instead of 44
+    path.write_text(json.dumps(table))
+    for T, moved in ((43, False), (44, True), (45, False), (99, False)):
+        a = config.resolve(16, T, 128, 512, H200, qk="fp8")
+        b = config.resolve(16, T, 128, 512, H200, qk="fp8", root=root)
+        assert (a.config != b.config) == moved, (T, a, b)
+
+
+def test_every_level_holds_every_shape_with_complete_entries():
+    """A level (device, architecture, default) that has one shape has them all (a missing one would fall back to
+    another level's rules for that shape only), every entry names a body and the keys it reads, and the size keys
+    of the device tables are grid rows (buckets written as first and last row)."""
+    files = sorted(p.name for p in (lt.TABLE_DIR / "attention").glob("*.json"))
+    shapes = {f"H={h},qk={q}" for h in (16, 32, 64) for q in ("bf16", "fp8")}
+    levels = {}
+    for name in files:
+        shape, dev = name[: -len(".json")].split(",device_name=")
+        levels.setdefault(dev, set()).add(shape)
+    assert set(levels) >= {"NVIDIA_H200", "arch_sm_90", "arch_sm_120", "default"}
+    for dev, got in levels.items():
+        assert got - {"impl=reg"} == shapes, (dev, got)
+    assert "impl=reg" in levels["default"]
+    for name in files:
+        for size, cfg in lt.read_table(lt.TABLE_DIR / "attention" / name).items():
+            impl = cfg["impl"]
+            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg"), (name, size)
+            need = set(config.COMMON_KEYS) | set(config.BODY_KEYS[impl])
+            assert need <= set(cfg) and set(cfg) <= set(config.KEYS), (name, size, sorted(set(cfg) ^ need))
+            assert not set(cfg) & set(config.COMBINE_KEYS), (name, size)  # combine keys come from the plan
+
+
+def test_launch_rules_read_as_behaviour():
+    """The rules the tables encode, checked through resolve: H <= 16 with bf16 QK runs the spanning register body
+    up to 4 grid rows per SM (its split count fills 2 x SMs program slots in one round), past it the tiled body
+    (H200: one wave, scale prefetch, two stages when a program owns >= 2 blocks, no register cap then); fp8 QK
+    never runs the register body; H > 16 on the H200 takes the flat body with 64-row head blocks past 2 (fp8) or
+    4 (bf16) grid rows per SM; sm_120 never pipelines and keeps head blocks at <= 32 rows."""
+    for T in (1, 4, 16, 64, 128, 528):
+        L = config.resolve(16, T, 128, 512, H200)
+        assert (L.config["impl"], L.config["BLOCK_N"], L.config["num_warps"], L.config["SPAN"]) == ("reg", 32, 4, 1)
+        assert L.plan[0] == plan_span(T, 1, 128, 512, 32, 132, 2.0)[0] and L.plan[2] == 0
+    big = config.resolve(16, 529, 128, 8192, H200).config
+    assert (big["impl"], big["waves"], big["PREFETCH"], big["num_stages"], big["maxnreg"]) == ("tiled", 1.0, 2, 2, 0)
+    one_block = config.resolve(16, 529, 64, 0, H200).config
+    assert (one_block["num_stages"], one_block["maxnreg"]) == (1, 128)
+    assert [config.resolve(16, T, 128, 512, H200, qk="fp8").config["waves"] for T in (99, 100, 125, 126)] == \
+        [4.0, 2.0, 2.0, 1.0]
+    assert config.resolve(64, 66, 128, 512, H200, qk="fp8").config["impl"] == "tiled"  # 264 grid rows
+    assert config.resolve(64, 67, 128, 512, H200, qk="fp8").config["BLOCK_H"] == 64  # 268: flat
+    assert config.resolve(128, 66, 128, 512, H200).config["impl"] == "reg"  # 528 grid rows
+    assert config.resolve(128, 67, 128, 512, H200).config["impl"] == "flat"
+    for dev in (RTX_PRO_6000, config.Device("NVIDIA GeForce RTX 5090", (12, 0), 170)):
+        n = dev.num_sms
+        assert config.resolve(16, 4 * n, 128, 512, dev).config["impl"] == "reg"
+        past = config.resolve(16, 4 * n + 1, 128, 8192, dev).config
+        assert (past["impl"], past["num_stages"], past["BLOCK_H"]) == ("tiled", 1, 16)
+        assert config.resolve(64, 1, 128, 512, dev, qk="fp8").config["BLOCK_H"] == 32
+    # a body asked for by name gets its own launch at any shape; the register body has no fp8 QK path
+    assert config.resolve(16, 1, 128, 512, H200, overrides={"impl": "tiled"}).config["BLOCK_N"] == 64
+    assert config.resolve(128, 1024, 128, 512, H200, overrides={"impl": "reg"}).config["BLOCK_H"] == 16
+    with pytest.raises(DecodeInputError, match="impl=reg has no fp8"):
+        config.resolve(16, 1, 128, 512, H200, qk="fp8", overrides={"impl": "reg"})
+
+
+def test_architecture_tables_scale_with_the_sm_count():
+    """A Hopper GPU without its own table follows the H200's rules relative to its SM count: random SM counts and
+    rows give the same body, waves and prefetch as the rules written out."""
+    rng = random.Random()
+    for _ in range(300):
+        n = rng.randint(8, 200)
+        dev = config.Device("NVIDIA Some Hopper", (9, 0), n)
+        T = rng.randint(1, 6 * n)
+        qk = rng.choice(["bf16", "fp8"])
+        cfg = config.resolve(16, T, 128, 512, dev, qk=qk).config
+        if qk == "bf16" and T <= 4 * n:
+            assert cfg["impl"] == "reg", (n, T)
+            continue
+        waves = 4.0 if 4 * T <= 3 * n else (1.0 if 20 * T >= 19 * n else 2.0)
+        assert (cfg["impl"], cfg["waves"], cfg["PREFETCH"]) == ("tiled", waves, 2 if 3 * T >= n else 0), (n, T, qk)
+
+
+def test_unknown_gpus_and_the_interpreter():
+    """A GPU of another architecture reads the default tables (the tiled body, head blocks up to 64 rows, no
+    register body unless asked for); the interpreter runs its small tiled launch whatever the device."""
+    a100 = config.Device("NVIDIA A100-SXM4-80GB", (8, 0), 108)
+    for H, bh in ((8, 16), (24, 32), (128, 64)):
+        L = config.resolve(H, 1, 128, 512, a100)
+        assert (L.config["impl"], L.config["BLOCK_H"]) == ("tiled", bh) and L.source.endswith("default.json[1]")
+    L = config.resolve(16, 3, 128, 512, H200, interpret=True)
+    assert (L.config["impl"], L.config["BLOCK_N"], L.config["num_warps"], L.source) == ("tiled", 16, 4, "interpreter")
+    assert config.resolve(16, 1, 128, 512, H200).source == "H=16,qk=bf16,device_name=NVIDIA_H200.json[1]"
+    # sm_121 shares sm_120's tables
+    gb10 = config.Device("NVIDIA GB10", (12, 1), 48)
+    assert "arch_sm_120" in config.resolve(64, 1, 128, 512, gb10, qk="fp8").source
+
+
+def test_check_env_reports_each_problem_on_one_line():
+    assert config.check_env({}) == []
+    assert config.check_env({"DSV4_SM120_ATTN_CONFIG": "impl=reg,KCVT=0", "DSV4_SM120_ATTN_QK": "bf16"}) == []
+    probs = config.check_env({"DSV4_SM120_ATTN_CONFIG": "impl=reg", "DSV4_SM120_ATTN_QK": "fp8"})
+    assert len(probs) == 1 and "impl=reg has no fp8 QK path" in probs[0]
+    probs = config.check_env({"DSV4_SM120_ATTN_CONFIG": "QPRE=1", "DSV4_SM120_ATTN_QK": "int8"})
+    assert len(probs) == 2 and all("\n" not in p for p in probs)
+    assert any("unknown key 'QPRE'" in p for p in probs) and any("DSV4_SM120_ATTN_QK" in p for p in probs)
