@@ -71,9 +71,9 @@ def server_spec(decode_url: str, timeout: float = 10.0) -> Dict[str, object]:
     server (from /server_info; empty when it does not answer)."""
     text = _get(decode_url.rstrip("/") + "/server_info", timeout)
     try:
-        info = json.loads(text) if text else {}
+        info = json.loads(text) if text else None
     except ValueError:
-        info = {}
+        info = None
     if not isinstance(info, dict):
         return {}
     states = info.get("internal_states") or [{}]
