@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -157,3 +158,48 @@ def test_bad_settings_are_one_line_errors(ckpts, model, env, needle):
 def test_base_script_ignores_the_draft(ckpts):
     r = dry_run("serve_dsv4_tp4.sh", {"MODEL_PATH": str(ckpts["none"])})
     assert "--speculative-algorithm" not in r.stdout and "speculative decoding" not in r.stdout
+
+
+# (file in the sglang package, line, what that line defines or calls): the routing points docs/speculative.md
+# cites; the pinned wheel must have them there, and the doc must cite them with that line.
+DOC_ANCHORS = [
+    ("srt/layers/attention/deepseek_v4_backend.py", 4132, "def forward("),
+    ("srt/layers/attention/deepseek_v4_backend.py", 4143, "def _forward_attention("),
+    ("srt/layers/attention/deepseek_v4_backend.py", 4335, "if get_platform().is_sm120:"),
+    ("srt/layers/attention/deepseek_v4_backend.py", 2917, "def _use_sparse_prefill("),
+    ("srt/layers/attention/deepseek_v4_backend.py", 4746, "def make_core_attn_metadata("),
+    ("srt/layers/attention/deepseek_v4_backend.py", 4913, "def get_dspark_swa_page_indices("),
+    ("srt/layers/attention/deepseek_v4_backend.py", 2204, "def init_forward_metadata_dspark_draft_block("),
+    ("srt/layers/attention/deepseek_v4_backend.py", 2153, "def init_forward_metadata_target_verify("),
+    ("srt/layers/attention/deepseek_v4_backend.py", 2398, "def init_forward_metadata_draft_extend("),
+    ("srt/layers/attention/deepseek_v4_backend.py", 4966, "class DeepseekV4MultiStepBackend("),
+    ("srt/models/deepseek_v4_dspark.py", 255, "def forward("),
+    ("srt/models/deepseek_v4_dspark.py", 328, "o = attn_backend.forward("),
+    ("srt/models/deepseek_v4.py", 1370, "class MQALayer("),
+    ("srt/models/deepseek_v4.py", 2892, "o = attn_backend.forward("),
+    ("srt/models/deepseek_v4.py", 1215, "def _kernel_num_heads("),
+    ("srt/speculative/dspark_components/dspark_draft.py", 557, "def _run_forward("),
+    ("srt/speculative/eagle_worker_v2.py", 742, "def draft_forward("),
+    ("srt/speculative/eagle_worker_v2.py", 1110, "def _draft_extend_for_decode("),
+    ("srt/speculative/eagle_worker_v2.py", 961, "def _draft_extend_for_prefill("),
+    ("srt/speculative/eagle_worker_v2.py", 1979, "def verify("),
+    ("kernels/ops/attention/flash_mla_sm120.py", 298, "def flash_mla_with_kvcache_sm120("),
+    ("srt/disaggregation/utils.py", 1462, "def setup_state_kv_args("),
+    ("srt/disaggregation/prefill.py", 257, "def _init_kv_manager("),
+    ("srt/disaggregation/decode.py", 608, "def _init_kv_manager("),
+]
+
+
+def test_docs_cite_the_pinned_sources_and_every_variable():
+    import sglang
+
+    from dsv4_sm120.serving.config import VARIABLES
+
+    root = Path(sglang.__file__).parent
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "speculative.md").read_text()
+    for rel, line, text in DOC_ANCHORS:
+        src = (root / rel).read_text().splitlines()
+        assert text in src[line - 1], (rel, line, src[line - 1])
+        assert re.search(rf"\bl\. {line}\b", doc), (rel, line)
+    missing = [k for k in VARIABLES if k.startswith("SPEC_") and f"`{k}`" not in doc]
+    assert not missing, missing
