@@ -58,7 +58,7 @@ def server_argv(argv):
     return argv[i + 1:]
 
 
-def write_dsv4_config(d: Path) -> Path:
+def write_dsv4_config(d: Path, **overrides) -> Path:
     n = 43
     cfg = {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 4096,
@@ -75,6 +75,7 @@ def write_dsv4_config(d: Path) -> Path:
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                 "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
     }
+    cfg.update(overrides)
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
     return d
@@ -132,6 +133,8 @@ VALIDATOR = textwrap.dedent(r"""
                        decode_graph_backend=str(d["cuda_graph_config"]["decode"]["backend"]),
                        spec=d["speculative_algorithm"], spec_steps=d["speculative_num_steps"],
                        spec_topk=d["speculative_eagle_topk"], spec_draft=d["speculative_num_draft_tokens"],
+                       spec_draft_path=d["speculative_draft_model_path"],
+                       dspark_block=d.get("speculative_dspark_block_size"), metrics=d["enable_metrics"],
                        fp8=str(d.get("fp8_gemm_runner_backend")), mem=d["mem_fraction_static"])
         out.append(rec)
     print("RESULT" + json.dumps(out))
@@ -246,7 +249,7 @@ def test_router_command_parses_with_sglang_router(validated):
 def test_base_and_mtp_share_everything_but_speculation(outputs):
     b, m = commands(outputs["base"]), commands(outputs["mtp"])
     spec = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", "4"]
+            "--speculative-num-draft-tokens", "4", "--enable-metrics"]
     for role in ("prefill", "decode"):
         mb = m[role][1]
         i = mb.index("--speculative-algorithm")

@@ -107,3 +107,137 @@ def test_measure_and_profile_end_to_end_through_router_and_standins(env, tmp_pat
     assert "tok/s/user" in m.stdout
     assert c.returncode == 0, c.stdout + c.stderr
     check_capture(env, prof, c.stdout)
+
+
+# --- speculative decoding: accepted tokens per step from the decode server's counters -------------------------
+
+FAKE_LOADGEN = r'''
+import json, os, sys, urllib.request
+argv = sys.argv[1:]
+if argv[:1] == ["-c"]:                     # measure's package-version probe
+    print("{}")
+    sys.exit(0)
+assert argv[:2] == ["-m", "sglang.benchmark.serving"], argv
+opt = lambda k: argv[argv.index(k) + 1]
+c = opt("--max-concurrency")
+plan = json.loads(os.environ["FAKE_SPEC_PLAN"])[c]          # this run's verify steps and output tokens
+urllib.request.urlopen(f"{opt('--base-url')}/bump?verify={plan[0]}&gen={plan[1]}").read()
+n = int(opt("--num-prompts"))
+res = {"completed": n, "output_throughput": 100.0 * int(c), "median_tpot_ms": 10.0, "median_ttft_ms": 5.0,
+       "p99_ttft_ms": 9.0, "accept_length": 9.0, "total_output_tokens": plan[1]}
+open(opt("--output-file"), "w").write(json.dumps(res) + "\n")
+'''
+
+
+class _FakeDecode:
+    """Router and decode server in one: health, /metrics (Prometheus text as 0.5.23 writes it), /server_info."""
+
+    def __init__(self, draft_tokens):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlparse
+
+        self.verify, self.gen = 7.0, 1234.0           # counters already non-zero from earlier traffic
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, body, ctype="text/plain"):
+                data = body.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                u = urlparse(self.path)
+                if u.path in ("/health", "/health_generate"):
+                    return self._send("ok")
+                if u.path == "/bump":
+                    q = parse_qs(u.query)
+                    fake.verify += float(q["verify"][0])
+                    fake.gen += float(q["gen"][0])
+                    return self._send("ok")
+                if u.path == "/metrics":
+                    half = fake.gen / 2
+                    return self._send(
+                        "# HELP sglang:spec_verify_calls_total Number of speculative decoding verification calls.\n"
+                        "# TYPE sglang:spec_verify_calls_total counter\n"
+                        f'sglang:spec_verify_calls_total{{model_name="m",tp_rank="0"}} {fake.verify}\n'
+                        'sglang:spec_verify_calls_created{model_name="m",tp_rank="0"} 1.7e+09\n'
+                        f'sglang:generation_tokens_total{{is_streaming="true",model_name="m"}} {half}\n'
+                        f'sglang:generation_tokens_total{{is_streaming="false",model_name="m"}} {fake.gen - half}\n'
+                        'sglang:spec_accept_length{model_name="m"} 9.5\n')
+                if u.path == "/server_info":
+                    return self._send(json.dumps({"speculative_algorithm": "DSPARK",
+                                                  "speculative_num_draft_tokens": draft_tokens,
+                                                  "internal_states": [{"avg_spec_accept_length": 9.5}]}),
+                                      "application/json")
+                self.send_response(404)
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_measure_reports_accepted_tokens_per_step_and_accept_rate(tmp_path, monkeypatch):
+    import random
+
+    rng = random.Random()
+    draft_tokens = rng.randint(3, 8)
+    # per concurrency: verify steps and output tokens of that run; C=2 ran no verify step (no speculation data)
+    plan = {"1": [rng.randint(50, 400), 0], "2": [0, 640], "4": [rng.randint(50, 400), 0]}
+    for c in ("1", "4"):
+        plan[c][1] = plan[c][0] * rng.randint(10, draft_tokens * 10) // 10 + plan[c][0]
+    fake_py = tmp_path / "fakepython"
+    fake_py.write_text(f"#!{sys.executable}\n" + FAKE_LOADGEN)
+    fake_py.chmod(0o755)
+    srv = _FakeDecode(draft_tokens)
+    monkeypatch.setenv("FAKE_SPEC_PLAN", json.dumps(plan))
+    out = tmp_path / "out"
+    try:
+        rc = measure.main(["--router", srv.url, "--decode-url", srv.url, "--concurrency", "1,2,4", "--python",
+                           str(fake_py), "--out-dir", str(out), "--log-dir", str(tmp_path / "nologs"),
+                           "--model", "m"])
+    finally:
+        srv.close()
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["speculative"]["algorithm"] == "DSPARK" and res["speculative"]["num_draft_tokens"] == draft_tokens
+    runs = {r["concurrency"]: r for r in res["runs"]}
+    table = (out / "table.txt").read_text().splitlines()
+    assert "acc/step" in table[0] and "acc rate" in table[0]
+    for c in (1, 4):
+        steps, toks = plan[str(c)]
+        want = toks / steps
+        spec = runs[c]["speculative"]
+        assert spec["accept_length"] == pytest.approx(want) and spec["verify_steps"] == steps
+        assert spec["accept_rate"] == pytest.approx((want - 1) / (draft_tokens - 1))
+        row = [x for x in table if x.split()[0] == str(c)][0].split()
+        assert row[-2] == f"{want:.2f}" and row[-1] == f"{100 * (want - 1) / (draft_tokens - 1):.0f}%", row
+    # no verify step in the run: no per-run numbers; the column falls back to the load generator's server average
+    assert "speculative" not in runs[2]
+    row = [x for x in table if x.split()[0] == "2"][0].split()
+    assert row[-2:] == ["9.00", "-"], row
+
+
+def test_spec_metrics_without_counters():
+    from dsv4_sm120.perf import spec_metrics
+
+    assert spec_metrics.parse_prometheus('a{x="1"} 2\na{x="2"} 3.5\n# b 9\nb_total 1e3\n') == {"a": 5.5, "b_total": 1000.0}
+    before = {"verify": 10.0, "generated": 100.0}
+    assert spec_metrics.summarize(before, dict(before), 4) is None               # nothing ran
+    assert spec_metrics.summarize(None, before, 4) is None
+    s = spec_metrics.summarize(before, {"verify": 20.0, "generated": 130.0}, None)
+    assert s["accept_length"] == pytest.approx(3.0) and s["accept_rate"] is None
+    (port,) = free_ports(1)
+    assert spec_metrics.snapshot(f"http://127.0.0.1:{port}", timeout=2) is None   # nobody there
+    assert spec_metrics.server_spec(f"http://127.0.0.1:{port}", timeout=2) == {}

@@ -8,6 +8,9 @@ For each concurrency C it runs SGLang's own load generator,
 --max-concurrency C`` (fixed input/output lengths, EOS ignored), against the router, then
 writes ``results.json`` (every run's metrics plus the deployment it measured), prints a table
 (output tok/s, per-user tok/s, TPOT, TTFT p50/p99) and draws ``throughput.png``.
+With speculative decoding (serve/serve_dsv4_mtp.sh) the table adds, per run, the mean accepted
+tokens per verify step and the accept rate, from the decode server's own counters
+(``/metrics``, see dsv4_sm120.perf.spec_metrics), so one sees whether speculation pays.
 
 It refuses to run without a healthy router (``/health`` and an end-to-end ``/health_generate``).
 Defaults come from the newest serving run (``LOG_DIR/latest``: router URL, model path for the
@@ -29,6 +32,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import List, Optional
+
+from . import spec_metrics
 
 # the checkout this runs from (overlay/dsv4_sm120/perf/ -> repository root): relative log / venv paths and the
 # default output directory are taken from there; bench/measure.py sets it to its own checkout
@@ -67,9 +72,11 @@ def deployment_info(run_dir: Optional[Path]) -> dict:
     return {"run_dir": str(run_dir), "status": st.get("status"), "variant": st.get("variant"),
             "router_url": (st.get("urls") or {}).get("router"), "standin": st.get("standin"),
             "settings": {k: s.get(k) for k in ("MODEL_PATH", "PREFILL_GPUS", "DECODE_GPUS", "MAX_RUNNING",
-                                              "CONTEXT_LEN", "MEM_FRACTION", "SPEC_NUM_STEPS",
-                                              "SPEC_NUM_DRAFT_TOKENS", "FP8_GEMM_BACKEND") if k in s},
-            "fp8_gemm_backend": plan.get("fp8_reason"),
+                                              "CONTEXT_LEN", "MEM_FRACTION", "SPEC_ALGORITHM", "SPEC_NUM_STEPS",
+                                              "SPEC_NUM_DRAFT_TOKENS", "SPEC_DSPARK_BLOCK_SIZE",
+                                              "FP8_GEMM_BACKEND") if k in s},
+            "fp8_gemm_backend": plan.get("fp8_reason"), "speculative": plan.get("spec_reason") or None,
+            "decode_url": (plan.get("urls") or {}).get("decode"),
             "env": {k: v for k, v, _ in plan.get("common_env", [])}}
 
 
@@ -122,7 +129,7 @@ def parse_bench_output(path: Path) -> dict:
 
 def render_table(runs: List[dict]) -> str:
     hdr = f"{'C':>4} {'ok':>5} {'out tok/s':>10} {'tok/s/user':>11} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12} " \
-          f"{'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'accept':>7}"
+          f"{'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'acc/step':>8} {'acc rate':>8}"
     lines = [hdr, "-" * len(hdr)]
 
     def f(x, nd=1):
@@ -133,9 +140,14 @@ def render_table(runs: List[dict]) -> str:
         if r.get("error"):
             lines.append(f"{r['concurrency']:>4} {'FAIL':>5}  {r['error'][:90]}")
             continue
+        spec = r.get("speculative") or {}
+        # accepted tokens per step: this run's counter deltas; else the load generator's windowed server average
+        acc = spec.get("accept_length", m.get("accept_length"))
+        rate = spec.get("accept_rate")
         lines.append(f"{r['concurrency']:>4} {m['completed']:>5} {f(m['output_throughput']):>10} "
                      f"{f(m['per_user_tok_s']):>11} {f(m['median_tpot_ms'], 2):>12} {f(m.get('p99_tpot_ms'), 2):>12} "
-                     f"{f(m['median_ttft_ms']):>12} {f(m['p99_ttft_ms']):>12} {f(m.get('accept_length'), 2):>7}")
+                     f"{f(m['median_ttft_ms']):>12} {f(m['p99_ttft_ms']):>12} {f(acc, 2):>8} "
+                     f"{'-' if rate is None else f'{100 * rate:.0f}%':>8}")
     return "\n".join(lines)
 
 
@@ -248,6 +260,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out-dir", type=Path, help="default bench/results/measure-<UTC time>")
     ap.add_argument("--label", default="", help="free text stored with the results (e.g. 'mtp, fp8 triton')")
     ap.add_argument("--log-dir", default=None, help="serving LOG_DIR (default $LOG_DIR or logs)")
+    ap.add_argument("--decode-url", default=None,
+                    help="decode server URL whose /metrics give the accepted tokens per speculative step "
+                         "(default: the newest run's; none = no acceptance columns)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     a = ap.parse_args(argv)
@@ -269,6 +284,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"measure: router {router}, model/tokenizer {model}, input {a.input_len}, output {a.output_len}, "
           f"concurrency {cs}, results in {out_dir}", flush=True)
+    decode_url = (a.decode_url or dep.get("decode_url") or "").rstrip("/") or None
+    spec_info = spec_metrics.server_spec(decode_url) if decode_url else {}
+    if spec_info.get("algorithm"):
+        print(f"measure: speculative decoding {spec_info['algorithm']}, {spec_info.get('num_draft_tokens')} tokens "
+              f"verified per step; acceptance from {decode_url}/metrics", flush=True)
     runs = []
     for c in cs:
         n = max(a.prompts_per_level * c, a.min_prompts)
@@ -279,6 +299,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         a.warmup_requests)
         t0 = time.time()
         print(f"measure: C={c}: {n} requests ...", flush=True)
+        before = spec_metrics.snapshot(decode_url) if decode_url else None
         with open(out_dir / f"bench_c{c}.log", "w") as log:
             try:
                 r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, cwd=str(out_dir))
@@ -291,6 +312,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise MeasureError(f"load generator {'timed out' if rc is None else 'exited ' + str(rc)}; "
                                    f"see {out_dir / f'bench_c{c}.log'}")
             run["metrics"] = parse_bench_output(raw)
+            spec = spec_metrics.summarize(before, spec_metrics.snapshot(decode_url) if before else None,
+                                          spec_info.get("num_draft_tokens"))
+            if spec is not None:
+                run["speculative"] = spec
             if run["metrics"]["completed"] < n:
                 raise MeasureError(f"only {run['metrics']['completed']} of {n} requests completed")
         except MeasureError as e:
@@ -299,7 +324,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = {"schema": 1, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
               "router": router, "model": model, "input_len": a.input_len, "output_len": a.output_len,
               "dataset": a.dataset, "label": a.label, "environment": environment(python), "deployment": dep,
-              "runs": runs}
+              "speculative": spec_info or None, "runs": runs}
     atomic_write(out_dir / "results.json", json.dumps(result, indent=2) + "\n")
     table = render_table(runs)
     atomic_write(out_dir / "table.txt", table + "\n")

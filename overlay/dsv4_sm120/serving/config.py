@@ -53,9 +53,11 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "PREFILL_EXTRA_ARGS": ("", "extra SGLang flags for prefill"),
     "DECODE_EXTRA_ARGS": ("", "extra SGLang flags for decode"),
     "ROUTER_EXTRA_ARGS": ("", "extra sglang_router flags"),
-    "SPEC_NUM_STEPS": ("3", "MTP variant: --speculative-num-steps"),
+    "SPEC_ALGORITHM": ("auto", "MTP variant: auto = the draft MODEL_PATH's config.json carries (DSpark head -> DSPARK, MTP layer -> EAGLE), or EAGLE (= NEXTN) / DSPARK"),
+    "SPEC_NUM_STEPS": ("", "MTP variant, EAGLE: --speculative-num-steps (default 3, or SPEC_NUM_DRAFT_TOKENS - 1)"),
     "SPEC_EAGLE_TOPK": ("1", "MTP variant: --speculative-eagle-topk (only 1 is supported for DSv4)"),
-    "SPEC_NUM_DRAFT_TOKENS": ("4", "MTP variant: --speculative-num-draft-tokens"),
+    "SPEC_NUM_DRAFT_TOKENS": ("", "MTP variant: tokens verified per step (EAGLE: steps + 1; DSpark: block size + 1)"),
+    "SPEC_DSPARK_BLOCK_SIZE": ("", "MTP variant, DSpark: --speculative-dspark-block-size (default: the checkpoint's dspark_block_size, 5 for V4-Flash-0731)"),
     "NODE_ROLE": ("all", "what this host runs: all, or a comma list of prefill,decode,router (multi-node)"),
     "LOG_DIR": ("logs", "parent of the run directories (relative = to the repo); LOG_DIR/latest -> newest run"),
     "RUN_DIR": ("", "use this run directory instead of LOG_DIR/serve-<variant>-<time>"),
@@ -106,6 +108,7 @@ class Plan:
     remote_health: Dict[str, str]            # role -> health URL of parts run on another host
     urls: Dict[str, str]
     fp8_reason: str = ""
+    spec_reason: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -243,18 +246,16 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     max_running = _int(s, "MAX_RUNNING", 1, 4096)
     for k in ("HEALTH_TIMEOUT_S", "STOP_GRACE_S", "SUPERVISE_HEALTH_FAILS", "SUPERVISE_HEALTH_EVERY_S"):
         _int(s, k, 0 if k == "SUPERVISE_HEALTH_FAILS" else 1)
-    spec = None
+    spec, spec_reason = None, ""
     if variant == "mtp":
-        topk = _int(s, "SPEC_EAGLE_TOPK", 1, 64)
-        if topk != 1:
-            raise ConfigError(f"SPEC_EAGLE_TOPK={topk}: DeepSeek-V4 MTP in SGLang 0.5.23 supports topk 1 only")
-        steps = _int(s, "SPEC_NUM_STEPS", 1, 16)
-        draft = _int(s, "SPEC_NUM_DRAFT_TOKENS", 2, 64)
-        if draft != steps + 1:
-            raise ConfigError(f"SPEC_NUM_DRAFT_TOKENS={draft} with SPEC_NUM_STEPS={steps}: with topk 1 the draft "
-                              f"tokens are steps + 1 = {steps + 1}")
-        spec = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps),
-                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(draft)]
+        from .speculative import SpecError, spec_flags
+
+        try:
+            spec, spec_reason = spec_flags(s)
+        except SpecError as e:
+            raise ConfigError(str(e))
+        # --enable-metrics: the speculation counters make measure report accepted tokens per step
+        spec = spec + ["--enable-metrics"]
     dev = None
     if s["FP8_GEMM_BACKEND"].strip() in ("auto", "") and ("decode" in roles or "prefill" in roles):
         dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0])
@@ -355,7 +356,8 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
 
     return Plan(variant=variant, repo=str(repo), python=python, run_dir=str(run_dir), roles=roles, standin=standin,
                 settings=s, common_env=common_env, procs=procs, remote_health=remote,
-                urls={"prefill": prefill_url, "decode": decode_url, "router": router_url}, fp8_reason=fp8_reason)
+                urls={"prefill": prefill_url, "decode": decode_url, "router": router_url}, fp8_reason=fp8_reason,
+                spec_reason=spec_reason)
 
 
 def changed_settings(plan: Plan) -> List[Tuple[str, str]]:
@@ -388,6 +390,8 @@ def render_dry_run(plan: Plan) -> str:
     else:
         out.append("# every setting at its default (serve/serve_dsv4_tp4.sh --help-vars lists them)")
     out.append(f"# fp8 gemm backend: {plan.fp8_reason}")
+    if plan.spec_reason:
+        out.append(f"# speculative decoding: {plan.spec_reason}")
     out.append(f"run_dir {plan.run_dir}")
     for p in plan.procs:
         out.append(f"health {p.role}: {p.health_url}")
