@@ -140,7 +140,16 @@ def lookup_table(M: int, topk: int, E: int, path: str, device_name: str = LT.DEF
 def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str, *,
                   device_name: str = LT.DEFAULT_DEVICE, capability: Optional[Tuple[int, int]] = None,
                   interpreting: bool = False, portable_decode: bool = False, root=None) -> Config:
-    """The launch for ``M`` tokens x ``topk`` experts over ``E`` experts, hidden ``H``, intermediate ``I``."""
+    """The launch for ``M`` tokens x ``topk`` experts over ``E`` experts, hidden ``H``, intermediate ``I``.
+    Memoized (the MoE asks once per layer and call): a table edited while a process runs is seen by shapes
+    and token counts that process has not launched yet."""
+    return _choose(int(M), int(topk), int(E), int(H), int(I), path, device_name,
+                   tuple(capability) if capability is not None else None, bool(interpreting),
+                   bool(portable_decode), root)
+
+
+@lru_cache(maxsize=4096)
+def _choose(M, topk, E, H, I, path, device_name, capability, interpreting, portable_decode, root) -> Config:
     deq = 0 if (interpreting or portable_decode) else 3
     if interpreting:
         t = dict(INTERPRETER_TILES)

@@ -1,15 +1,18 @@
-"""Launcher of the Triton NVFP4 fused MoE (DeepSeek-V4 routed experts).
+"""Host planning of the Triton NVFP4 fused MoE (DeepSeek-V4 routed experts).
 
-Public entry: :func:`dsv4_sm120.moe.nvfp4_fused_moe` (re-exported by the
-package). Shapes, dtypes and semantics are documented there and in
-``docs/moe.md``. Everything here depends only on tensor shapes: no
-``.item()``, no data-dependent allocation, so calls can be captured in CUDA
-graphs.
+Checks the inputs, picks the path (fp4 / bf16), the scaled-dot mode and where activations are quantized
+(environment, see ``PATH_ENV`` and below), takes the launch configuration from the launch tables
+(:mod:`dsv4_sm120.moe.config`), allocates the buffers, groups the (token, expert) pairs and launches the
+kernels of :mod:`dsv4_sm120.moe.kernels`. Public entry: :func:`dsv4_sm120.moe.nvfp4_fused_moe`; contract in
+``docs/moe.md``. Everything here depends only on tensor shapes: no ``.item()``, no data-dependent
+allocation, so calls can be captured in CUDA graphs. Buffers come from ``torch.empty`` (no memset): the
+kernels never read a row they did not write.
 """
 
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -82,14 +85,16 @@ def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str,
     if _interpreting():
         return _table_config(M, topk, E, H, I, path, interpreting=True)
     device = torch.device(device) if device is not None else torch.device("cuda")
-    if device.type == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device)
-        cap = torch.cuda.get_device_capability(device)
-    else:
-        name, cap = "default", None
+    name, cap = _device_identity(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" and torch.cuda.is_available() else ("default", None)
     # the shift decode is inline PTX: NVIDIA only
     return _table_config(M, topk, E, H, I, path, device_name=name, capability=cap,
                          portable_decode=bool(getattr(torch.version, "hip", None)))
+
+
+@lru_cache(maxsize=None)
+def _device_identity(index: int):
+    return torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index))
 
 
 def align_torch(ids: torch.Tensor, E: int, BM: int, sorted_pair: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Triton kernels of the NVFP4 fused MoE (see :mod:`dsv4_sm120.moe.fused_moe`).
+"""Triton kernels of the NVFP4 fused MoE (JIT only; host planning in :mod:`dsv4_sm120.moe.fused_moe`).
 
 Three or four launches per call, all with grids that depend only on tensor
 shapes (no host synchronisation, CUDA-graph safe):
@@ -10,7 +10,8 @@ shapes (no host synchronisation, CUDA-graph safe):
    ``sorted_pair[slot]`` (``P`` = padding) and ``block_expert[b]`` (``-1`` =
    unused block). Ids outside ``[0, E)`` (``-1`` = dropped) are skipped.
 2. ``_gemm1_kernel``: per (row block, N block) ``h = SwiGLU(x W13^T)`` with the
-   DeepSeek-V4 clamp, stored as bf16 rows in sorted (padded) order.
+   DeepSeek-V4 clamp, stored as bf16 rows in sorted (padded) order; only rows
+   of real pairs are written, and no later kernel reads the others.
 3. ``_gemm2_kernel``: ``y = h W2^T`` times the pair's top-k weight, stored per
    pair in fp32.
 4. ``_reduce_kernel``: per token, the sum over its valid slots -> bf16.
