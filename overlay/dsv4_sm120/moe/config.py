@@ -19,7 +19,7 @@ scale. The choice is logged once per shape.
 Exceptions kept in code, on purpose:
 
 * Under the Triton CPU interpreter (``TRITON_INTERPRET=1``) every launch uses :data:`INTERPRETER_TILES`
-  (small tiles, one stage: the interpreter's cost grows with the tile, not with the grid) and the grouping
+  (small tiles, one stage: the CPU tests' shapes are tiny and the interpreter has no pipeline) and the grouping
   :func:`interpreter_align` (in-kernel up to 32 pairs, the align kernel up to 2048, sort above), so the CPU
   tests exercise every grouping mode.
 * ``deq`` (the bf16 path's weight decode) is not tuned: 3 (inline-PTX shift decode) on NVIDIA GPUs,
