@@ -209,19 +209,32 @@ def test_bad_inputs_raise_clear_errors(mutate, needle):
         nvfp4_fused_moe(**args)
 
 
-def test_fp16_weight_decode_matches(monkeypatch):
-    """DEQ=1 (fp16 decode) computes the same as the default decode."""
-    M, E, I = 7, 8, 32
-    seed = _seed()
-    out0, ref, _, (x, W, tw, ids) = _case(M, E, I, "mixed", 1.5, "bf16", seed=seed)
-    monkeypatch.setenv("DSV4_SM120_MOE_DEQ", "1")
-    out1 = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path="bf16")
-    assert rel_err(out1, ref) < TOL_BF16
-    assert rel_err(out1, out0.double()) < 1e-2
+def test_unusable_settings_are_refused_with_clear_errors(monkeypatch):
+    """A launch the kernels cannot run (inline-PTX decode under the interpreter, a K step that does not
+    divide H, an unknown grouping) and bad environment values raise MoEInputError naming the setting."""
+    from dsv4_sm120.moe.config import Config
+
+    W = make_experts(8, H, 32, 3)
+    tw, ids = random_routing(2, 8, 6, 4)
+    kw = dict(**W, topk_weights=tw, topk_ids=ids, path="bf16")
+    x = torch.randn((2, H)).to(torch.bfloat16)
+    with pytest.raises(MoEInputError, match="deq=3"):
+        nvfp4_fused_moe_impl(x, **kw, config=Config(16, 16, 32, 16, 32, 4, 4, 1, deq=3))
+    with pytest.raises(MoEInputError, match="must divide H=64"):
+        nvfp4_fused_moe_impl(x, **kw, config=Config(16, 16, 128, 16, 32, 4, 4, 1, deq=0))
+    with pytest.raises(MoEInputError, match="grouping 'sorted'"):
+        nvfp4_fused_moe_impl(x, **kw, config=Config(16, 16, 32, 16, 32, 4, 4, 1, deq=0, align="sorted"))
+    for name, bad in (("DSV4_SM120_MOE_PATH", "fp8"), ("DSV4_SM120_MOE_SCALED_DOT", "fast"),
+                      ("DSV4_SM120_MOE_APRE", "yes"), ("DSV4_SM120_MOE_ALIGN", "sorted")):
+        with monkeypatch.context() as m:
+            m.setenv(name, bad)
+            with pytest.raises(MoEInputError, match=name):
+                nvfp4_fused_moe(x, W["w13"], W["w13_scale"], W["w13_scale_2"], W["w2"], W["w2_scale"],
+                                W["w2_scale_2"], tw, ids)
 
 
-# A bit-level model of the PTX instructions the DEQ=2 decode uses (PTX ISA semantics of
-# prmt default mode, lop3, fma.rn.bf16x2), to check the tables / selectors on every byte.
+# A bit-level model of the PTX instructions of the inline-PTX weight decode (PTX ISA semantics of
+# prmt default mode, lop3, fma.rn.bf16x2, ...), to check it on every byte.
 def _prmt(a, b, c):
     src = (b << 32) | a
     out = 0
@@ -290,23 +303,6 @@ def _run_ptx(asm, regs):
     return R
 
 
-def test_inline_ptx_decode_model_covers_every_byte():
-    asm = K._E2M1_BF16_ASM.value
-    g = torch.Generator().manual_seed(_seed())
-    scales = torch.exp2(torch.rand(256, generator=g) * 17 - 9).to(torch.float8_e4m3fn).float()
-    for q in range(64):
-        bs = [4 * q + i for i in range(4)]
-        sc = [scales[b].item() for b in bs]
-        sb = [_to_bf16_bits(s) for s in sc]
-        R = _run_ptx(asm, {"$4": bs[0] | bs[1] << 8 | bs[2] << 16 | bs[3] << 24,
-                           "$5": sb[0] | sb[1] << 16, "$6": sb[2] | sb[3] << 16})
-        lo = [R["$0"] & 0xFFFF, R["$0"] >> 16, R["$1"] & 0xFFFF, R["$1"] >> 16]
-        hi = [R["$2"] & 0xFFFF, R["$2"] >> 16, R["$3"] & 0xFFFF, R["$3"] >> 16]
-        for i, b in enumerate(bs):
-            assert _bf16(lo[i]) == nvfp4.E2M1_VALUES[b & 15].item() * sc[i], (b, sc[i])
-            assert _bf16(hi[i]) == nvfp4.E2M1_VALUES[b >> 4].item() * sc[i], (b, sc[i])
-
-
 _COMPILE = r"""
 import json, sys
 import triton
@@ -319,10 +315,9 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32"
        "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
        "swiglu_limit": "fp32", "E": "i32"}
 out = {}
-for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq2", 90, False, False, 2),
-                                   ("sm90_deq3", 90, False, False, 3)):
+for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq3", 90, False, False, 3)):
     cst = dict(HAS_LIMIT=True, BM=16, BN=32, BK=256, PATH_FP4=fp4, NATIVE=native, INTERP=False, DEQ=deq,
-               ALOAD_SPLIT=True, GROUPED=True, P_PAD=512, E_PAD=256, APRE=False, xq_ptr=None, xs_ptr=None,
+               GROUPED=True, P_PAD=512, E_PAD=256, APRE=False, xq_ptr=None, xs_ptr=None,
                xgs_ptr=None)
     s = dict(sig, **{k: "constexpr" for k in cst})
     src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
@@ -339,23 +334,19 @@ print("RESULT" + json.dumps(out))
 
 def test_gpu_code_generation_for_sm120_and_sm90():
     """Without a GPU: Triton compiles the FP4 path for sm_120 to the native FP4
-    block-scaled MMA (e2m1 x e2m1, UE4M3 scales, K-packed) and the DEQ=2 upcast
-    path's inline PTX (DEQ 2 and the default DEQ 3) assembles for sm_90 (ptxas, cubin produced)."""
+    block-scaled MMA (e2m1 x e2m1, UE4M3 scales, K-packed) and the upcast path's inline-PTX shift
+    decode (deq 3) assembles for sm_90 (ptxas, cubin produced)."""
     out = gpu_compile_result(_COMPILE)
     assert out["sm120_fp4"].get("cubin"), out
     assert out["sm120_fp4"]["fp4_mma"] > 0 and out["sm120_fp4"]["ue4m3"] > 0, out
-    assert out["sm90_deq2"].get("cubin"), out
-    assert out["sm90_deq2"]["bf16x2_fma"] > 0, out
     assert out["sm90_deq3"].get("cubin") and out["sm90_deq3"]["bf16x2_fma"] > 0, out
 
 
 @pytest.mark.parametrize("path", ["bf16", "fp4"])
 def test_opt_in_variants_compute_the_same(monkeypatch, path):
-    """DSV4_SM120_MOE_ALOAD=split (one vector load of the activation tile) and
-    DSV4_SM120_MOE_ALIGN=torch (sort-based grouping) change nothing but speed."""
+    """DSV4_SM120_MOE_ALIGN=torch (sort-based grouping) changes nothing but speed."""
     M, E, I = 6, 8, 32
     out0, ref, refq, (x, W, tw, ids) = _case(M, E, I, "mixed", 1.5, path)
-    monkeypatch.setenv("DSV4_SM120_MOE_ALOAD", "split")
     monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", "torch")
     out1 = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path=path)
     assert torch.equal(out1, out0)
@@ -458,7 +449,7 @@ import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from dsv4_sm120.moe import kernels as K
-from dsv4_sm120.moe.fused_moe import INKERNEL_MAX_PAIRS, choose_config
+from dsv4_sm120.moe.config import choose_config
 sig1 = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
         "block_expert_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "TOPK": "i32", "H": "i32", "I": "i32",
         "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
@@ -469,7 +460,7 @@ sig2 = {"h_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32
 pre1 = {"xq_ptr": "*u8", "xs_ptr": "*fp8e4nv", "xgs_ptr": "*fp32"}
 pre2 = {"hq_ptr": "*u8", "hs_ptr": "*fp8e4nv", "hgs_ptr": "*fp32"}
 sigq = {"a_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "R": "i32", "K": "i32",
-        "stride_a": "i32", "sel_ptr": "*i32", "P": "i32"}
+        "stride_a": "i32", "sel_ptr": "*i32", "SEL_HI": "i32"}
 out = {}
 
 
@@ -485,13 +476,14 @@ def build(key, fn, sig, cst, w, stages):
 
 
 for M in (1, 16, 4096):
-    cfg = choose_config(M, 6, 256, 4096, 512, "fp4")
+    cfg = choose_config(M, 6, 256, 4096, 512, "fp4", device_name="NVIDIA RTX PRO 6000 Blackwell Server Edition",
+                        capability=(12, 0))
     P = M * 6
     for name, fn, sig, pre, bn, bk, w in (("g1", K._gemm1_kernel, sig1, pre1, cfg.BN1, cfg.BK1, cfg.warps1),
                                           ("g2", K._gemm2_kernel, sig2, pre2, cfg.BN2, cfg.BK2, cfg.warps2)):
         for apre in (False, True):  # True: the default (DSV4_SM120_MOE_APRE=1)
-            cst = dict(BM=cfg.BM, BN=bn, BK=bk, PATH_FP4=True, NATIVE=True, INTERP=False, DEQ=0, ALOAD_SPLIT=True,
-                       GROUPED=P <= INKERNEL_MAX_PAIRS, P_PAD=max(16, triton.next_power_of_2(P)), E_PAD=256,
+            cst = dict(BM=cfg.BM, BN=bn, BK=bk, PATH_FP4=True, NATIVE=True, INTERP=False, DEQ=0,
+                       GROUPED=cfg.align == "inkernel", P_PAD=max(16, triton.next_power_of_2(P)), E_PAD=256,
                        APRE=apre)
             if name == "g1":
                 cst["HAS_LIMIT"] = True
@@ -500,14 +492,14 @@ for M in (1, 16, 4096):
             build(f"M{M}_{name}" + ("_apre" if apre else ""), fn, dict(sig, **(pre if apre else {})), cst, w,
                   cfg.stages)
     for name, kd, bk in (("qx", 4096, cfg.BK1), ("qh", 512, cfg.BK2)):
-        build(f"M{M}_{name}", K._quant_rows_kernel, sigq, dict(BR=16, BK=bk, ALOAD_SPLIT=True, HAS_SEL=name == "qh"),
+        build(f"M{M}_{name}", K._quant_rows_kernel, sigq, dict(BR=16, BK=bk, HAS_SEL=name == "qh"),
               4, 1)
 print("RESULT" + json.dumps(out))
 """
 
 
 def test_sm120_default_configs_compile_within_shared_memory():
-    """The launch configurations ``choose_config`` picks for the sm_120 FP4 path (decode with in-kernel
+    """The launch configurations the launch tables give the sm_120 FP4 path (decode with in-kernel
     grouping, the 64-wide decode tile, prefill), with and without pre-quantized activations, and the
     activation quantization kernel compile for sm_120 and fit its ~99 KB of shared memory per block (an RTX
     PRO 6000 would refuse the launch otherwise; nothing here can launch it)."""
@@ -548,14 +540,14 @@ def test_fp4_pre_quantized_activations_are_bit_identical(M, E, kind, align, monk
 def test_quant_rows_kernel_matches_the_reference_quantizer():
     """The pre-pass kernel's packed codes / scales / global scale decode to exactly the reference
     quantizer's values (``quantize_rows_nvfp4``), zero rows and a large dynamic range included; rows not
-    selected by ``sel`` are left untouched."""
+    selected by ``sel`` are never read."""
     from dsv4_sm120.moe.fused_moe import _quantize_rows
 
     g = torch.Generator().manual_seed(_seed())
     R, Kd = 5, 64
     a = (torch.randn((R, Kd), generator=g) * torch.logspace(-3, 2, R)[:, None]).to(torch.bfloat16)
     a[3] = 0
-    q, s, gs = _quantize_rows(a, R, Kd, 32, True)
+    q, s, gs = _quantize_rows(a, R, Kd, 32)
     lo = torch.tensor([_e2m1v(c) for c in range(16)], dtype=torch.float64)
     codes = torch.stack([q & 15, q >> 4], dim=-1).reshape(R, Kd).long()
     # (e2m1 x block scale) is exact in float32; the row scale last, as the reference applies it
@@ -563,12 +555,66 @@ def test_quant_rows_kernel_matches_the_reference_quantizer():
     ref = quantize_rows_nvfp4(a.float())
     assert torch.equal(deq, ref)
     assert torch.equal(gs[3], torch.tensor(1.0)) and not q[3].any()  # zero row: gs 1, all codes 0
-    sel = torch.tensor([0, 9, 2, 9, 4], dtype=torch.int32)  # rows 1 and 3 are padding (>= P = 5)
-    q2, s2, gs2 = _quantize_rows(a, R, Kd, 32, True, sel=sel, P=5)
-    for r in (0, 2, 4):
-        assert torch.equal(q2[r], q[r]) and torch.equal(gs2[r], gs[r])
+    # rows 1 and 3 unselected: padding of the aligned order (sel >= P = 5), or dropped pairs of the
+    # in-kernel grouping (ids outside [0, E = 8)); they hold inf, which must never be read
+    import numpy as np
+
+    a_bad = a.clone()
+    a_bad[1] = float("inf")
+    a_bad[3] = float("-inf")
+    for sel, hi in (([0, 9, 2, 9, 4], 5), ([3, -1, 0, 8, 7], 8)):
+        with np.errstate(all="raise"):
+            q2, s2, gs2 = _quantize_rows(a_bad, R, Kd, 32, sel=torch.tensor(sel, dtype=torch.int32), sel_hi=hi)
+        for r in (0, 2, 4):
+            assert torch.equal(q2[r], q[r]) and torch.equal(s2[r].view(torch.uint8), s[r].view(torch.uint8))
+            assert torch.equal(gs2[r], gs[r])
 
 
 def _e2m1v(c):
     v = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][c & 7]
     return -v if c & 8 else v
+
+
+def _poisoning_empty(monkeypatch):
+    """torch.empty that returns float buffers full of +inf (e4m3: its NaN code) and 0xFF bytes, so a kernel
+    that reads memory nobody wrote computes inf / inf (NumPy: invalid value) instead of quietly using
+    whatever the allocator left there."""
+    real = torch.empty
+
+    def empty(*a, **kw):
+        t = real(*a, **kw)
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)
+        elif t.dtype.is_floating_point:
+            t.fill_(float("inf"))
+        elif t.dtype == torch.uint8:
+            t.fill_(0xFF)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("path,align", [("fp4", "inkernel"), ("fp4", "triton"), ("bf16", "inkernel")])
+def test_rows_nobody_wrote_are_never_read(monkeypatch, path, align):
+    """Dropped pairs (ids -1 / >= E) leave their rows of h unwritten; quantizing or loading them reads
+    uninitialised memory. With every buffer from torch.empty poisoned (+inf) and NumPy's floating-point
+    errors raised (the interpreter computes with NumPy), the call must raise nothing and give exactly the
+    unpoisoned result, which matches the float64 reference."""
+    import numpy as np
+
+    monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", align)
+    M, E, I = 5, 8, 32
+    seed = _seed()
+    W = make_experts(E, H, I, seed)
+    x = (torch.randn((M, H), generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+    tw, ids = random_routing(M, E, 6, seed + 1, kind="dropped")
+    ids[0, :3] = -1
+    ids[2, 1] = E + 3
+    kw = dict(**W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, path=path)
+    clean = nvfp4_fused_moe_impl(x, **kw)
+    _poisoning_empty(monkeypatch)
+    with np.errstate(all="raise"):
+        out = nvfp4_fused_moe_impl(x, **kw)
+    assert torch.equal(out, clean)
+    ref = moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5, act_quant=path == "fp4")
+    assert rel_err(out, ref) < (TOL_FP4_KERNEL if path == "fp4" else TOL_BF16)

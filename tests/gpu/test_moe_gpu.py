@@ -68,8 +68,8 @@ CASES += [(64, 256, 512, "random"), (257, 256, 512, "dropped"), (64, 8, 512, "re
 
 
 @pytest.mark.parametrize("M,E,I,kind", CASES)
-@pytest.mark.parametrize("mode", ["bf16-deq0", "bf16-deq1", "bf16-deq2", "bf16-deq3", "bf16-deq4", "fp4-native",
-                                  "fp4-emulated", "fp4-native-inloop", "fp4-emulated-inloop"])
+@pytest.mark.parametrize("mode", ["bf16-deq0", "bf16-deq3", "fp4-native", "fp4-emulated", "fp4-native-inloop",
+                                  "fp4-emulated-inloop"])
 def test_matrix(M, E, I, kind, mode):
     """fp4 modes: activations pre-quantized once per row (the default, DSV4_SM120_MOE_APRE=1) or, with
     -inloop, inside every GEMM program."""
@@ -162,8 +162,8 @@ def teardown_module(module):
 @pytest.mark.parametrize("align", ["inkernel", "triton"])
 def test_weight_decodes_are_exact_on_every_byte_and_scale(monkeypatch, align):
     """Every e2m1 byte with E4M3 block scales from the smallest subnormal (2^-9) to 448: the shift decode
-    (DEQ 3: bf16 subnormal intermediates, scales times 2^119) gives the same bits as the fp32 decode
-    (DEQ 0) and the table decode (DEQ 2); DEQ 4 (natural K order) differs only by summation order."""
+    (deq 3: bf16 subnormal intermediates, scales times 2^119) gives the same bits as the float32 decode
+    (deq 0)."""
     monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", align)
     M, E, I = 7, 8, 256
     W = make_experts(E, H, I, 11, device=DEV)
@@ -176,12 +176,33 @@ def test_weight_decodes_are_exact_on_every_byte_and_scale(monkeypatch, align):
     x = torch.randn((M, H), device=DEV).to(torch.bfloat16)
     tw, ids = random_routing(M, E, 6, 13, device=DEV, kind="mixed")
     outs = {}
-    for deq in (0, 2, 3, 4):
+    for deq in (0, 3):
         cfg = dataclasses.replace(choose_config(M, 6, E, H, I, "bf16"), deq=deq)
         outs[deq] = nvfp4_fused_moe_impl(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=LIMIT, path="bf16",
                                          config=cfg)
     torch.cuda.synchronize()
     assert torch.isfinite(outs[0]).all() and outs[0].abs().max() > 0
-    assert torch.equal(outs[2], outs[0])
     assert torch.equal(outs[3], outs[0])
-    assert rel_err(outs[4], outs[0].double()) < 1e-2
+
+
+@pytest.mark.parametrize("align", ["inkernel", "triton"])
+@pytest.mark.parametrize("path", ["bf16", "fp4"])
+def test_rows_nobody_wrote_are_never_read(monkeypatch, align, path):
+    """Dropped pairs leave rows of h unwritten. With every buffer the launcher allocates filled with inf
+    first, the output is finite and the same bits as with fresh buffers."""
+    monkeypatch.setenv("DSV4_SM120_MOE_ALIGN", align)
+    x, W, tw, ids, ref, refq = _data(7, 8, 512, "mixed")
+    kw = dict(**W, topk_weights=tw, topk_ids=ids, swiglu_limit=LIMIT, path=path)
+    clean = nvfp4_fused_moe_impl(x, **kw)
+    real = torch.empty
+
+    def empty(*a, **k):
+        t = real(*a, **k)
+        if t.dtype.is_floating_point and t.dtype != torch.float8_e4m3fn:
+            t.fill_(float("inf"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    out = nvfp4_fused_moe_impl(x, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.equal(out, clean)

@@ -1,116 +1,52 @@
-"""Launcher of the Triton NVFP4 fused MoE (DeepSeek-V4 routed experts).
+"""Host planning of the Triton NVFP4 fused MoE (DeepSeek-V4 routed experts).
 
-Public entry: :func:`dsv4_sm120.moe.nvfp4_fused_moe` (re-exported by the
-package). Shapes, dtypes and semantics are documented there and in
-``docs/moe.md``. Everything here depends only on tensor shapes: no
-``.item()``, no data-dependent allocation, so calls can be captured in CUDA
-graphs.
+Checks the inputs, picks the path (fp4 / bf16), the scaled-dot mode and where activations are quantized
+(environment, see ``PATH_ENV`` and below), takes the launch configuration from the launch tables
+(:mod:`dsv4_sm120.moe.config`), allocates the buffers, groups the (token, expert) pairs and launches the
+kernels of :mod:`dsv4_sm120.moe.kernels`. Public entry: :func:`dsv4_sm120.moe.nvfp4_fused_moe`; contract in
+``docs/moe.md``. Everything here depends only on tensor shapes: no ``.item()``, no data-dependent
+allocation, so calls can be captured in CUDA graphs. Buffers come from ``torch.empty`` (no memset): the
+kernels never read a row they did not write.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
 import triton
 
 from . import kernels as K
+from .config import ALIGN_MODES, Config, legal_bk
+from .config import choose_config as _table_config
 
-PATH_ENV = "DSV4_SM120_MOE_PATH"  # auto | fp4 | bf16 (force a path; tests / debugging)
-SCALED_DOT_ENV = "DSV4_SM120_MOE_SCALED_DOT"  # native | emulated (fp4 path only)
-DEQ_ENV = "DSV4_SM120_MOE_DEQ"  # 0 | 1 | 2: weight decode of the bf16 path (kernels._dequant_w)
-# Activation tile load: "split" = one contiguous load (cp.async-pipelined, 16-byte vectors), even/odd
-# halves split in registers; "strided" = two stride-2 loads (what bench/results/moe_h200.md measured:
-# in the PTX they are 32 scalar, unpipelined 2-byte loads per thread per K step). Default split:
-# same results bit for bit (tests), fewer and asynchronous loads; not yet timed on a GPU.
-ALOAD_ENV = "DSV4_SM120_MOE_ALOAD"
-# Token grouping: "inkernel" = no grouping launch: each GEMM program is an expert slot and finds its
-# pairs itself (histogram + ranks over the routing, O(P) per program: decode sizes); "triton" = the
-# one-program align kernel (sorted, padded order); "torch" = stable sort + scans; "auto" (default) =
-# inkernel up to INKERNEL_MAX_PAIRS pairs, triton up to 2048, torch above (the one-program kernel walks
-# every pair twice on one SM; ncu on the H200: 47 us at 384 pairs, 9 us at 6). H200 call 4 (DEQ 3): inkernel
-# 27.8 vs 32.2 us at M=1, a tie at M=4 (61.1 vs 60.4), slower from M=16 (206.9 vs 171.1; M=64 487 vs 382):
-# every program's walk over the routing is serial latency before its GEMM starts.
-ALIGN_ENV = "DSV4_SM120_MOE_ALIGN"
-INKERNEL_MAX_PAIRS = 32
-# fp4 path, activation quantization: "1" (default) = once per row before each GEMM (kernels._quant_rows_kernel:
-# x before w13, h before w2) and the GEMMs load packed e2m1 + e4m3 scales; "0" = inside every GEMM program
-# (each of the N/BN programs of an expert re-quantizes the same tile: on sm_120, triton 3.8, the w13 loop is
-# 1949 SASS instructions per K step that way against 119 with the tile pre-quantized,
-# bench/moe_sass_count.py --path fp4). Same operands bit for bit (tests); unmeasured on sm_120 hardware.
+__all__ = ["MoEInputError", "Config", "choose_config", "default_path", "nvfp4_fused_moe", "nvfp4_fused_moe_impl"]
+
+# Environment knobs (each also an argument of nvfp4_fused_moe_impl, which wins over the environment):
+PATH_ENV = "DSV4_SM120_MOE_PATH"  # auto (default) | fp4 | bf16: force a path (tests, debugging)
+# native | emulated: the fp4 path's scaled dot. Default native on GPUs with FP4 block-scaled MMA (sm_100,
+# sm_120), emulated elsewhere and under the interpreter (whose dot_scaled reads every scale as E8M0).
+# emulated is the escape hatch should native dot_scaled misbehave on a GPU: same result, exact, slower.
+SCALED_DOT_ENV = "DSV4_SM120_MOE_SCALED_DOT"
+# fp4 path, where activations are quantized: 1 (default) once per row before each GEMM
+# (kernels._quant_rows_kernel: x before w13, the real rows of h before w2), the GEMMs then load packed e2m1
+# + e4m3 scales; 0 inside every GEMM program (each of an expert's N/BN programs re-quantizes the same tile).
+# Same operands bit for bit. The pre-pass is the default because on sm_120 the in-loop quantizer is ~16x
+# the instructions of the w13 K loop (bench/moe_sass_count.py --path fp4); `make bench-moe` times 0 too.
 APRE_ENV = "DSV4_SM120_MOE_APRE"
-DEFAULT_DEQ = 3  # H200 call 4 (bench/results/moe_h200_call4.md): shift decode 1.3-1.5x faster than DEQ 2; 0 under the interpreter / off NVIDIA
+# auto (default: the launch table's choice) | inkernel | triton | torch: override the token grouping.
+# All three give the same bits; for tests and for timing one against another.
+ALIGN_ENV = "DSV4_SM120_MOE_ALIGN"
 
 
 class MoEInputError(ValueError):
-    """Bad shapes / dtypes / devices given to :func:`nvfp4_fused_moe`."""
+    """Bad shapes / dtypes / devices / settings given to :func:`nvfp4_fused_moe`."""
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def default_path(device: torch.device) -> str:
-    """``fp4`` on GPUs with FP4 block-scaled MMA (sm_100, sm_120), else ``bf16``."""
-    forced = os.environ.get(PATH_ENV, "auto").strip().lower()
-    if forced in ("fp4", "bf16"):
-        return forced
-    if forced not in ("", "auto"):
-        raise MoEInputError(f"{PATH_ENV}={forced!r}: expected auto, fp4 or bf16")
-    if device.type != "cuda" or _interpreting():
-        return "bf16"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "fp4" if major in (10, 12) else "bf16"
-
-
-def default_scaled_dot(device: torch.device) -> str:
-    forced = os.environ.get(SCALED_DOT_ENV, "").strip().lower()
-    if forced in ("native", "emulated"):
-        return forced
-    if forced:
-        raise MoEInputError(f"{SCALED_DOT_ENV}={forced!r}: expected native or emulated")
-    # the interpreter's dot_scaled reads every scale as E8M0, and Triton 3.6 cannot
-    # lower E4M3-scaled (nvfp4) dot_scaled on GPUs without FP4 MMA: emulate there
-    if _interpreting() or device.type != "cuda":
-        return "emulated"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "native" if major in (10, 12) else "emulated"
-
-
-@dataclass(frozen=True)
-class Config:
-    BM: int
-    BN1: int
-    BK1: int
-    BN2: int
-    BK2: int
-    warps1: int
-    warps2: int
-    stages: int
-    deq: int = DEFAULT_DEQ
-    aload_split: bool = True
-
-
-def _pick_bk(K: int, want: int) -> int:
-    bk = want
-    while bk > 32 and K % bk:
-        bk //= 2
-    return bk
-
-
-def default_deq() -> int:
-    v = os.environ.get(DEQ_ENV, "").strip()
-    if not v:
-        if _interpreting() or getattr(torch.version, "hip", None):
-            return 0
-        return DEFAULT_DEQ
-    if v not in ("0", "1", "2", "3", "4"):
-        raise MoEInputError(f"{DEQ_ENV}={v!r}: expected 0, 1, 2, 3 or 4")
-    if v in ("2", "3", "4") and _interpreting():
-        raise MoEInputError(f"{DEQ_ENV}=2 (inline PTX) cannot run under TRITON_INTERPRET")
-    return int(v)
 
 
 def _env_choice(name: str, choices, default: str) -> str:
@@ -120,34 +56,45 @@ def _env_choice(name: str, choices, default: str) -> str:
     return v
 
 
-def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str) -> Config:
-    """Tile sizes chosen by the number of (token, slot) pairs per expert.
+def _has_fp4_mma(device: torch.device) -> bool:
+    if device.type != "cuda" or _interpreting():
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (10, 12)
 
-    Decode tiles from the H200 sweep (bench/results/moe_h200.md): at M=1,
-    BN1=32/BK=256 (56 us) beat BN1=64/BK=128 (81-88 us); at M=64 the wider tile
-    won (670 vs 735 us), hence the switch at 256 pairs.
-    """
-    deq = default_deq()
-    split = _env_choice(ALOAD_ENV, ("strided", "split"), "split") == "split"
+
+def default_path(device: torch.device) -> str:
+    """``fp4`` on GPUs with FP4 block-scaled MMA (sm_100, sm_120), else ``bf16``; ``DSV4_SM120_MOE_PATH`` wins."""
+    forced = _env_choice(PATH_ENV, ("auto", "fp4", "bf16"), "auto")
+    if forced != "auto":
+        return forced
+    return "fp4" if _has_fp4_mma(device) else "bf16"
+
+
+def default_scaled_dot(device: torch.device) -> str:
+    return _env_choice(SCALED_DOT_ENV, ("native", "emulated"), "native" if _has_fp4_mma(device) else "emulated")
+
+
+def default_apre() -> bool:
+    return _env_choice(APRE_ENV, ("0", "1"), "1") == "1"
+
+
+def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str,
+                  device: Optional[torch.device] = None) -> Config:
+    """The launch for this shape on ``device`` (default: the current CUDA device) from the launch tables
+    (:mod:`dsv4_sm120.moe.config`)."""
     if _interpreting():
-        return Config(16, 16, _pick_bk(H, 32), 16, _pick_bk(I, 32), 4, 4, 1, deq, split)
-    P = M * topk
-    per_expert = P / max(1, min(E, P))
-    if per_expert <= 16 and P < 256:  # small decode batches: many narrow programs
-        # H200 call 10 (DEQ 3): from 64 pairs a 64-wide w13 tile is a little faster (M=16: 169.0 vs
-        # 172.1 us; M=4: 66.7 vs 61.0, so not below)
-        BM, BN1, BN2, w1, w2 = 16, (64 if P >= 64 else 32), 64, 4, 4
-        BK1, BK2 = _pick_bk(H, 256), _pick_bk(I, 256)
-    elif per_expert <= 16:
-        BM, BN1, BN2, w1, w2 = 16, 64, 128, 4, 4
-        BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
-    elif per_expert <= 48:
-        BM, BN1, BN2, w1, w2 = 32, 64, 64, 4, 4
-        BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
-    else:  # prefill
-        BM, BN1, BN2, w1, w2 = 64, 64, 128, 8, 8
-        BK1, BK2 = _pick_bk(H, 128), _pick_bk(I, 128)
-    return Config(BM, BN1, BK1, BN2, BK2, w1, w2, 3, deq, split)
+        return _table_config(M, topk, E, H, I, path, interpreting=True)
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    name, cap = _device_identity(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" and torch.cuda.is_available() else ("default", None)
+    # the shift decode is inline PTX: NVIDIA only
+    return _table_config(M, topk, E, H, I, path, device_name=name, capability=cap,
+                         portable_decode=bool(getattr(torch.version, "hip", None)))
+
+
+@lru_cache(maxsize=None)
+def _device_identity(index: int):
+    return torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index))
 
 
 def align_torch(ids: torch.Tensor, E: int, BM: int, sorted_pair: torch.Tensor,
@@ -219,17 +166,11 @@ def _check(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weight
     return M, H, E, I
 
 
-def default_apre() -> bool:
-    v = os.environ.get(APRE_ENV, "").strip()
-    if v not in ("", "0", "1"):
-        raise MoEInputError(f"{APRE_ENV}={v!r}: expected 0 or 1")
-    return v != "0"
-
-
-def _quantize_rows(a: torch.Tensor, R: int, K_: int, BK: int, split: bool, sel=None, P: int = 0):
+def _quantize_rows(a: torch.Tensor, R: int, K_: int, BK: int, sel=None, sel_hi: int = 0):
     """NVFP4 of rows ``a[:R, :K_]`` (bf16): packed e2m1 ``[R, K_/2]`` u8, e4m3 block scales ``[R, K_/16]``,
-    per-row global scale ``[R]`` fp32 (the fp4 path's own quantization, run once per row); with ``sel``
-    only the rows whose ``sel`` entry is a real pair (``< P``)."""
+    per-row global scale ``[R]`` fp32 (the fp4 path's own quantization, run once per row). With ``sel``
+    (int32 ``[R]``) only rows ``r`` with ``0 <= sel[r] < sel_hi`` are read and written: the rows of h that
+    GEMM 1 wrote. The others hold whatever the allocator left there and are never read as valid."""
     if K_ % BK:
         raise MoEInputError(f"nvfp4_fused_moe: activation quantization chunk {BK} must divide K={K_}")
     q = torch.empty((R, K_ // 2), dtype=torch.uint8, device=a.device)
@@ -237,8 +178,8 @@ def _quantize_rows(a: torch.Tensor, R: int, K_: int, BK: int, split: bool, sel=N
     gs = torch.empty((R,), dtype=torch.float32, device=a.device)
     BR = 16
     K._quant_rows_kernel[(triton.cdiv(R, BR), K_ // BK)](
-        a, q, s, gs, R, K_, a.stride(0), sel if sel is not None else gs, P,
-        BR=BR, BK=BK, ALOAD_SPLIT=split, HAS_SEL=sel is not None, num_warps=4)
+        a, q, s, gs, R, K_, a.stride(0), sel if sel is not None else gs, sel_hi,
+        BR=BR, BK=BK, HAS_SEL=sel is not None, num_warps=4)
     return q, s, gs
 
 
@@ -246,8 +187,8 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
                          topk_weights, topk_ids, swiglu_limit: Optional[float] = None,
                          path: Optional[str] = None, scaled_dot: Optional[str] = None,
                          config: Optional[Config] = None, apre: Optional[bool] = None) -> torch.Tensor:
-    """:func:`nvfp4_fused_moe` with the path / scaled-dot mode / tiles / activation pre-quantization
-    (fp4 path; default ``DSV4_SM120_MOE_APRE``, on) explicit."""
+    """:func:`nvfp4_fused_moe` with the path, scaled-dot mode, launch configuration and activation
+    pre-quantization (fp4 path) explicit; ``None`` takes the default (environment, launch table)."""
     M, H, E, I = _check(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids)
     topk = topk_ids.shape[1]
     dev = x.device
@@ -260,17 +201,23 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
         return out
     if topk == 0:
         return out.zero_()
-    cfg = config or choose_config(M, topk, E, H, I, path)
+    cfg = config or choose_config(M, topk, E, H, I, path, dev)
     if H % cfg.BK1 or I % cfg.BK2:
-        raise MoEInputError(f"nvfp4_fused_moe: tile K ({cfg.BK1}, {cfg.BK2}) must divide H={H} and I={I}")
+        raise MoEInputError(f"nvfp4_fused_moe: tile K ({cfg.BK1}, {cfg.BK2}) must divide H={H} and I={I} "
+                            f"(largest legal: {legal_bk(H, cfg.BK1)}, {legal_bk(I, cfg.BK2)})")
+    if cfg.deq not in (0, 3) or (cfg.deq and _interpreting()):
+        raise MoEInputError(f"nvfp4_fused_moe: weight decode deq={cfg.deq}: expected 0, or 3 on an NVIDIA GPU "
+                            "(inline PTX; not under TRITON_INTERPRET)")
     x = x.contiguous()
     ids = topk_ids.to(torch.int32).contiguous().view(-1)
     tw = topk_weights.to(torch.float32).contiguous().view(-1)
     P = M * topk
     BM = cfg.BM
-    align = _env_choice(ALIGN_ENV, ("inkernel", "triton", "torch", "auto"), "auto")
+    align = _env_choice(ALIGN_ENV, ("auto",) + ALIGN_MODES, "auto")
     if align == "auto":
-        align = "inkernel" if P <= INKERNEL_MAX_PAIRS else ("triton" if P <= 2048 else "torch")
+        align = cfg.align
+    if align not in ALIGN_MODES:
+        raise MoEInputError(f"nvfp4_fused_moe: grouping {align!r}: expected one of {', '.join(ALIGN_MODES)}")
     grouped = align == "inkernel"
     fp4 = path == "fp4"
     native = scaled_dot == "native"
@@ -296,13 +243,13 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
             bchunk = max(16, min(64, 8192 // e_pad))
             K._align_kernel[(1,)](ids, rows_ptr, blocks_ptr, P, E, h_rows, grid_m,
                                   BM=BM, E_PAD=e_pad, CHUNK=chunk, FILL=1024, BCHUNK=bchunk,
-                                  num_warps=4 if _interpreting() else 8)
+                                  num_warps=4 if interp else 8)
     h = torch.empty((h_rows, I), dtype=torch.bfloat16, device=dev)
     y = torch.empty((P, H), dtype=torch.float32, device=dev)
-    apre = fp4 and (apre if apre is not None else default_apre())
+    apre = (apre if apre is not None else default_apre()) and fp4  # env read (checked) on both paths
     pre1, pre2 = {}, {}
     if apre:
-        xq, xs, xgs = _quantize_rows(x, M, H, cfg.BK1, cfg.aload_split)
+        xq, xs, xgs = _quantize_rows(x, M, H, cfg.BK1)
         pre1 = dict(APRE=True, xq_ptr=xq, xs_ptr=xs, xgs_ptr=xgs)
     K._gemm1_kernel[(grid_m, triton.cdiv(I, cfg.BN1))](
         x, w13, w13_scale, w13_scale_2.contiguous(), rows_ptr, blocks_ptr, h,
@@ -310,19 +257,19 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         float(swiglu_limit) if has_limit else 0.0,
         HAS_LIMIT=has_limit, BM=BM, BN=cfg.BN1, BK=cfg.BK1, PATH_FP4=fp4, NATIVE=native,
-        INTERP=interp, DEQ=cfg.deq, ALOAD_SPLIT=cfg.aload_split, **grp, **pre1,
+        INTERP=interp, DEQ=cfg.deq, **grp, **pre1,
         num_warps=cfg.warps1, num_stages=cfg.stages)
     if apre:
-        # the h rows of real pairs (grouped: all P rows; aligned: the sorted order's non-padding rows)
-        hq, hs, hgs = _quantize_rows(h, h_rows, I, cfg.BK2, cfg.aload_split,
-                                     None if grouped else rows_ptr, P)
+        # only the h rows GEMM 1 wrote: grouped, row = pair, written iff its expert id is in [0, E);
+        # aligned, row = slot of the sorted order, written iff it holds a pair (< P) and not padding
+        hq, hs, hgs = _quantize_rows(h, h_rows, I, cfg.BK2, ids if grouped else rows_ptr, E if grouped else P)
         pre2 = dict(APRE=True, hq_ptr=hq, hs_ptr=hs, hgs_ptr=hgs)
     K._gemm2_kernel[(grid_m, triton.cdiv(H, cfg.BN2))](
         h, w2, w2_scale, w2_scale_2.contiguous(), rows_ptr, blocks_ptr, tw, y,
         P, H, I,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         BM=BM, BN=cfg.BN2, BK=cfg.BK2, PATH_FP4=fp4, NATIVE=native, INTERP=interp, DEQ=cfg.deq,
-        ALOAD_SPLIT=cfg.aload_split, **grp, **pre2, num_warps=cfg.warps2, num_stages=cfg.stages)
+        **grp, **pre2, num_warps=cfg.warps2, num_stages=cfg.stages)
     rb = min(1024, triton.next_power_of_2(H))
     K._reduce_kernel[(M, triton.cdiv(H, rb))](y, ids, out, H, E, TOPK=topk, BLOCK=rb, INTERP=interp)
     return out

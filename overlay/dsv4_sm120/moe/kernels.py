@@ -1,4 +1,4 @@
-"""Triton kernels of the NVFP4 fused MoE (see :mod:`dsv4_sm120.moe.fused_moe`).
+"""Triton kernels of the NVFP4 fused MoE (JIT only; host planning in :mod:`dsv4_sm120.moe.fused_moe`).
 
 Three or four launches per call, all with grids that depend only on tensor
 shapes (no host synchronisation, CUDA-graph safe):
@@ -10,7 +10,8 @@ shapes (no host synchronisation, CUDA-graph safe):
    ``sorted_pair[slot]`` (``P`` = padding) and ``block_expert[b]`` (``-1`` =
    unused block). Ids outside ``[0, E)`` (``-1`` = dropped) are skipped.
 2. ``_gemm1_kernel``: per (row block, N block) ``h = SwiGLU(x W13^T)`` with the
-   DeepSeek-V4 clamp, stored as bf16 rows in sorted (padded) order.
+   DeepSeek-V4 clamp, stored as bf16 rows in sorted (padded) order; only rows
+   of real pairs are written, and no later kernel reads the others.
 3. ``_gemm2_kernel``: ``y = h W2^T`` times the pair's top-k weight, stored per
    pair in fp32.
 4. ``_reduce_kernel``: per token, the sum over its valid slots -> bf16.
@@ -152,56 +153,10 @@ def _fp4_pair_dot(acc, a_even, a_odd, gs, wq, ws_ptrs,
     return _fp4_pre_dot(acc, aq, as8, wq, ws_ptrs, BM, BN, BK, NATIVE)
 
 
-_E2M1_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 la, lb, ha, hb, sm, sel, x, y, t, v, z;
-mov.b32 z, 0;
-mov.b32 la, 0xC0800000;
-mov.b32 lb, 0xC0804000;
-mov.b32 ha, 0x3F3F3F00;
-mov.b32 hb, 0x40404040;
-mov.b32 sm, 0x80008000;
-prmt.b32 v, $4, z, 0x4140;
-and.b32 sel, $4, 0x0707;
-prmt.b32 x, la, lb, sel;
-prmt.b32 y, ha, hb, sel;
-prmt.b32 t, x, y, 0x6240;
-shl.b32 x, v, 12;
-lop3.b32 t, x, sm, t, 0xEA;
-fma.rn.bf16x2 $0, t, $5, sm;
-shr.b32 sel, $4, 4;
-and.b32 sel, sel, 0x0707;
-prmt.b32 x, la, lb, sel;
-prmt.b32 y, ha, hb, sel;
-prmt.b32 t, x, y, 0x6240;
-shl.b32 x, v, 8;
-lop3.b32 t, x, sm, t, 0xEA;
-fma.rn.bf16x2 $2, t, $5, sm;
-prmt.b32 v, $4, z, 0x4342;
-shr.b32 sel, $4, 16;
-and.b32 sel, sel, 0x0707;
-prmt.b32 x, la, lb, sel;
-prmt.b32 y, ha, hb, sel;
-prmt.b32 t, x, y, 0x6240;
-shl.b32 x, v, 12;
-lop3.b32 t, x, sm, t, 0xEA;
-fma.rn.bf16x2 $1, t, $6, sm;
-shr.b32 sel, $4, 20;
-and.b32 sel, sel, 0x0707;
-prmt.b32 x, la, lb, sel;
-prmt.b32 y, ha, hb, sel;
-prmt.b32 t, x, y, 0x6240;
-shl.b32 x, v, 8;
-lop3.b32 t, x, sm, t, 0xEA;
-fma.rn.bf16x2 $3, t, $6, sm;
-}
-""")
-
-
 # DEQ 3: shift decode. A code ``s e1 e0 m`` placed at bf16 bits 15 and 8..6 is a bf16 equal to the e2m1
 # value times 2^-126 (code 1 lands on the bf16 subnormal 2^-127); one bf16x2 multiply by the block scale
 # times 2^119 (e4m3 <= 448 < 2^9, so no overflow) gives value * scale * 2^-7, exact; the caller multiplies
-# the fp32 accumulator by 2^7. ~11 instructions per 4 values (the DEQ 2 table lookup needs ~22).
+# the fp32 accumulator by 2^7. ~11 instructions per 4 values (a byte-permute table lookup of the bf16 bits needs ~22).
 _E2M1_BF16_SHIFT_ASM = tl.constexpr("""
 {
 .reg .b32 v, a, b, t, z, nz;
@@ -240,12 +195,11 @@ fma.rn.bf16x2 $3, t, $6, nz;
 @triton.jit
 def _dequant_w(wq, ws_ptrs, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexpr):
     """K-packed weight bytes [BK/2, BN] + pointers [BK/16, BN] to their E4M3
-    scales -> (even-k values, odd-k values), weight * block scale, exact.
+    scales -> (even-k values, odd-k values), exact.
 
-    DEQ 0: float32 math (portable; the interpreter's path) -> float32.
-    DEQ 1: float16 math (fp16 holds e2m1 * e4m3 exactly) -> bfloat16.
-    DEQ 2: PTX: byte-permute table lookup of the bf16 bits of both nibbles and
-           one bf16x2 FMA with the scale per two values -> bfloat16.
+    DEQ 0: float32 math, weight * block scale (portable: the interpreter, non-NVIDIA builds) -> float32.
+    DEQ 3: inline-PTX shift decode (see _E2M1_BF16_SHIFT_ASM), weight * block scale * 2^-7 -> bfloat16;
+           the caller multiplies the accumulator by 2^7.
     """
     G: tl.constexpr = BK // 16
     if DEQ == 3:
@@ -253,18 +207,6 @@ def _dequant_w(wq, ws_ptrs, BN: tl.constexpr, BK: tl.constexpr, DEQ: tl.constexp
         w_lo, w_hi = tl.inline_asm_elementwise(
             _E2M1_BF16_SHIFT_ASM, "=r,=r,=r,=r,r,r,r", [wq, sb],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    elif DEQ == 2:
-        sb = _bcast8_rows(tl.load(ws_ptrs).to(tl.bfloat16), G, BN)  # e4m3 -> bf16 is exact
-        w_lo, w_hi = tl.inline_asm_elementwise(
-            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [wq, sb],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    elif DEQ == 1:
-        sh = _bcast8_rows(tl.load(ws_ptrs).to(tl.float16), G, BN)
-        wqi = wq.to(tl.int32)
-        lo = (((wqi & 8) << 12) | ((wqi & 7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (((wqi & 128) << 8) | ((wqi & 112) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
-        w_lo = ((lo * 16384.0) * sh).to(tl.bfloat16)
-        w_hi = ((hi * 16384.0) * sh).to(tl.bfloat16)
     else:
         wsb = _bcast8_rows(tl.load(ws_ptrs).to(tl.float32) * 16384.0, G, BN)
         wqi = wq.to(tl.int32)
@@ -290,43 +232,31 @@ def _upcast_pair_dot(acc, a_even, a_odd, wq, ws_ptrs,
 
 
 @triton.jit
-def _upcast_nat_dot(acc, a, wq, ws_ptrs, BN: tl.constexpr, BK: tl.constexpr):
-    """DEQ 4: acc += a @ dequant(w) with ``a`` the natural [BM, BK] bf16 tile; the decoded nibble
-    pairs are re-interleaved into natural K order (a register relabelling), so the activation tile
-    needs no even/odd split. Same exact decode as DEQ 3 (accumulator left times 2^-7)."""
-    w_lo, w_hi = _dequant_w(wq, ws_ptrs, BN, BK, 3)
-    w = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BK, BN))
-    return tl.dot(a, w, acc)
+def _load_a_pairs(a_ptrs_row, row_mask, BM: tl.constexpr, BK: tl.constexpr):
+    """Activation tile [BM, BK] at ``a_ptrs_row`` (pointers [BM, 1]) as its even-k and odd-k halves
+    [BM, BK/2]: one contiguous load (16-byte vectors, cp.async-pipelined), split in registers. Two
+    stride-2 loads would be 2-byte scalar loads outside the pipeline."""
+    kk = tl.arange(0, BK)
+    a = tl.load(a_ptrs_row + kk[None, :], mask=row_mask[:, None], other=0.0)
+    return tl.split(tl.reshape(a, (BM, BK // 2, 2)))
 
 
 @triton.jit
-def _load_a_pairs(a_ptrs_row, row_mask, BM: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
-    """Activation tile [BM, BK] at ``a_ptrs_row`` (pointers [BM, 1]) as its
-    even-k and odd-k halves [BM, BK/2]. SPLIT: one contiguous (vectorized)
-    load, split in registers; else two stride-2 loads."""
-    if SPLIT:
-        kk = tl.arange(0, BK)
-        a = tl.load(a_ptrs_row + kk[None, :], mask=row_mask[:, None], other=0.0)
-        a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
-    else:
-        jj = tl.arange(0, BK // 2)
-        a_even = tl.load(a_ptrs_row + 2 * jj[None, :], mask=row_mask[:, None], other=0.0)
-        a_odd = tl.load(a_ptrs_row + 1 + 2 * jj[None, :], mask=row_mask[:, None], other=0.0)
-    return a_even, a_odd
-
-
-@triton.jit
-def _quant_rows_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, R, K, stride_a, sel_ptr, P,
-                       BR: tl.constexpr, BK: tl.constexpr, ALOAD_SPLIT: tl.constexpr, HAS_SEL: tl.constexpr):
+def _quant_rows_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, R, K, stride_a, sel_ptr, SEL_HI,
+                       BR: tl.constexpr, BK: tl.constexpr, HAS_SEL: tl.constexpr):
     """APRE: NVFP4-quantize rows ``a[r, :K]`` (bf16) once, for every GEMM program that reads them:
     ``q [R, K/2]`` u8 (K-packed, low nibble = even k), ``s [R, K/16]`` e4m3 block scales, ``gs [R]`` fp32
     per-row global scale. Same functions (``_row_gs``, ``_quant_tile``) as the in-loop quantization of
-    the fp4 path, so the GEMMs see bit-identical operands. HAS_SEL: only rows ``r`` with ``sel[r] < P``
-    (the aligned order's real pairs; its padding rows of h are never written nor read as valid)."""
+    the fp4 path, so the GEMMs see bit-identical operands. HAS_SEL: only rows ``r`` with
+    ``0 <= sel[r] < SEL_HI`` are read and written, the rows of h that GEMM 1 wrote (aligned order:
+    ``sel`` = sorted pairs, ``SEL_HI`` = P, padding slots hold P; in-kernel grouping: ``sel`` = the
+    routing ids, ``SEL_HI`` = E, dropped pairs have ids outside [0, E)). The other rows were never
+    written: quantizing them would read uninitialised memory."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < R
     if HAS_SEL:
-        rmask &= tl.load(sel_ptr + rows, mask=rmask, other=P) < P
+        sel = tl.load(sel_ptr + rows, mask=rmask, other=-1)
+        rmask &= (sel >= 0) & (sel < SEL_HI)
     r64 = tl.where(rmask, rows, 0).to(tl.int64)
     a_row = a_ptr + r64[:, None] * stride_a
     # program (row block, K chunk): each reads its rows whole for the global scale (cheap next to the
@@ -335,7 +265,7 @@ def _quant_rows_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, R, K, stride_a, sel_ptr, P,
     jj = tl.arange(0, BK // 2)
     gg = tl.arange(0, BK // 16)
     k0 = tl.program_id(1) * BK
-    a_even, a_odd = _load_a_pairs(a_row + k0, rmask, BR, BK, ALOAD_SPLIT)
+    a_even, a_odd = _load_a_pairs(a_row + k0, rmask, BR, BK)
     packed, bs8 = _quant_tile(a_even.to(tl.float32), a_odd.to(tl.float32), gs, BR, BK)
     tl.store(q_ptr + r64[:, None] * (K // 2) + (k0 // 2 + jj)[None, :], packed, mask=rmask[:, None])
     tl.store(s_ptr + r64[:, None] * (K // 16) + (k0 // 16 + gg)[None, :], bs8, mask=rmask[:, None])
@@ -458,7 +388,7 @@ def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pi
                 TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
                 HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
-                INTERP: tl.constexpr, DEQ: tl.constexpr, ALOAD_SPLIT: tl.constexpr,
+                INTERP: tl.constexpr, DEQ: tl.constexpr,
                 APRE: tl.constexpr = False, xq_ptr=None, xs_ptr=None, xgs_ptr=None):
     tok = tl.where(rvalid, pair // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -466,7 +396,6 @@ def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pi
     offs_n = tl.where(nmask, offs_n, 0)
     jj = tl.arange(0, BK // 2)
     gg = tl.arange(0, BK // 16)
-    kk_nat = tl.arange(0, BK)
     a_row = x_ptr + tok[:, None] * stride_xm
     # weights as [BK/2, BN] (K-packed bytes along dim 0)
     wg_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
@@ -488,29 +417,25 @@ def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pi
     for k0 in range(0, H, BK):
         wqg = tl.load(wg_p + k0 // 2)
         wqu = tl.load(wu_p + k0 // 2)
-        if DEQ == 4 and not PATH_FP4:
-            a_nat = tl.load(a_row + k0 + kk_nat[None, :], mask=rvalid[:, None], other=0.0)
-            acc_g = _upcast_nat_dot(acc_g, a_nat, wqg, sg_p + k0 // 16, BN, BK)
-            acc_u = _upcast_nat_dot(acc_u, a_nat, wqu, su_p + k0 // 16, BN, BK)
-        elif PATH_FP4 and APRE:
+        if PATH_FP4 and APRE:
             aq = tl.load(aq_row + k0 // 2, mask=rvalid[:, None], other=0)
             as8 = tl.load(as_row + k0 // 16, mask=rvalid[:, None], other=0.0)
             acc_g = _fp4_pre_dot(acc_g, aq, as8, wqg, sg_p + k0 // 16, BM, BN, BK, NATIVE)
             acc_u = _fp4_pre_dot(acc_u, aq, as8, wqu, su_p + k0 // 16, BM, BN, BK, NATIVE)
         elif PATH_FP4:
-            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK)
             ae = a_even.to(tl.float32)
             ao = a_odd.to(tl.float32)
             acc_g = _fp4_pair_dot(acc_g, ae, ao, gs, wqg, sg_p + k0 // 16, BM, BN, BK, NATIVE)
             acc_u = _fp4_pair_dot(acc_u, ae, ao, gs, wqu, su_p + k0 // 16, BM, BN, BK, NATIVE)
         else:
-            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK)
             acc_g = _upcast_pair_dot(acc_g, a_even, a_odd, wqg, sg_p + k0 // 16, BN, BK, INTERP, DEQ)
             acc_u = _upcast_pair_dot(acc_u, a_even, a_odd, wqu, su_p + k0 // 16, BN, BK, INTERP, DEQ)
     g_scale = tl.load(wg_ptr + e64 * 2)
     u_scale = tl.load(wg_ptr + e64 * 2 + 1)
-    if not PATH_FP4 and DEQ >= 3:
-        g_scale = g_scale * 128.0  # DEQ 3/4 leave weights times 2^-7
+    if not PATH_FP4 and DEQ == 3:
+        g_scale = g_scale * 128.0  # the shift decode leaves weights times 2^-7
         u_scale = u_scale * 128.0
     g = acc_g * g_scale
     u = acc_u * u_scale
@@ -532,7 +457,7 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
                   swiglu_limit,
                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, PATH_FP4: tl.constexpr, NATIVE: tl.constexpr,
-                  INTERP: tl.constexpr, DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False,
+                  INTERP: tl.constexpr, DEQ: tl.constexpr = 0,
                   GROUPED: tl.constexpr = False, E=0, P_PAD: tl.constexpr = 16, E_PAD: tl.constexpr = 16,
                   APRE: tl.constexpr = False, xq_ptr=None, xs_ptr=None, xgs_ptr=None):
     """GROUPED=False: row block ``pid_m`` of the align kernel's padded sorted
@@ -547,7 +472,7 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
             pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
             _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, rvalid, pair, pid_n,
                         TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
-                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT,
+                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
                         APRE, xq_ptr, xs_ptr, xgs_ptr)
     else:
         e = tl.load(block_expert_ptr + pid_m)
@@ -556,7 +481,7 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
             pair = tl.load(sorted_ptr + rows)
             _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, pair < P, rows, pid_n,
                         TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
-                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT,
+                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
                         APRE, xq_ptr, xs_ptr, xgs_ptr)
 
 
@@ -565,14 +490,13 @@ def _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e64, pair, rvalid, 
                 H, I, stride_we, stride_wn, stride_se, stride_sn,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr,
-                DEQ: tl.constexpr, ALOAD_SPLIT: tl.constexpr,
+                DEQ: tl.constexpr,
                 APRE: tl.constexpr = False, hq_ptr=None, hs_ptr=None, hgs_ptr=None):
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < H
     offs_n = tl.where(nmask, offs_n, 0)
     jj = tl.arange(0, BK // 2)
     gg = tl.arange(0, BK // 16)
-    kk_nat = tl.arange(0, BK)
     a_row = h_ptr + hrow[:, None].to(tl.int64) * I
     w_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
     if PATH_FP4:
@@ -589,23 +513,20 @@ def _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e64, pair, rvalid, 
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
         wq = tl.load(w_p + k0 // 2)
-        if DEQ == 4 and not PATH_FP4:
-            a_nat = tl.load(a_row + k0 + kk_nat[None, :], mask=rvalid[:, None], other=0.0)
-            acc = _upcast_nat_dot(acc, a_nat, wq, s_p + k0 // 16, BN, BK)
-        elif PATH_FP4 and APRE:
+        if PATH_FP4 and APRE:
             aq = tl.load(aq_row + k0 // 2, mask=rvalid[:, None], other=0)
             as8 = tl.load(as_row + k0 // 16, mask=rvalid[:, None], other=0.0)
             acc = _fp4_pre_dot(acc, aq, as8, wq, s_p + k0 // 16, BM, BN, BK, NATIVE)
         elif PATH_FP4:
-            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK)
             acc = _fp4_pair_dot(acc, a_even.to(tl.float32), a_odd.to(tl.float32), gs, wq,
                                 s_p + k0 // 16, BM, BN, BK, NATIVE)
         else:
-            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK, ALOAD_SPLIT)
+            a_even, a_odd = _load_a_pairs(a_row + k0, rvalid, BM, BK)
             acc = _upcast_pair_dot(acc, a_even, a_odd, wq, s_p + k0 // 16, BN, BK, INTERP, DEQ)
     scale = tl.load(wg_ptr + e64)
-    if not PATH_FP4 and DEQ >= 3:
-        scale = scale * 128.0  # DEQ 3/4 leave weights times 2^-7
+    if not PATH_FP4 and DEQ == 3:
+        scale = scale * 128.0  # the shift decode leaves weights times 2^-7
     tw = tl.load(tw_ptr + tl.where(rvalid, pair, 0), mask=rvalid, other=0.0)
     if PATH_FP4:
         y = acc * (scale * gs * tw)[:, None]
@@ -621,7 +542,7 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
                   stride_we, stride_wn, stride_se, stride_sn,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   PATH_FP4: tl.constexpr, NATIVE: tl.constexpr, INTERP: tl.constexpr,
-                  DEQ: tl.constexpr = 0, ALOAD_SPLIT: tl.constexpr = False,
+                  DEQ: tl.constexpr = 0,
                   GROUPED: tl.constexpr = False, E=0, P_PAD: tl.constexpr = 16, E_PAD: tl.constexpr = 16,
                   APRE: tl.constexpr = False, hq_ptr=None, hs_ptr=None, hgs_ptr=None):
     """See :func:`_gemm1_kernel` for GROUPED (h rows are then pair indices)."""
@@ -633,7 +554,7 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
             pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
             _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, rvalid, pair,
                         pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
-                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT,
+                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
                         APRE, hq_ptr, hs_ptr, hgs_ptr)
     else:
         e = tl.load(block_expert_ptr + pid_m)
@@ -642,7 +563,7 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
             pair = tl.load(sorted_ptr + rows)
             _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, pair < P, rows,
                         pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
-                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ, ALOAD_SPLIT,
+                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
                         APRE, hq_ptr, hs_ptr, hgs_ptr)
 
 
