@@ -111,14 +111,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def dry_run(a, dep, ds, out_dir) -> int:
+    from dsv4_sm120.fp8_configs import detect_device_name
+
     from .profile import file_stem
 
     device = a.device
+    gpu = "cpu-interpreter" if device == "cpu" else (detect_device_name() or "<GPU name>")
     print(f"deployment: {dep.summary()}")
     for name, kind, buckets, cands, _ in _plan(a, dep, ds, device):
         names = ", ".join(c.name for c in cands) if cands else "triton (tuned), default (SGLang's backend) via tune_fp8"
         print(f"{name}: {kind} {','.join(map(str, buckets))}; candidates: {names}")
-    print(f"profile -> {Path(out_dir) / (file_stem('<GPU name>') + '.json')} (+ .md, .png)")
+    print(f"profile -> {Path(out_dir) / (file_stem(gpu) if gpu != '<GPU name>' else gpu + '.json')} (+ .md, .png)")
     return 0
 
 

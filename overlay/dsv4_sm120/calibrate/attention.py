@@ -36,8 +36,10 @@ def _is_cuda(device) -> bool:
 
 
 def _capability():
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        return None
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
@@ -185,15 +187,18 @@ class SGLangBackend(Candidate):
                 return f"FlashInfer's DSv4 sparse-MLA decode is SGLang's sm_120 path (this GPU is sm_{cap[0]}{cap[1]})"
         if self.name == "triton":
             try:
-                from sglang.kernels.ops.attention.flash_mla_sm120_triton import flash_mla_sparse_decode_triton
-                self._mod = flash_mla_sparse_decode_triton
-                return None
+                from sglang.kernels.ops.attention import flash_mla_sm120_triton as mod
             except Exception as e:  # noqa: BLE001
-                why = f"sglang: {type(e).__name__}"
-            path = upstream_triton_file()
-            if path is None:
-                return f"{why}, and no single-file copy found (set {ENV_UPSTREAM_FILE})"
-            self._mod = _load_file("_dsv4_upstream_triton", path).flash_mla_sparse_decode_triton
+                path = upstream_triton_file()
+                if path is None:
+                    return f"sglang: {type(e).__name__}, and no single-file copy found (set {ENV_UPSTREAM_FILE})"
+                mod = _load_file("_dsv4_upstream_triton", path)
+            if not _is_cuda(self.device):
+                # the interpreter has no benchmarker: give the upstream kernel's autotuner a single config
+                k = getattr(mod, "_tiled_sparse_decode_kernel", None)
+                if k is not None and getattr(k, "configs", None):
+                    k.configs = k.configs[:1]
+            self._mod = mod.flash_mla_sparse_decode_triton
             return None
         m, why = self._sglang_module()
         if m is None:
