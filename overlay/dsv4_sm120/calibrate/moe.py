@@ -6,8 +6,9 @@ method, in a subprocess per runner (:mod:`dsv4_sm120.calibrate.moe_worker`: a ru
 global state behind cannot take the others down), with random weights of the deployment's per-rank shapes
 written into the layer's parameters before SGLang's ``process_weights_after_loading`` (so the timed call is
 what serving runs, weight layout processing included). ``dsv4_kernel`` is our NVFP4 kernel called directly,
-without SGLang (a reference point that also runs where SGLang is not installed; the glue routes to our kernel
-as the ``dsv4_triton_nvfp4`` runner).
+without SGLang on NVFP4 experts of the same shapes (a reference point that also runs where SGLang is not
+installed, and for an MXFP4 checkpoint shows what its ``make convert-nvfp4`` conversion would run; the glue
+routes to our kernel as the ``dsv4_triton_nvfp4`` runner).
 
 The gate compares sampled rows with a float64 reference of the same (dequantized) weights, SwiGLU clamp
 included. Tolerances follow the activation format: NVFP4 activations (the NVFP4 runners on sm_120) carry
@@ -158,8 +159,6 @@ class OursDirect(Candidate):
         self.fmt, self.device, self.tol = fmt, device, TOL["nvfp4"]
 
     def available(self):
-        if self.fmt != "nvfp4":
-            return "our MoE kernel runs NVFP4 experts: convert the checkpoint with `make convert-nvfp4`"
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed"
         if not str(self.device).startswith("cuda") and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
