@@ -16,7 +16,7 @@ PATCHING := DSV4_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(P
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe bench-fp8 bench-tables tune-fp8 convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
+        bench-attention bench-moe bench-fp8 bench-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
 
 # `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
 # them in two sections, each in file order.
@@ -96,6 +96,9 @@ bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the results fi
 
 tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARGS=... for more); writes configs/fp8/
 	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(or $(ARGS),--quick)
+
+calibrate: ## time every candidate of each decision on this GPU at the serve shapes, gate vs float64; writes configs/profiles/<GPU>.json + .md + .png (ARGS=--quick, --decisions, --dry-run)
+	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.calibrate $(ARGS)
 
 convert-nvfp4: ## convert an MXFP4 checkpoint: make convert-nvfp4 SRC=... DST=...
 	@if [ -z "$(SRC)" ] || [ -z "$(DST)" ]; then echo "usage: make convert-nvfp4 SRC=<mxfp4 checkpoint dir> DST=<output dir> [ARGS=--verify]"; exit 2; fi

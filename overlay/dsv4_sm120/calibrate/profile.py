@@ -1,0 +1,318 @@
+"""Machine profile: what `make calibrate` measured on one GPU model, and the lookup the SGLang glue uses.
+
+One JSON per GPU model in ``<repo>/configs/profiles/<GPU_name>.json`` (spaces -> underscores, as SGLang names
+its config files). The directory is, in order: ``$DSV4_SM120_PROFILE_DIR`` (empty = profiles off);
+``<repo_root>/configs/profiles`` where ``repo_root`` is the checkout that patched the installed SGLang (its
+``.dsv4_sm120/manifest.json``); ``configs/profiles`` next to this overlay's source tree.
+
+Schema (``schema`` = :data:`SCHEMA`)::
+
+    {"schema": 1, "gpu": "<torch.cuda.get_device_name()>", "created_at": "<UTC ISO>",
+     "versions": {"sglang", "flashinfer", "triton", "torch", "cuda", "driver", "dsv4_sm120"},
+     "deployment": {"tp", "heads", "draft_tokens", "moe_format", ...},
+     "decisions": {"<name>": {"bucket_kind": "rows"|"tokens", "default": "<choice>", "note": "...",
+                              "buckets": {"<n>": {"winner": "<choice>"|null,
+                                                  "candidates": {"<choice>": {"status": "ok"|"failed"|
+                                                     "unavailable"|"rejected", "us": float|null,
+                                                     "err": float|null, "tol": float|null, "reason": str}}}}}}}
+
+Version keying (:func:`match`): a profile is used only when the GPU name is exactly the running one and
+:data:`MUST_MATCH` versions are equal: ``sglang``, ``flashinfer``, ``triton``, ``torch`` -- they build or run the
+candidates, so a change can reorder the winners. :data:`WARN_ONLY` (``cuda``, ``driver``, ``dsv4_sm120``) only
+warn: a driver update rarely reorders kernels, and requiring our exact commit would void every profile at each
+commit (rerun ``make calibrate`` after kernel changes). A running version that cannot be determined counts as a
+mismatch for MUST_MATCH fields.
+
+:func:`decision` is the one call the SGLang glue makes: ``decision(name, bucket) -> (choice, source)`` with
+``source`` = ``"profile <file>"`` or ``"default"``. Buckets: a call with ``n`` rows/tokens uses the smallest
+measured bucket ``>= n`` (the largest when ``n`` is beyond them), so a CUDA graph of batch ``n`` is routed
+statically. This module imports neither torch nor SGLang at import time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = 1
+ENV_DIR = "DSV4_SM120_PROFILE_DIR"
+VERSION_FIELDS = ("sglang", "flashinfer", "triton", "torch", "cuda", "driver", "dsv4_sm120")
+MUST_MATCH = ("sglang", "flashinfer", "triton", "torch")
+WARN_ONLY = ("cuda", "driver", "dsv4_sm120")
+STATUSES = ("ok", "failed", "unavailable", "rejected")
+
+# What the product does without a profile (the fixed choices the patches make today).
+DEFAULTS: Dict[str, str] = {
+    "attention.swa": "dsv4", "attention.swa_c4": "dsv4", "attention.swa_c128": "dsv4",
+    "moe.nvfp4": "flashinfer_cutlass", "moe.mxfp4": "flashinfer_mxfp4", "fp8_gemm": "default",
+}
+
+
+class ProfileError(ValueError):
+    """A profile file that is not valid (one line: which file, what is wrong)."""
+
+
+def file_stem(gpu: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", gpu.strip().replace(" ", "_"))
+
+
+def _repo_from_manifest() -> Optional[Path]:
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    try:
+        from dsv4_sm120.patching import read_manifest
+
+        repo = (read_manifest(Path(spec.origin).resolve().parent) or {}).get("repo_root")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(repo) if repo else None
+
+
+def profile_dir() -> Optional[Path]:
+    """Where profiles live (module doc); None when switched off. The directory may not exist yet."""
+    env = os.environ.get(ENV_DIR)
+    if env is not None:
+        return Path(env).expanduser() if env.strip() else None
+    repo = _repo_from_manifest()
+    if repo is not None and (repo / "configs").is_dir():
+        return repo / "configs" / "profiles"
+    return Path(__file__).resolve().parents[3] / "configs" / "profiles"
+
+
+def profile_path(gpu: str, directory: Optional[Path] = None) -> Optional[Path]:
+    d = directory if directory is not None else profile_dir()
+    return None if d is None else Path(d) / f"{file_stem(gpu)}.json"
+
+
+# -------------------------------------------------------------------------- validation, load, save
+
+def validate(p: object, source: str = "profile") -> dict:
+    """Return ``p`` when it follows the schema, else raise :class:`ProfileError` naming ``source``."""
+    def bad(msg):
+        raise ProfileError(f"{source}: {msg}")
+
+    if not isinstance(p, dict):
+        bad("not a JSON object")
+    if p.get("schema") != SCHEMA:
+        bad(f"schema {p.get('schema')!r}, expected {SCHEMA} (rerun `make calibrate`)")
+    if not isinstance(p.get("gpu"), str) or not p["gpu"]:
+        bad("no GPU name")
+    v = p.get("versions")
+    if not isinstance(v, dict) or any(k not in v for k in VERSION_FIELDS):
+        bad(f"versions must hold {', '.join(VERSION_FIELDS)}")
+    decs = p.get("decisions")
+    if not isinstance(decs, dict):
+        bad("no decisions object")
+    for name, d in decs.items():
+        if not isinstance(d, dict) or not isinstance(d.get("buckets"), dict):
+            bad(f"decision {name!r} has no buckets")
+        for b, row in d["buckets"].items():
+            if not (isinstance(b, str) and b.isdigit() and int(b) > 0):
+                bad(f"decision {name!r}: bucket {b!r} is not a positive integer")
+            cands = row.get("candidates") if isinstance(row, dict) else None
+            if not isinstance(cands, dict):
+                bad(f"decision {name!r} bucket {b}: no candidates")
+            for c, r in cands.items():
+                if not isinstance(r, dict) or r.get("status") not in STATUSES:
+                    bad(f"decision {name!r} bucket {b}: candidate {c!r} has no valid status")
+            w = row.get("winner")
+            if w is not None and (w not in cands or cands[w]["status"] != "ok"):
+                bad(f"decision {name!r} bucket {b}: winner {w!r} did not pass the correctness gate")
+    return p
+
+
+def load(path: Path) -> dict:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read ({e.strerror})") from None
+    except ValueError as e:
+        raise ProfileError(f"{path}: not valid JSON ({e})") from None
+    return validate(data, str(path))
+
+
+def save(profile: dict, path: Path) -> Path:
+    """Validate, then write atomically (temp file in the same directory, fsync, rename): a crash at any
+    point leaves the previous profile intact."""
+    validate(profile, str(path))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(profile, indent=1, sort_keys=False) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+# -------------------------------------------------------------------------- versions and matching
+
+def _dist_version(name: str) -> Optional[str]:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> Optional[str]:
+    root = Path(__file__).resolve().parents[3]
+    repo = _repo_from_manifest() or root
+    try:
+        r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                           text=True, timeout=10)
+        if r.returncode == 0 and r.stdout.strip():
+            d = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+            return r.stdout.strip() + ("-dirty" if d.returncode == 0 and d.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def _driver() -> Optional[str]:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"],
+                           capture_output=True, text=True, timeout=20)
+        out = r.stdout.strip().splitlines()
+        return out[0].strip() if r.returncode == 0 and out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def running_versions() -> Dict[str, Optional[str]]:
+    """The versions this process would run with (None where one cannot be determined)."""
+    from dsv4_sm120 import __version__
+
+    cuda = None
+    try:
+        import torch
+
+        cuda = torch.version.cuda
+    except ImportError:
+        pass
+    commit = _git_commit()
+    return {"sglang": _dist_version("sglang"), "flashinfer": _dist_version("flashinfer-python"),
+            "triton": _dist_version("triton"), "torch": _dist_version("torch"), "cuda": cuda,
+            "driver": _driver(), "dsv4_sm120": f"{__version__}+{commit}" if commit else __version__}
+
+
+def match(profile: dict, gpu: str, versions: Dict[str, Optional[str]]) -> Tuple[bool, list]:
+    """(usable, reasons): reasons name every mismatch; a MUST_MATCH or GPU mismatch makes it unusable,
+    WARN_ONLY mismatches are returned as warnings with usable True."""
+    reasons = []
+    ok = True
+    if profile.get("gpu") != gpu:
+        return False, [f"profile is for GPU {profile.get('gpu')!r}, this is {gpu!r}"]
+    pv = profile.get("versions", {})
+    for k in MUST_MATCH:
+        if versions.get(k) is None or pv.get(k) != versions.get(k):
+            ok = False
+            reasons.append(f"{k} {pv.get(k)} in profile, {versions.get(k)} running (rerun `make calibrate`)")
+    for k in WARN_ONLY:
+        if pv.get(k) != versions.get(k):
+            reasons.append(f"warning: {k} {pv.get(k)} in profile, {versions.get(k)} running")
+    return ok, reasons
+
+
+def winner(profile: dict, name: str, bucket: int) -> Optional[str]:
+    """The measured winner of decision ``name`` for a call of ``bucket`` rows/tokens (module doc), or None."""
+    d = profile.get("decisions", {}).get(name)
+    if not d or not d.get("buckets"):
+        return None
+    keys = sorted(int(b) for b in d["buckets"])
+    pick = next((b for b in keys if b >= bucket), keys[-1])
+    return d["buckets"][str(pick)].get("winner")
+
+
+# -------------------------------------------------------------------------- the glue's entry point
+
+_CACHE: Dict[str, object] = {}
+
+
+def _current_gpu() -> Optional[str]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def active_profile(gpu: Optional[str] = None, versions: Optional[dict] = None,
+                   directory: Optional[Path] = None) -> Tuple[Optional[dict], Optional[Path], list]:
+    """(profile or None, its path, reasons). Cached per (gpu, directory); never raises."""
+    gpu = gpu or _current_gpu()
+    if gpu is None:
+        return None, None, ["no CUDA GPU"]
+    path = profile_path(gpu, directory)
+    key = f"{gpu}|{path}"
+    if key in _CACHE:
+        return _CACHE[key]
+    if path is None:
+        res = (None, None, [f"{ENV_DIR} is empty: profiles off"])
+    elif not path.is_file():
+        res = (None, path, [f"no profile {path} (run `make calibrate`)"])
+    else:
+        try:
+            prof = load(path)
+            ok, reasons = match(prof, gpu, versions if versions is not None else running_versions())
+            res = (prof if ok else None, path, reasons)
+        except ProfileError as e:
+            res = (None, path, [str(e)])
+    for r in res[2]:
+        logger.warning("dsv4_sm120 profile: %s", r)
+    _CACHE[key] = res
+    return res
+
+
+def decision(name: str, bucket: int, default: Optional[str] = None, *, gpu: Optional[str] = None,
+             versions: Optional[dict] = None, directory: Optional[Path] = None) -> Tuple[str, str]:
+    """``(choice, source)`` for decision ``name`` at ``bucket`` rows/tokens: the profile's winner
+    (``source = "profile <file>"``) or ``default`` / :data:`DEFAULTS` (``source = "default"``)."""
+    fallback = default if default is not None else DEFAULTS.get(name)
+    if fallback is None:
+        raise KeyError(f"unknown decision {name!r}; known: {', '.join(sorted(DEFAULTS))}")
+    prof, path, _ = active_profile(gpu, versions, directory)
+    if prof is not None:
+        w = winner(prof, name, int(bucket))
+        if w is not None:
+            return w, f"profile {path}"
+    return fallback, "default"
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
