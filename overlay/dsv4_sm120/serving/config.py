@@ -342,6 +342,13 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     for p in procs:
         p.log = str(run_dir / f"{p.role}.log")
     _bind_numa(procs, s, environ)
+    if not multi_node and not s["IB_DEVICE"] and not any(k == "UCX_NET_DEVICES" for k, _, _ in common_env):
+        # One host: KV moves over cuda_ipc / shared memory; pinning UCX's network devices to loopback keeps
+        # its wire-up off unreachable interfaces (docker bridges, down IB ports), where transfers can hang
+        # until SGLang's timeout.
+        for p in procs:
+            if p.role in ("prefill", "decode"):
+                p.env["UCX_NET_DEVICES"] = "lo"
     if s["WARMUP"].strip() not in ("auto", "0", "1"):
         raise ConfigError(f"WARMUP={s['WARMUP']!r}: expected auto, 1 or 0")
     _int(s, "WARMUP_TIMEOUT_S", 1)
