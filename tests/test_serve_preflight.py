@@ -237,14 +237,15 @@ def test_router_and_python_checks():
 
 def test_preflight_skip_and_standin_defaults():
     assert pf.skipped_checks(plan_for()) == []
-    assert pf.skipped_checks(plan_for(DSV4_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl"]
+    assert pf.skipped_checks(plan_for(DSV4_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl", "p2p", "ucx"]
+    assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="p2p,ucx,numa")) == ["p2p", "ucx", "numa"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpu, nixl")) == ["gpu", "nixl"]
     with pytest.raises(ValueError):
         pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpus"))
 
 
 def test_run_preflight_collects_one_line_per_failure(tmp_path):
-    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, SMI_8.replace("12.0", "9.0")), PREFLIGHT_SKIP="patches,nixl",
+    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, SMI_8.replace("12.0", "9.0")), PREFLIGHT_SKIP="patches,nixl,p2p,ucx",
                  MODEL_PATH=str(tmp_path / "nope"))
     said = []
     out = pf.run_preflight(p, say=said.append)
@@ -281,7 +282,7 @@ def test_overlay_env_check_catches_attention_typos_before_start(tmp_path):
     assert len(bad) == 1 and "no fp8 QK path" in bad[0]
     # the caller's environment counts too (it reaches the servers)
     assert pf.check_overlay_env(plan_for(), base={"DSV4_SM120_ATTN_CONFIG": "impl=fast"})
-    p = plan_for(DSV4_SM120_ATTN_CONFIG="BLOCK_N=48", PREFLIGHT_SKIP="patches,nixl,gpu,model,ports,router")
+    p = plan_for(DSV4_SM120_ATTN_CONFIG="BLOCK_N=48", PREFLIGHT_SKIP="patches,nixl,gpu,model,ports,router,p2p,ucx")
     said = []
     out = pf.run_preflight(p, say=said.append)
     assert "preflight env: FAILED" in said and any("power of two" in x for x in out)
