@@ -94,6 +94,10 @@ def test_plan_and_dry_run_carry_the_binding(tmp_path):
     # the plan survives the JSON round trip the detached supervisor reads
     from dsv4_sm120.serving.config import Plan
     assert Plan.from_json(p.to_json()).procs[1].numa["node"] == 1
+    # a --numa-node the user passes is kept, not overridden
+    user = plan(tmp_path, sysfs, smi, PREFILL_EXTRA_ARGS="--numa-node 1 1 0 0")
+    uargv = user.procs[0].argv
+    assert uargv.count("--numa-node") == 1 and uargv[-5:] == ["--numa-node", "1", "1", "0", "0"]
     # NUMA_BIND=0: no binding, no --numa-node, SGLang's own auto-binding off
     off = plan(tmp_path, sysfs, smi, NUMA_BIND="0")
     for x in off.procs[:2]:

@@ -393,7 +393,7 @@ def _bind_numa(procs: List[Proc], s: Dict[str, str], environ: Mapping[str, str])
         p.numa["text"] = b.describe()
         if not enabled:
             p.env["SGLANG_AUTO_NUMA_BIND"] = "0"
-        else:
+        elif "--numa-node" not in p.argv:      # a --numa-node in *_EXTRA_ARGS is the user's choice
             p.argv += sglang_numa_args(b)
 
 
