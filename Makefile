@@ -16,7 +16,7 @@ PATCHING := DSV4_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(P
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe bench-fp8 bench-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
+        bench-attention bench-moe bench-fp8 bench-kv bench-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
 
 # `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
 # them in two sections, each in file order.
@@ -66,7 +66,7 @@ test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 	  *) echo "[test-gpu] error: $(GPU_PY) could not import torch (see above)"; exit 2;; esac
 	$(GPU_PY) -m pytest tests/gpu -q
 
-# Every bench run appends rows to $(BENCH_OUT)/<subject>.csv (attention, moe, fp8); `make bench-tables` regenerates
+# Every bench run appends rows to $(BENCH_OUT)/<subject>.csv (attention, moe, fp8, kv); `make bench-tables` regenerates
 # the committed tables from them (bench/results/README.md).
 BENCH_OUT ?= bench/results
 # launch variants timed next to the default at the tp4_decode case (H=16 SWA128+c4, the TP4 decode shape;
@@ -89,8 +89,11 @@ bench-moe: ## NVFP4 fused MoE benchmark + correctness (any CUDA GPU); appends to
 bench-fp8: ## tune SGLang's FP8 block GEMM (quick) and append what it measured to BENCH_OUT/fp8.csv
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_fp8.py --results $(BENCH_OUT)/fp8.csv $(ARGS)
 
+bench-kv: ## PD KV transfer: NIXL/UCX moving one TP4 rank's DSv4 KV pages between two GPUs vs a peer copy (1k-128k prompts); appends to BENCH_OUT/kv.csv
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_kv.py --results $(BENCH_OUT)/kv.csv $(ARGS)
+
 bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the results files (GPU=name; default: the only one)
-	@for s in attention moe fp8; do \
+	@for s in attention moe fp8 kv; do \
 	  if [ -f $(BENCH_OUT)/$$s.csv ]; then python3 bench/results_table.py table $$s --results $(BENCH_OUT)/$$s.csv \
 	    $(if $(GPU),--gpu '$(GPU)',) $(if $(filter-out bench/results,$(BENCH_OUT)),--out $(BENCH_OUT)/$$s.md,) || exit $$?; fi; done
 

@@ -72,3 +72,34 @@ def test_cli_json_and_exit_codes():
     r = subprocess.run([sys.executable, "-m", "dsv4_sm120.serving.nixl_check", "--moved", "50"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "bad arguments" in r.stderr
+
+
+def test_report_names_the_ucx_version_and_proto_info_parses():
+    """The UCX version comes from the libucp NIXL loaded; with UCX_PROTO_INFO=y the real UCX prints its
+    protocol tables, which ucx_info reads (host memory here: no GPU-to-GPU put to judge)."""
+    from dsv4_sm120.serving import ucx_info
+    rep = nc.run_check(page_tokens=64, num_pages=6, num_layers=2, n_xfer=2, timeout_s=30)
+    assert rep["ok"] and ucx_info.parse_version(rep["ucx_version"]) >= (1, 15, 0), rep
+    env = dict(os.environ, PYTHONPATH=str(REPO / "overlay"), UCX_PROTO_INFO="y")
+    r = subprocess.run([sys.executable, "-m", "dsv4_sm120.serving.nixl_check", "--json", "--two-process"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    tables = ucx_info.parse_proto_info(r.stdout + r.stderr)
+    puts = [t for t in tables if t["op"].startswith("remote memory write by ucp_put")]
+    assert puts and all(t["src"] == "host" and t["dst"] == "host" and t["rows"] for t in puts)
+    assert "host->host" in ucx_info.transports(tables)
+    assert ucx_info.judge_cuda_put(tables)[0] is None
+
+
+def test_vram_without_gpus_is_a_clear_error():
+    import importlib.util
+    if importlib.util.find_spec("torch"):
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("this box has CUDA")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "overlay"))
+    r = subprocess.run([sys.executable, "-m", "dsv4_sm120.serving.nixl_check", "--mem", "vram", "--src-gpu", "0",
+                        "--dst-gpu", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    want = "VRAM check needs GPUs 0 and 1" if importlib.util.find_spec("torch") else "VRAM check needs torch"
+    assert want in r.stderr, r.stderr

@@ -250,3 +250,73 @@ def test_failed_health_checks_tear_down(env, tmp_path):
     text = (tmp_path / "out.txt").read_text()
     assert rc == 1 and "decode failed 2 health checks in a row" in text, text
     assert not wait_gone(procs, 10)
+
+
+def test_warmup_runs_through_the_router_before_ready_and_its_time_is_logged(env, tmp_path):
+    """WARMUP=1 with stand-ins: after both servers and the router are healthy, one real request goes through
+    the router (the decode stand-in makes its first generation wait, a transport cold start); READY only
+    after it, its time in the log and in state.json."""
+    e = dict(env, WARMUP="1", DETACH="1", DSV4_STANDIN_ROLE="decode", DSV4_STANDIN_FIRST_GENERATE_S="1.5")
+    r = run_script(e, timeout=120)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = state(env)
+        assert st["status"] == "ready" and st["warmup_s"] >= 1.5, st
+        out = r.stdout
+        assert "warm-up: one request through the router" in out
+        assert out.index("router healthy") < out.index("warm-up: first prefill-to-decode request") < out.index("READY")
+        assert f"took {st['warmup_s']:.2f} s" in out
+        posts = [json.loads(x) for x in Path(env["DSV4_STANDIN_RECORD"]).read_text().splitlines()]
+        posts = [p for p in posts if p["method"] == "POST" and p["path"] == "/generate"]
+        assert sorted(p["role"] for p in posts) == ["decode", "prefill"]          # one request, through the router
+        assert posts[0]["body"]["bootstrap_room"] == posts[1]["body"]["bootstrap_room"]
+        assert str(posts[0]["body"]["rid"]).startswith("dsv4-warmup-")
+        procs = all_run_processes(st)
+    finally:
+        s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
+    assert s.returncode == 0
+    assert not wait_gone(procs, 10)
+
+
+def test_failed_warmup_tears_everything_down(env):
+    r = run_script(env, extra={"WARMUP": "1", "WARMUP_TIMEOUT_S": "20", "DSV4_STANDIN_ROLE": "decode",
+                               "DSV4_STANDIN_FAIL_GENERATE": "1"}, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "warm-up request through the router failed" in r.stdout and "KV transfer does not work" in r.stdout
+    assert "READY" not in r.stdout and "tearing down router, decode, prefill" in r.stdout
+    st = state(env)
+    assert st["status"] == "failed" and st["warmup_s"] is None
+    for p in st["procs"]:
+        assert start_time(p["pid"]) != p["start"] or start_time(p["pid"]) is None, p
+
+
+def test_stand_ins_run_pinned_to_the_numa_node_of_their_gpus(env, tmp_path):
+    """A fake box (nvidia-smi + sysfs) puts the prefill GPUs on a node whose CPU list is this machine's
+    last CPU: the supervisor pins the prefill stand-in there; decode's GPUs report no node: unbound."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from pcie_box import make_smi, make_sysfs
+    mine = sorted(os.sched_getaffinity(0))
+    last = mine[-1]
+    sysfs = make_sysfs(tmp_path / "sys", {0: 1, 1: 1, 2: 1, 3: 1, 4: -1, 5: -1, 6: -1, 7: -1},
+                       {0: ",".join(map(str, mine[:-1])) or str(last), 1: str(last)})
+    e = dict(env, DETACH="1", NODE_ROLE="prefill,decode", NVIDIA_SMI=make_smi(tmp_path / "nvidia-smi"),
+             DSV4_SERVE_SYSFS_ROOT=str(sysfs))
+    r = run_script(e, timeout=120)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"prefill NUMA placement: NUMA node 1, CPUs {last} [GPU 0: node 1" in r.stdout
+        assert "decode NUMA placement: unbound (no NUMA information for GPU 4" in r.stdout
+        st = state(env)
+        pids = {p["role"]: p["pid"] for p in st["procs"]}
+        sys.path.insert(0, str(REPO / "overlay"))
+        from dsv4_sm120.serving.topology import allowed_cpus
+        assert allowed_cpus(pids["prefill"]) == [last]
+        assert allowed_cpus(pids["decode"]) == mine
+        plan = json.loads((Path(st["run_dir"]) / "plan.json").read_text())
+        pargv = next(p["argv"] for p in plan["procs"] if p["role"] == "prefill")
+        assert pargv[-5:] == ["--numa-node", "1", "1", "1", "1"]
+        procs = all_run_processes(st)
+    finally:
+        s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
+    assert s.returncode == 0
+    assert not wait_gone(procs, 10)

@@ -237,14 +237,15 @@ def test_router_and_python_checks():
 
 def test_preflight_skip_and_standin_defaults():
     assert pf.skipped_checks(plan_for()) == []
-    assert pf.skipped_checks(plan_for(DSV4_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl"]
+    assert pf.skipped_checks(plan_for(DSV4_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl", "p2p", "ucx"]
+    assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="p2p,ucx,numa")) == ["p2p", "ucx", "numa"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpu, nixl")) == ["gpu", "nixl"]
     with pytest.raises(ValueError):
         pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpus"))
 
 
 def test_run_preflight_collects_one_line_per_failure(tmp_path):
-    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, SMI_8.replace("12.0", "9.0")), PREFLIGHT_SKIP="patches,nixl",
+    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, SMI_8.replace("12.0", "9.0")), PREFLIGHT_SKIP="patches,nixl,p2p,ucx",
                  MODEL_PATH=str(tmp_path / "nope"))
     said = []
     out = pf.run_preflight(p, say=said.append)
@@ -281,7 +282,192 @@ def test_overlay_env_check_catches_attention_typos_before_start(tmp_path):
     assert len(bad) == 1 and "no fp8 QK path" in bad[0]
     # the caller's environment counts too (it reaches the servers)
     assert pf.check_overlay_env(plan_for(), base={"DSV4_SM120_ATTN_CONFIG": "impl=fast"})
-    p = plan_for(DSV4_SM120_ATTN_CONFIG="BLOCK_N=48", PREFLIGHT_SKIP="patches,nixl,gpu,model,ports,router")
+    p = plan_for(DSV4_SM120_ATTN_CONFIG="BLOCK_N=48", PREFLIGHT_SKIP="patches,nixl,gpu,model,ports,router,p2p,ucx")
     said = []
     out = pf.run_preflight(p, say=said.append)
     assert "preflight env: FAILED" in said and any("power of two" in x for x in out)
+
+
+# ---------------------------------------------------------------------------- PCIe box: numa, p2p, ucx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pcie_box import TOPO_M, make_smi, make_sysfs  # noqa: E402
+
+from dsv4_sm120.serving import pcie_checks as pc  # noqa: E402
+from dsv4_sm120.serving import ucx_info  # noqa: E402
+
+
+def fake_probe(behaviour, hang_at=None):
+    """A P2P probe: behaviour(src, dst) -> dict of pair fields (can_access, gbps, ok, error) or None;
+    hang_at: the pair whose copy never returns (the probe then times out)."""
+    import random
+    asked = []
+
+    def probe(plan, pairs, timeout_s):
+        asked.extend(pairs)
+        ev = []
+        for a, b in pairs:
+            ev.append({"event": "start", "src": a, "dst": b})
+            if (a, b) == hang_at:
+                return ev, True
+            f = {"can_access": True, "gbps": round(random.uniform(40, 55), 2), "ok": True, "error": None}
+            f.update(behaviour(a, b) or {})
+            ev.append(dict(f, event="pair", src=a, dst=b))
+            ev.append({"event": "staged", "src": a, "dst": b, "gbps": round(random.uniform(11, 13), 2)})
+        return ev, False
+    return probe, asked
+
+
+def pcie_plan(tmp_path, **kv):
+    smi = make_smi(tmp_path / "nvidia-smi")
+    sysfs = make_sysfs(tmp_path / "sys", {i: (0 if i < 4 else 1) for i in range(8)}, {0: "0-7", 1: "8-15"})
+    return plan_for(NVIDIA_SMI=smi, DSV4_SERVE_SYSFS_ROOT=str(sysfs), **kv), sysfs
+
+
+def test_p2p_healthy_box_and_a_needless_fallback(tmp_path):
+    p, sysfs = pcie_plan(tmp_path)
+    probe, asked = fake_probe(lambda a, b: None)
+    fails, notes = pc.check_p2p(p, probe=probe, sysfs=sysfs, cmdline="BOOT_IMAGE=/vmlinuz ro", topo=TOPO_M, env={})
+    assert fails == [], fails
+    assert len(asked) == 12 + 12 + 16 and len(set(asked)) == 40
+    assert all((a, b) in asked for a in range(4) for b in range(4, 8))          # every prefill GPU -> every decode GPU
+    assert not any(a >= 4 and b < 4 for a, b in asked)                           # KV only flows prefill -> decode
+    assert notes[0].startswith("peer copies prefill TP: median") and "prefill->decode: median" in notes[0]
+    assert "through host memory: 1" in notes[0] and not any("WARNING" in n for n in notes)
+    fails, notes = pc.check_p2p(p, probe=probe, sysfs=sysfs, cmdline="", topo="", env={"NCCL_P2P_DISABLE": "1"})
+    assert fails == [] and any("NCCL_P2P_DISABLE=1 is set but peer copies work" in n for n in notes)
+
+
+def test_p2p_hang_is_diagnosed_with_iommu_acs_and_the_fallback(tmp_path):
+    p, _ = pcie_plan(tmp_path)
+    sysfs = make_sysfs(tmp_path / "sys-iommu", {i: 0 for i in range(8)}, {0: "0-3"}, iommu_groups=37)
+    probe, _ = fake_probe(lambda a, b: None, hang_at=(1, 5))
+    fails, notes = pc.check_p2p(p, probe=probe, sysfs=sysfs, cmdline="ro intel_iommu=on quiet", topo=TOPO_M,
+                                env={}, timeout_s=77)
+    assert len(fails) == 1, fails
+    f = fails[0]
+    assert "peer copy GPU 1 -> GPU 5 did not finish within 77 s, path SYS" in f
+    assert "IOMMU is on (37 iommu groups; kernel command line: intel_iommu=on)" in f and "iommu=pt" in f
+    assert "ACS" in f and "NCCL_P2P_DISABLE=1 UCX_TLS=^cuda_ipc" in f and "host-memory bounce measured at 1" in f
+    # started with the fallback: the same finding is a warning, the start goes on
+    fails, notes = pc.check_p2p(p, probe=probe, sysfs=sysfs, cmdline="ro intel_iommu=on", topo=TOPO_M,
+                                env={"NCCL_P2P_DISABLE": "1", "UCX_TLS": "^cuda_ipc"}, timeout_s=77)
+    assert fails == [] and any(n.startswith("WARNING (running with NCCL_P2P_DISABLE=1") for n in notes)
+    # passthrough IOMMU: the hint points at ACS instead
+    fails, _ = pc.check_p2p(p, probe=probe, sysfs=sysfs, cmdline="iommu=pt", topo="", env={}, timeout_s=5)
+    assert "passthrough mode (iommu=pt), so look at ACS first" in fails[0]
+
+
+def test_p2p_corrupt_failed_missing_and_slow_pairs(tmp_path):
+    p, sysfs = pcie_plan(tmp_path)
+
+    def behaviour(a, b):
+        if (a, b) == (2, 6):
+            return {"ok": False}
+        if (a, b) == (3, 7):
+            return {"ok": False, "error": "cudaErrorPeerAccessUnsupported", "gbps": None}
+        if a < 4 and b >= 4:
+            return {"can_access": False, "gbps": 12.0}
+        if (a, b) == (5, 6):
+            return {"gbps": 6.5}
+        return None
+    probe, _ = fake_probe(behaviour)
+    fails, notes = pc.check_p2p(p, probe=probe, sysfs=sysfs, cmdline="", topo=TOPO_M, env={})
+    assert len(fails) == 2
+    assert any("GPU 2 -> GPU 6 delivered wrong bytes, path SYS" in f for f in fails)
+    assert any("GPU 3 -> GPU 7 failed, path SYS: cudaErrorPeerAccessUnsupported" in f for f in fails)
+    warn = [n for n in notes if n.startswith("WARNING")]
+    assert any("no CUDA peer access for 14 GPU pair(s) (0->4, 0->5" in n for n in warn), warn
+    assert any("GPU 5 -> GPU 6 runs at 6.5 GB/s, path PXB" in n and "link width" in n for n in warn), warn
+
+
+def test_p2p_probe_that_cannot_run_and_the_real_probe_without_cuda(tmp_path):
+    p, sysfs = pcie_plan(tmp_path)
+    fails, _ = pc.check_p2p(p, probe=lambda *a: ([{"event": "error", "error": "no CUDA device"}], False),
+                            sysfs=sysfs, cmdline="", topo="")
+    assert fails == ["P2P probe could not run: no CUDA device"]
+    # the real probe, run the way the preflight runs it (serving python, JSON lines)
+    fails, _ = pc.check_p2p(p, sysfs=sysfs, cmdline="", topo="", timeout_s=120)
+    assert len(fails) == 1 and fails[0].startswith("P2P probe could not run: ") and \
+        ("no CUDA device" in fails[0] or "torch" in fails[0]), fails
+    one = plan_for(PREFILL_GPUS="0", DECODE_GPUS="1", NODE_ROLE="prefill")
+    assert pc.check_p2p(one, probe=lambda *a: pytest.fail("no pair to probe")) == \
+        ([], ["one GPU per server on this host: no GPU pair to probe"])
+
+
+def proto_table(src, dst, rows, header="dsv4-check-prefill intra-node cfg#1"):
+    w = "[1796102273.1] [box:1:0]   "
+    out = [w + "+--------+", f"{w}| {header} |", f"{w}| remote memory write by ucp_put* from {src} to {dst} |",
+           w + "+--------+", f"{w}| Range | Description | Config |", w + "+--------+"]
+    out += [f"{w}| {r} | {d} | {c} |" for r, d, c in rows]
+    return "\n".join(out + [w + "+--------+"])
+
+
+def fake_runner(version, first_rows, override_rows=None, rc=0, ok=True):
+    calls = []
+
+    def run(plan, src, dst, extra, timeout_s):
+        calls.append(dict(extra))
+        rows = override_rows if extra.get("UCX_CUDA_IPC_BW") and override_rows else first_rows
+        rep = json.dumps({"ok": ok, "ucx_version": version, "bad_moved_pages": 0 if ok else 3})
+        text = "\n".join([proto_table("host memory", "host", [("0..inf", "zero-copy", "cma/memory")]),
+                          proto_table("cuda/GPU0", "cuda", rows), rep])
+        return rc, text
+    return run, calls
+
+
+def test_ucx_direct_path_staging_pipeline_and_the_override(tmp_path):
+    p, _ = pcie_plan(tmp_path)
+    run, calls = fake_runner("1.24.0", [("0..inf", "zero-copy", "cuda_ipc/cuda")])
+    fails, notes = pc.check_ucx(p, runner=run)
+    assert fails == [] and len(calls) == 1
+    assert "GPU 0 -> GPU 4 KV writes take the direct path: 0..inf: zero-copy via cuda_ipc/cuda" in notes
+    assert any("host->host cma" in n and "cuda->cuda cuda_ipc" in n for n in notes)
+    staged = [("0..8191", "zero-copy", "cuda_ipc/cuda"), ("8192..inf", "pipeline cuda_copy", "cuda_copy/cuda, tcp/lo")]
+    run, calls = fake_runner("1.20.0", staged, override_rows=[("0..inf", "zero-copy", "cuda_ipc/cuda")])
+    fails, notes = pc.check_ucx(p, runner=run)
+    assert fails == [] and calls == [{}, {"UCX_CUDA_IPC_BW": "50GBs"}]
+    assert any(n.startswith("WARNING: UCX 1.20.0 predates UCX PR #11865") for n in notes)
+    w = [n for n in notes if "do not take cuda_ipc zero-copy" in n]
+    assert len(w) == 1 and "8192..inf: pipeline cuda_copy via cuda_copy/cuda, tcp/lo" in w[0]
+    assert "set UCX_CUDA_IPC_BW=50GBs" in w[0]
+    run, _ = fake_runner("1.23.0", staged)
+    fails, notes = pc.check_ucx(p, runner=run)
+    assert any("UCX 1.23.0: UCX PR #11865 reached the v1.23.x branch" in n for n in notes)
+    assert any("UCX_CUDA_IPC_BW=50GBs does not change it here" in n for n in notes)
+
+
+def test_ucx_hang_and_failed_transfer_fail_the_preflight(tmp_path):
+    p, _ = pcie_plan(tmp_path)
+    run, _ = fake_runner("1.24.0", [], rc=124)
+    fails, _ = pc.check_ucx(p, runner=run, timeout_s=33)
+    assert len(fails) == 1 and "did not finish within 33 s" in fails[0] and "UCX_NET_DEVICES" in fails[0]
+    run, _ = fake_runner("1.24.0", [], ok=False, rc=1)
+    fails, _ = pc.check_ucx(p, runner=run)
+    assert fails == ["NIXL/UCX GPU 0 -> GPU 4 KV write failed: 3 moved pages differ"]
+    split = plan_for(NODE_ROLE="decode,router")
+    assert pc.check_ucx(split, runner=lambda *a: pytest.fail("nothing to probe"))[1][0].startswith(
+        "prefill and decode are not both on this host")
+
+
+def test_ucx_version_states():
+    assert ucx_info.version_note("1.19.1")[0] == "old"
+    assert ucx_info.version_note("1.23.0")[0] == "backport"
+    assert ucx_info.version_note("1.24.2")[0] == "fixed"
+    assert ucx_info.version_note(None)[0] == "unknown"
+
+
+def test_numa_note_and_single_host_ucx_pinning_in_the_run(tmp_path):
+    p, _ = pcie_plan(tmp_path, PREFLIGHT_SKIP="gpu,model,patches,nixl,ports,router,p2p,ucx")
+    said = []
+    assert pf.run_preflight(p, say=said.append) == []
+    assert "preflight numa: prefill (GPUs 0,1,2,3): NUMA node 0, CPUs 0-7 [GPU 0: node 0, GPU 1: node 0, " \
+           "GPU 2: node 0, GPU 3: node 0]" in said
+    assert any(x.startswith("preflight numa: decode (GPUs 4,5,6,7): NUMA node 1, CPUs 8-15") for x in said)
+    # one host: UCX network devices pinned to loopback (the unpinned hang); not over a user's choice or across hosts
+    assert all(x.env.get("UCX_NET_DEVICES") == "lo" for x in p.procs if x.role != "router")
+    mine = plan_for(UCX_NET_DEVICES="mlx5_0:1")
+    assert all("UCX_NET_DEVICES" not in x.env for x in mine.procs)
+    multi = plan_for(PREFILL_HOST="10.0.0.1", DECODE_HOST="10.0.0.2")
+    assert all("UCX_NET_DEVICES" not in x.env for x in multi.procs)
+    assert pc.server_env(p, {})["UCX_NET_DEVICES"] == "lo" and "CUDA_VISIBLE_DEVICES" not in pc.server_env(p, {})

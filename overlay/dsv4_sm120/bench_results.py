@@ -1,4 +1,4 @@
-"""Benchmark results files: one CSV per subject (``bench/results/attention.csv``, ``moe.csv``, ``fp8.csv``).
+"""Benchmark results files: one CSV per subject (``bench/results/attention.csv``, ``moe.csv``, ``fp8.csv``, ``kv.csv``).
 
 Every benchmark run appends one row per measured point; nothing is ever rewritten. The committed tables
 (``bench/results/<subject>_<gpu>.md``) are generated from these files: :func:`latest_rows` keeps the newest row
@@ -34,21 +34,26 @@ SHAPE_FIELDS = {
     "attention": ("layout", "heads", "batch", "context"),
     "moe": ("tokens", "hidden", "inter", "experts", "topk", "routing"),
     "fp8": ("n", "k", "m"),
+    # prompt tokens, bytes one TP rank's KV pages of that prompt take, descriptors (pages) moved, GPU pair
+    "kv": ("prompt", "bytes", "descs", "src", "dst"),
 }
 TAIL = ("gpu", "torch", "triton", "cuda", "driver", "commit", "date", "command", "us", "gbps", "rel_err", "notes")
 NUMERIC = ("us", "gbps", "rel_err")
 # the shape field that becomes the table's columns
-X_FIELD = {"attention": "batch", "moe": "tokens", "fp8": "m"}
-X_LABEL = {"attention": "B", "moe": "M", "fp8": "M"}
+X_FIELD = {"attention": "batch", "moe": "tokens", "fp8": "m", "kv": "prompt"}
+X_LABEL = {"attention": "B", "moe": "M", "fp8": "M", "kv": "N"}
 # (numerator impl, denominator impl, label) of the ratio row printed under each table
 RATIO = {"attention": ("ours-bf16", "flashmla", "ours-bf16 / flashmla"),
          "moe": ("nvfp4-bf16", "fp8-baseline", "nvfp4-bf16 / fp8-baseline"),
-         "fp8": ("triton-sglang-default-cfg", "triton-tuned", "speedup (default cfg / tuned)")}
+         "fp8": ("triton-sglang-default-cfg", "triton-tuned", "speedup (default cfg / tuned)"),
+         "kv": ("nixl-ucx", "memcpy-peer", "nixl-ucx / memcpy-peer")}
 # impls listed first (in this order) in a table; others follow by name
 IMPL_ORDER = {"attention": ("ours-bf16", "ours-fp8", "flashmla", "flashinfer", "upstream-triton", "torch-eager"),
               "moe": ("nvfp4-bf16", "nvfp4-fp4", "fp8-baseline", "bf16-baseline"),
-              "fp8": ("triton-tuned", "triton-sglang-default-cfg", "triton-sglang-shipped-cfg")}
-TITLE = {"attention": "Sparse MLA decode", "moe": "NVFP4 fused MoE", "fp8": "FP8 block GEMM (SGLang's Triton kernel)"}
+              "fp8": ("triton-tuned", "triton-sglang-default-cfg", "triton-sglang-shipped-cfg"),
+              "kv": ("nixl-ucx", "memcpy-peer")}
+TITLE = {"attention": "Sparse MLA decode", "moe": "NVFP4 fused MoE", "fp8": "FP8 block GEMM (SGLang's Triton kernel)",
+         "kv": "PD KV transfer (one TP4 rank's DSv4 pages, NIXL/UCX vs a plain peer copy)"}
 DEFAULT_VARIANT = "default"
 
 

@@ -70,6 +70,9 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "DRY_RUN": ("0", "1 = print the commands and environment, start nothing"),
     "DSV4_SERVE_STANDIN": ("0", "1 = stand-in HTTP servers instead of SGLang (rehearsal and tests; no GPU)"),
     "NVIDIA_SMI": ("nvidia-smi", "nvidia-smi executable used by the GPU preflight"),
+    "NUMA_BIND": ("1", "1 = bind each server to the NUMA node its GPUs hang off (read from sysfs); 0 = unbound, SGLang's own auto-binding off too"),
+    "WARMUP": ("auto", "one real request through the router before READY (the first KV transfer's cold start); auto = on for real servers, off for stand-ins; 1 / 0"),
+    "WARMUP_TIMEOUT_S": ("600", "seconds the warm-up request may take before the start fails"),
 }
 
 
@@ -92,6 +95,7 @@ class Proc:
     binds: List[Tuple[str, int, str]]        # (host, port, what)
     gpus: List[int] = field(default_factory=list)
     log: str = ""
+    numa: Dict = field(default_factory=dict)      # topology.NumaBinding.to_dict() of a server
 
 
 @dataclass
@@ -338,6 +342,17 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
                            (rh, ports["ROUTER_PROMETHEUS_PORT"], "router metrics")]))
     for p in procs:
         p.log = str(run_dir / f"{p.role}.log")
+    _bind_numa(procs, s, environ)
+    if not multi_node and not s["IB_DEVICE"] and not any(k == "UCX_NET_DEVICES" for k, _, _ in common_env):
+        # One host: KV moves over cuda_ipc / shared memory; pinning UCX's network devices to loopback keeps
+        # its wire-up off unreachable interfaces (docker bridges, down IB ports), where transfers can hang
+        # until SGLang's timeout.
+        for p in procs:
+            if p.role in ("prefill", "decode"):
+                p.env["UCX_NET_DEVICES"] = "lo"
+    if s["WARMUP"].strip() not in ("auto", "0", "1"):
+        raise ConfigError(f"WARMUP={s['WARMUP']!r}: expected auto, 1 or 0")
+    _int(s, "WARMUP_TIMEOUT_S", 1)
 
     # Two parts on one host must not share a port.
     seen: Dict[Tuple[str, int], str] = {}
@@ -358,6 +373,30 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
                 settings=s, common_env=common_env, procs=procs, remote_health=remote,
                 urls={"prefill": prefill_url, "decode": decode_url, "router": router_url}, fp8_reason=fp8_reason,
                 spec_reason=spec_reason)
+
+
+def _bind_numa(procs: List[Proc], s: Dict[str, str], environ: Mapping[str, str]) -> None:
+    """NUMA placement of the servers from the box's topology (``topology.numa_bindings``): the node goes
+    into ``Proc.numa`` (the supervisor pins the server to it) and SGLang gets ``--numa-node`` per TP rank.
+    ``NUMA_BIND=0`` leaves both unbound and turns SGLang's own automatic binding off."""
+    from .topology import numa_bindings, sglang_numa_args
+
+    servers = [p for p in procs if p.role in ("prefill", "decode")]
+    if not servers:
+        return
+    if s["NUMA_BIND"].strip() not in ("0", "1"):
+        raise ConfigError(f"NUMA_BIND={s['NUMA_BIND']!r}: expected 1 (bind to the GPUs' NUMA node) or 0")
+    enabled = s["NUMA_BIND"].strip() == "1"
+    sysfs = Path(environ.get("DSV4_SERVE_SYSFS_ROOT") or "/sys")
+    binds = numa_bindings({p.role: p.gpus for p in servers}, s["NVIDIA_SMI"] or "nvidia-smi", sysfs, enabled)
+    for p in servers:
+        b = binds[p.role]
+        p.numa = b.to_dict()
+        p.numa["text"] = b.describe()
+        if not enabled:
+            p.env["SGLANG_AUTO_NUMA_BIND"] = "0"
+        elif "--numa-node" not in p.argv:      # a --numa-node in *_EXTRA_ARGS is the user's choice
+            p.argv += sglang_numa_args(b)
 
 
 def changed_settings(plan: Plan) -> List[Tuple[str, str]]:
@@ -392,6 +431,9 @@ def render_dry_run(plan: Plan) -> str:
     out.append(f"# fp8 gemm backend: {plan.fp8_reason}")
     if plan.spec_reason:
         out.append(f"# speculative decoding: {plan.spec_reason}")
+    for p in plan.procs:
+        if p.numa:
+            out.append(f"numa {p.role}: {p.numa.get('text', '')}")
     out.append(f"run_dir {plan.run_dir}")
     for p in plan.procs:
         out.append(f"health {p.role}: {p.health_url}")

@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from .ucx_info import loaded_ucx_version
+
 TOKEN_ROW = 576          # 448 fp8 nope bytes + 64 bf16 rope values
 NOPE_BYTES = 448
 ROPE_BYTES = 128
@@ -95,22 +97,41 @@ def _make_agent(name: str, backend: str):
     return agent
 
 
-def _register(agent, pools) -> None:
+def _addr(p) -> int:
+    """Base address of a pool: a numpy array (DRAM) or a torch CUDA tensor (VRAM)."""
+    return p.ctypes.data if hasattr(p, "ctypes") else p.data_ptr()
+
+
+def _host(p):
+    """The pool's bytes as a numpy array (a copy for a GPU tensor)."""
+    return p if hasattr(p, "ctypes") else p.cpu().numpy()
+
+
+def _place(pool, mem: str, dev: int):
+    """A numpy pool as it lives in ``mem``: itself (DRAM) or a copy on GPU ``dev`` (VRAM)."""
+    if mem == "DRAM":
+        return pool
+    import torch
+
+    return torch.from_numpy(pool).to(f"cuda:{dev}")
+
+
+def _register(agent, pools, mem: str = "DRAM", dev: int = 0) -> None:
     import numpy as np
 
-    regs = np.array([[p.ctypes.data, p.nbytes, 0] for p in pools], dtype=np.uint64)
-    agent.register_memory(regs, "DRAM")
+    regs = np.array([[_addr(p), p.nbytes, dev] for p in pools], dtype=np.uint64)
+    agent.register_memory(regs, mem)
 
 
-def _page_descs(pools, pages: Sequence[int]):
+def _page_descs(pools, pages: Sequence[int], dev: int = 0):
     """Descriptor rows (addr, len, dev) for ``pages`` of every layer pool, layer-major."""
     import numpy as np
 
     rows = []
     for p in pools:
         pb = p.shape[1]
-        base = p.ctypes.data
-        rows.extend([base + int(i) * pb, pb, 0] for i in pages)
+        base = _addr(p)
+        rows.extend([base + int(i) * pb, pb, dev] for i in pages)
     return np.array(rows, dtype=np.uint64)
 
 
@@ -134,9 +155,10 @@ def _plan(num_pages: int, n_xfer: int, seed: int):
     return [int(x) for x in src], [int(x) for x in dst]
 
 
-def _initiator_write(agent, remote_name: str, src_pools, src_pages, remote_rows, notif: bytes, timeout_s: float):
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _page_descs(src_pools, src_pages), "DRAM")
-    remote = agent.prep_xfer_dlist(remote_name, remote_rows, "DRAM")
+def _initiator_write(agent, remote_name: str, src_pools, src_pages, remote_rows, notif: bytes, timeout_s: float,
+                     mem: str = "DRAM", dev: int = 0):
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _page_descs(src_pools, src_pages, dev), mem)
+    remote = agent.prep_xfer_dlist(remote_name, remote_rows, mem)
     n = len(remote_rows)
     h = agent.make_prepped_xfer("WRITE", local, list(range(n)), remote, list(range(n)), notif)
     st = agent.transfer(h)
@@ -156,7 +178,7 @@ def _verify(src_pools, src_pages, dst_pools, dst_pages, num_pages: int) -> Dict[
     """Compare every moved page byte for byte; untouched destination pages must still hold the poison."""
     bad_moved, bad_untouched = 0, 0
     touched = set(dst_pages)
-    for sp, dp in zip(src_pools, dst_pools):
+    for sp, dp in zip(map(_host, src_pools), map(_host, dst_pools)):
         for s, d in zip(src_pages, dst_pages):
             if not (sp[s] == dp[d]).all():
                 bad_moved += 1
@@ -168,12 +190,25 @@ def _verify(src_pools, src_pages, dst_pools, dst_pages, num_pages: int) -> Dict[
 
 def run_check(page_tokens: int = 64, num_pages: int = 12, num_layers: int = 3, n_xfer: int = 5,
               seed: Optional[int] = None, backend: str = "UCX", timeout_s: float = 30.0,
-              two_process: bool = False, corrupt_after: bool = False) -> dict:
+              two_process: bool = False, corrupt_after: bool = False, mem: str = "DRAM",
+              src_gpu: int = 0, dst_gpu: int = 0) -> dict:
     """Move ``n_xfer`` scattered pages of ``num_layers`` layer pools from a prefill agent to a decode agent.
 
-    Returns a report dict (``ok`` plus counts). ``corrupt_after`` flips one byte in the
-    destination after the transfer (used by tests to show the verification can fail).
+    Returns a report dict (``ok`` plus counts, ``ucx_version``). ``corrupt_after`` flips one byte in the
+    destination after the transfer (used by tests to show the verification can fail). ``mem="VRAM"`` puts
+    the pools on GPUs ``src_gpu`` / ``dst_gpu`` (torch needed; use ``two_process``: UCX's cuda_ipc, the
+    path the servers take, only connects two processes).
     """
+    if mem not in ("DRAM", "VRAM"):
+        raise ValueError(f"mem must be DRAM or VRAM, not {mem!r}")
+    if mem == "VRAM":
+        try:
+            import torch
+        except ImportError:
+            raise NixlCheckError("VRAM check needs torch", 2)
+        if not torch.cuda.is_available() or max(src_gpu, dst_gpu) >= torch.cuda.device_count():
+            raise NixlCheckError(f"VRAM check needs GPUs {src_gpu} and {dst_gpu}; this box has "
+                                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}", 2)
     import numpy as np
 
     if seed is None:
@@ -181,33 +216,37 @@ def run_check(page_tokens: int = 64, num_pages: int = 12, num_layers: int = 3, n
     if not 0 < n_xfer <= num_pages:
         raise ValueError("need 0 < n_xfer <= num_pages")
     src_pages, dst_pages = _plan(num_pages, n_xfer, seed)
-    src_pools = [make_kv_pages(num_pages, page_tokens, seed + li) for li in range(num_layers)]
+    src_pools = [_place(make_kv_pages(num_pages, page_tokens, seed + li), mem, src_gpu) for li in range(num_layers)]
     notif = f"room={seed}:pages={n_xfer}".encode()
     t0 = time.monotonic()
     report = {"backend": backend, "page_tokens": page_tokens, "page_bytes": kv_page_bytes(page_tokens),
               "num_layers": num_layers, "pages_moved": n_xfer, "seed": seed, "two_process": two_process,
-              "bytes_moved": n_xfer * num_layers * kv_page_bytes(page_tokens)}
+              "bytes_moved": n_xfer * num_layers * kv_page_bytes(page_tokens), "mem": mem,
+              "src_gpu": src_gpu if mem == "VRAM" else None, "dst_gpu": dst_gpu if mem == "VRAM" else None}
     if not two_process:
         prefill = _make_agent("dsv4-check-prefill", backend)
         decode = _make_agent("dsv4-check-decode", backend)
-        dst_pools = [np.full((num_pages, kv_page_bytes(page_tokens)), POISON, dtype=np.uint8)
+        dst_pools = [_place(np.full((num_pages, kv_page_bytes(page_tokens)), POISON, dtype=np.uint8), mem, dst_gpu)
                      for _ in range(num_layers)]
-        _register(prefill, src_pools)
-        _register(decode, dst_pools)
+        _register(prefill, src_pools, mem, src_gpu)
+        _register(decode, dst_pools, mem, dst_gpu)
         name = prefill.add_remote_agent(decode.get_agent_metadata())
         name = name.decode() if isinstance(name, bytes) else name
         decode.add_remote_agent(prefill.get_agent_metadata())
-        _initiator_write(prefill, name, src_pools, src_pages, _page_descs(dst_pools, dst_pages), notif, timeout_s)
+        _initiator_write(prefill, name, src_pools, src_pages, _page_descs(dst_pools, dst_pages, dst_gpu), notif,
+                         timeout_s, mem, src_gpu)
         _wait(lambda: decode.check_remote_xfer_done("dsv4-check-prefill", notif), timeout_s,
               "the transfer notification on the decode agent")
         if corrupt_after:
             dst_pools[0][dst_pages[0], 17] ^= 0x01
+        report["ucx_version"] = loaded_ucx_version()
         report.update(_verify(src_pools, src_pages, dst_pools, dst_pages, num_pages))
     else:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_target_process, args=(child, backend, page_tokens, num_pages, num_layers,
-                                                         dst_pages, notif, timeout_s, corrupt_after), daemon=True)
+                                                         dst_pages, notif, timeout_s, corrupt_after, mem, dst_gpu),
+                           daemon=True)
         proc.start()
         try:
             if not parent.poll(timeout_s + 30):
@@ -216,13 +255,14 @@ def run_check(page_tokens: int = 64, num_pages: int = 12, num_layers: int = 3, n
             if "error" in msg:
                 raise NixlCheckError(msg["error"], msg.get("code", 1))
             prefill = _make_agent("dsv4-check-prefill", backend)
-            _register(prefill, src_pools)
+            report["ucx_version"] = loaded_ucx_version()
+            _register(prefill, src_pools, mem, src_gpu)
             name = prefill.add_remote_agent(msg["metadata"])
             name = name.decode() if isinstance(name, bytes) else name
             parent.send({"metadata": prefill.get_agent_metadata(),
-                         "digests": [[page_digest(p[s]) for s in src_pages] for p in src_pools]})
+                         "digests": [[page_digest(_host(p)[s]) for s in src_pages] for p in src_pools]})
             remote_rows = np.array(msg["rows"], dtype=np.uint64)
-            _initiator_write(prefill, name, src_pools, src_pages, remote_rows, notif, timeout_s)
+            _initiator_write(prefill, name, src_pools, src_pages, remote_rows, notif, timeout_s, mem, src_gpu)
             if not parent.poll(timeout_s + 30):
                 raise NixlCheckError("the decode-side process did not report its verification")
             res = parent.recv()
@@ -239,15 +279,17 @@ def run_check(page_tokens: int = 64, num_pages: int = 12, num_layers: int = 3, n
     return report
 
 
-def _target_process(conn, backend, page_tokens, num_pages, num_layers, dst_pages, notif, timeout_s, corrupt_after):
+def _target_process(conn, backend, page_tokens, num_pages, num_layers, dst_pages, notif, timeout_s, corrupt_after,
+                    mem="DRAM", dst_gpu=0):
     """Decode side in its own process: register a poisoned pool, wait for the write, verify digests."""
     import numpy as np
 
     try:
         decode = _make_agent("dsv4-check-decode", backend)
-        pools = [np.full((num_pages, kv_page_bytes(page_tokens)), POISON, dtype=np.uint8) for _ in range(num_layers)]
-        _register(decode, pools)
-        conn.send({"metadata": decode.get_agent_metadata(), "rows": _page_descs(pools, dst_pages).tolist()})
+        pools = [_place(np.full((num_pages, kv_page_bytes(page_tokens)), POISON, dtype=np.uint8), mem, dst_gpu)
+                 for _ in range(num_layers)]
+        _register(decode, pools, mem, dst_gpu)
+        conn.send({"metadata": decode.get_agent_metadata(), "rows": _page_descs(pools, dst_pages, dst_gpu).tolist()})
         if not conn.poll(timeout_s + 30):
             raise NixlCheckError("the prefill-side process did not send its metadata")
         msg = conn.recv()
@@ -256,6 +298,7 @@ def _target_process(conn, backend, page_tokens, num_pages, num_layers, dst_pages
               "the transfer notification on the decode agent")
         if corrupt_after:
             pools[0][dst_pages[0], 17] ^= 0x01
+        pools = [_host(p) for p in pools]
         bad_moved = sum(1 for li, p in enumerate(pools) for k, d in enumerate(dst_pages)
                         if page_digest(p[d]) != msg["digests"][li][k])
         touched = set(dst_pages)
@@ -278,10 +321,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--two-process", action="store_true", help="put the decode agent in a second process")
+    ap.add_argument("--mem", choices=("dram", "vram"), default="dram",
+                    help="vram: pools on GPUs --src-gpu / --dst-gpu (implies --two-process; needs torch)")
+    ap.add_argument("--src-gpu", type=int, default=0)
+    ap.add_argument("--dst-gpu", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     a = ap.parse_args(argv)
     try:
-        rep = run_check(a.page_tokens, a.pages, a.layers, a.moved, a.seed, a.backend, a.timeout, a.two_process)
+        rep = run_check(a.page_tokens, a.pages, a.layers, a.moved, a.seed, a.backend, a.timeout,
+                        a.two_process or a.mem == "vram", mem=a.mem.upper(), src_gpu=a.src_gpu, dst_gpu=a.dst_gpu)
     except NixlCheckError as e:
         print(f"nixl check: FAILED: {e}", file=sys.stderr)
         return e.code

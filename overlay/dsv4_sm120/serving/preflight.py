@@ -10,7 +10,17 @@ Checks (names usable in ``PREFLIGHT_SKIP``):
            model.safetensors.index.json (every header read and checked, no tensor data), or a Hugging Face id
   patches  the environment's SGLang is patched with this repo's series (``dsv4_sm120.patching status``)
   nixl     ``import nixl`` works with a UCX backend and moves DSv4 KV pages intact (``nixl_check``)
+  numa     prints each server's NUMA placement (``topology``; never fails)
+  p2p      CUDA peer access and a short timed copy within each TP group and from every prefill GPU to every
+           decode GPU (``p2p_probe``), diagnosed by ``p2p_diag`` (a hang or a corrupt copy fails, with the
+           IOMMU / ACS fix and the NCCL_P2P_DISABLE=1 fallback; no peer access or slow copies warn)
+  ucx      UCX version and the protocol UCX selects for GPU-to-GPU KV writes (a two-process NIXL transfer
+           between the first prefill and the first decode GPU with UCX_PROTO_INFO=y, ``ucx_info``); warns
+           when it is not cuda_ipc zero-copy or the UCX predates the RTX PRO 6000 bandwidth fix, and tries
+           the override that restores the direct path
   router   ``sglang_router`` is installed (when the router runs on this host)
+
+A check may also print notes (``preflight NAME: ...``) that do not stop the start.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..safetensors_index import INDEX_FILE, scan_checkpoint
 from .config import Plan
+from .pcie_checks import check_numa, check_p2p, check_ucx
 
-CHECKS = ("ports", "gpu", "model", "patches", "nixl", "router")
-STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl")
+CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router")
+STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx")
 MODEL_PROBLEMS_SHOWN = 5
 HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -255,9 +266,10 @@ def check_overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> List
     return check_env(env)
 
 
-RUNNERS: Dict[str, Callable[[Plan], List[str]]] = {
+RUNNERS: Dict[str, Callable] = {
     "ports": check_ports, "gpu": check_gpu, "model": check_model,
     "patches": check_patches, "nixl": check_nixl, "router": check_router,
+    "numa": check_numa, "p2p": check_p2p, "ucx": check_ucx,
 }
 
 
@@ -274,6 +286,11 @@ def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
             say(f"preflight {name}: skipped")
             continue
         res = RUNNERS[name](plan)
+        notes: List[str] = []
+        if isinstance(res, tuple):
+            res, notes = res
         say(f"preflight {name}: {'ok' if not res else 'FAILED'}")
+        for n in notes:
+            say(f"preflight {name}: {n}")
         failures += res
     return failures

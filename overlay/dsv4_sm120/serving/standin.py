@@ -19,6 +19,9 @@ Failure injection (for orchestration tests), each applying to the role named in
                                     (it outlives a crashed stand-in: teardown must find it by group)
   DSV4_STANDIN_TRACE_TP=<n>         on /start_profile, write n synthetic per-rank trace files (rehearses
                                     the capture plumbing of bench/profile_capture.py; not measurements)
+  DSV4_STANDIN_FIRST_GENERATE_S=<s> the first generation request waits s seconds (a transport cold start,
+                                    what the supervisor's warm-up absorbs before READY)
+  DSV4_STANDIN_FAIL_GENERATE=1      answer generation requests with HTTP 500 (a broken KV transfer)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
 _lock = threading.Lock()
+_first_generate = {"pending": True}
 
 
 def _record(entry: dict) -> None:
@@ -75,7 +79,7 @@ def _write_synthetic_traces(body: dict, tp: int) -> None:
 
 
 def make_handler(role: str, model: str, served: str, ready_at: float, args: argparse.Namespace,
-                 unhealthy_file: str = ""):
+                 unhealthy_file: str = "", mine: bool = True):
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -136,6 +140,13 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
                 return self._send(200, raw=b"OK", ctype="text/plain")
             if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
                 return self._send(404, {"error": f"standin: no POST {path}"})
+            if mine and os.environ.get("DSV4_STANDIN_FAIL_GENERATE") == "1":
+                return self._send(500, {"error": "standin: KV transfer failed (DSV4_STANDIN_FAIL_GENERATE=1)"})
+            first_wait = float(os.environ.get("DSV4_STANDIN_FIRST_GENERATE_S", "0") or 0) if mine else 0.0
+            with _lock:
+                first, _first_generate["pending"] = _first_generate["pending"], False
+            if first and first_wait:
+                time.sleep(first_wait)
             text = "" if role == "prefill" else "standin decode output"
             meta = {"id": str(body.get("bootstrap_room", "")), "finish_reason": {"type": "length", "length": 4},
                     "prompt_tokens": 4, "completion_tokens": 0 if role == "prefill" else 4, "cached_tokens": 0,
@@ -199,6 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model-path", default="standin")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--numa-node", type=int, nargs="+", default=None)
     args, _unknown = ap.parse_known_args(argv)
     role = args.disaggregation_mode
 
@@ -220,7 +232,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     served = args.served_model_name or args.model_path
     unhealthy = os.environ.get("DSV4_STANDIN_UNHEALTHY_WHEN_FILE", "") if mine else ""
-    handler = make_handler(role, args.model_path, served, time.time() + startup, args, unhealthy)
+    handler = make_handler(role, args.model_path, served, time.time() + startup, args, unhealthy, mine)
     servers = [ThreadingHTTPServer((args.host, args.port), handler)]
     if role == "prefill":
         servers.append(ThreadingHTTPServer((args.host, args.disaggregation_bootstrap_port), handler))

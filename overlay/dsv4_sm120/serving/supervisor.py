@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .config import Plan
+from .topology import apply_binding
 
 POLL_S = float(os.environ.get("DSV4_SERVE_POLL_S", "1.0"))
 
@@ -115,6 +117,48 @@ def _pdeathsig() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _child_setup(numa: Optional[dict]) -> Callable[[], None]:
+    """preexec_fn of a part: PDEATHSIG, and for a server with a NUMA node its CPU / memory binding
+    (inherited by every process the server starts; see topology.apply_binding)."""
+    def setup() -> None:
+        _pdeathsig()
+        if numa and numa.get("node") is not None:
+            apply_binding(numa.get("cpus") or [], numa["node"])
+    return setup
+
+
+WARMUP_PROMPT = ("Warm-up request of the dsv4_sm120 deployment: it moves this prompt's KV pages from the "
+                 "prefill server to the decode server once, so the transport's cold start is paid here. ") * 12
+
+
+def warmup_request(router_url: str, timeout_s: float) -> Tuple[bool, float, str]:
+    """One real /generate through the router (prefill, KV transfer, one decode step).
+    Returns (ok, seconds, detail)."""
+    body = json.dumps({"text": WARMUP_PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                       "rid": f"dsv4-warmup-{os.getpid()}-{int(time.time())}"}).encode()
+    req = urllib.request.Request(router_url.rstrip("/") + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            raw = r.read()
+            code = r.status
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:300].decode(errors="replace").strip()
+        return False, time.monotonic() - t0, f"HTTP {e.code}: {detail}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        return False, time.monotonic() - t0, f"{type(reason).__name__}: {reason}"
+    dt = time.monotonic() - t0
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        return False, dt, f"HTTP {code} with a body that is not JSON: {raw[:120]!r}"
+    if not isinstance(out, dict) or "text" not in out:
+        return False, dt, f"HTTP {code} without generated text: {raw[:200]!r}"
+    return True, dt, ""
 
 
 def http_ok(url: str, timeout: float = 3.0) -> bool:
@@ -230,13 +274,14 @@ class Supervisor:
         self.stop_requested: Optional[int] = None
         self.grace = float(plan.settings["STOP_GRACE_S"])
         self.message = ""
+        self.warmup_s: Optional[float] = None
 
     # -- state --------------------------------------------------------------
     def write_state(self) -> None:
         st = {"supervisor_pid": os.getpid(), "supervisor_start": proc_start_time(os.getpid()),
               "status": self.status, "message": self.message, "variant": self.plan.variant,
               "roles": self.plan.roles, "urls": self.plan.urls, "run_dir": str(self.run_dir),
-              "updated": time.time(), "standin": self.plan.standin,
+              "updated": time.time(), "standin": self.plan.standin, "warmup_s": self.warmup_s,
               "procs": [{"role": r, "pid": p.pid, "pgid": p.pid, "start": self.starts.get(r),
                          "log": next(x.log for x in self.plan.procs if x.role == r),
                          "health_url": next(x.health_url for x in self.plan.procs if x.role == r)}
@@ -274,12 +319,14 @@ class Supervisor:
         logf.write(f"[serve] {time.strftime('%Y-%m-%d %H:%M:%S')} starting {role}: {' '.join(p.argv)}\n".encode())
         child = subprocess.Popen(p.argv, env=self.child_env(p.env), stdin=subprocess.DEVNULL, stdout=logf,
                                  stderr=subprocess.STDOUT, cwd=str(self.run_dir), start_new_session=True,
-                                 preexec_fn=_pdeathsig)
+                                 preexec_fn=_child_setup(p.numa))
         logf.close()
         self.children[role] = child
         self.starts[role] = proc_start_time(child.pid)
         self.write_state()
         say(f"started {role} (pid {child.pid}), log {p.log}")
+        if p.numa:
+            say(f"{role} NUMA placement: {p.numa.get('text', '')}")
 
     def dead_child(self) -> Optional[Tuple[str, int]]:
         for role, c in self.children.items():
@@ -363,6 +410,9 @@ class Supervisor:
                                                         if p.role == "router")}, timeout)
                 if err:
                     return self._startup_failure(err)
+                err = self.warmup()
+                if err:
+                    return self._startup_failure(err)
         except OSError as e:
             return self.fail(f"could not start a part: {e}")
         self.status = "ready"
@@ -371,6 +421,41 @@ class Supervisor:
             + (f"; router at {self.plan.urls['router']}" if "router" in self.plan.roles else "")
             + f"; run dir {self.run_dir}; stop with serve/stop.sh")
         return self.supervise()
+
+    def warmup(self) -> Optional[str]:
+        """One real prefill-to-decode request through the router before READY (``WARMUP``), so no user
+        request pays the KV transport's cold start (UCX endpoint and memory-handle setup). Its time goes
+        to the log and to state.json (``warmup_s``). None = done or off; else the failure line."""
+        setting = (self.plan.settings.get("WARMUP") or "auto").strip()
+        if setting == "0" or (setting == "auto" and self.plan.standin):
+            return None
+        timeout = float(self.plan.settings.get("WARMUP_TIMEOUT_S") or 600)
+        self.message = "warm-up request in flight"
+        self.write_state()
+        say(f"warm-up: one request through the router (prefill -> KV transfer -> decode), up to {timeout:g} s")
+        result: Dict[str, object] = {}
+
+        def go() -> None:
+            result["r"] = warmup_request(self.plan.urls["router"], timeout)
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(POLL_S)
+            if self.stop_requested:
+                return "stop requested during the warm-up"
+            dead = self.dead_child()
+            if dead:
+                return f"{dead[0]} exited with code {dead[1]} during the warm-up request"
+        ok, dt, detail = result["r"]
+        if not ok:
+            return (f"warm-up request through the router failed after {dt:.1f} s ({detail}): the prefill-to-decode "
+                    f"KV transfer does not work; see the prefill and decode logs (UCX_NET_DEVICES, UCX_TLS, "
+                    f"docs/pcie.md); WARMUP=0 starts without it")
+        self.warmup_s = round(dt, 3)
+        self.message = ""
+        say(f"warm-up: first prefill-to-decode request through the router took {dt:.2f} s")
+        return None
 
     def _startup_failure(self, err: str) -> int:
         if self.stop_requested:
