@@ -237,7 +237,7 @@ def test_router_and_python_checks():
 
 def test_preflight_skip_and_standin_defaults():
     assert pf.skipped_checks(plan_for()) == []
-    assert pf.skipped_checks(plan_for(DSV4_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl"]
+    assert pf.skipped_checks(plan_for(DSV4_SM120_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpu, nixl")) == ["gpu", "nixl"]
     with pytest.raises(ValueError):
         pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpus"))

@@ -146,7 +146,7 @@ def detect_device_name() -> Optional[str]:
 def recommended_fp8_gemm_backend(device_name: Optional[str] = None,
                                  config_dir: Optional[Path] = None) -> Tuple[Optional[str], str]:
     """(backend, reason): ``"triton"`` when the tuner's summary for this device says Triton wins, else None
-    (keep SGLang's default).  ``$DSV4_FP8_GEMM_BACKEND`` overrides (``auto`` / ``default`` mean None)."""
+    (keep SGLang's default).  ``$DSV4_SM120_FP8_GEMM_BACKEND`` overrides (``auto`` / ``default`` mean None)."""
     env = settings.get(ENV_BACKEND).strip()  # validated: SettingsError (a ValueError) names the variable
     if env:
         if env.lower() in ("auto", "default", "none"):

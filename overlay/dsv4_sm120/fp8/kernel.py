@@ -9,7 +9,7 @@ Sources (``--kernel-source``):
   whole does not import (another torch);
 * ``wheel`` -- ``fp8_kernel.py`` and SGLang's shipped configs extracted from the pinned wheel
   (``--sglang-wheel``; default: the last by name of the ``sglang-<pinned>-*.whl`` files under
-  ``$DSV4_CACHE/wheels``);
+  ``$DSV4_SM120_CACHE/wheels``);
 * ``auto`` -- installed when importable, else the wheel.
 
 Loading the file alone replaces the few SGLang names it imports with stand-ins that compute what SGLang
@@ -150,7 +150,7 @@ def load_kernel(source: str, wheel: Optional[Path], workdir: Path):
     wheel = wheel or default_wheel()
     if wheel is None:
         raise UsageError("SGLang is not importable here and no --sglang-wheel was given "
-                         f"(looked for sglang-{SGLANG_VERSION}-*.whl under $DSV4_CACHE/wheels)")
+                         f"(looked for sglang-{SGLANG_VERSION}-*.whl under $DSV4_SM120_CACHE/wheels)")
     path = extract_from_wheel(Path(wheel), workdir)
     return load_kernel_from_file(path), None, f"{Path(wheel).name} (fp8_kernel.py only)", path
 

@@ -30,7 +30,7 @@ def _say(msg: str) -> None:
 
 
 def _log_dir(environ) -> Path:
-    d = Path(os.path.expanduser(environ.get("LOG_DIR") or VARIABLES["LOG_DIR"][0]))
+    d = Path(os.path.expanduser(settings.get("LOG_DIR", environ) or VARIABLES["LOG_DIR"][0]))
     return d if d.is_absolute() else repo_root() / d
 
 

@@ -1,6 +1,6 @@
 """A small HTTP server standing in for ``python -m sglang.launch_server`` (no GPU, no model).
 
-Selected by ``DSV4_SERVE_STANDIN=1`` in the serving scripts: it takes the same command line
+Selected by ``DSV4_SM120_SERVE_STANDIN=1`` in the serving scripts: it takes the same command line
 (only ``--host``, ``--port``, ``--disaggregation-mode``, ``--disaggregation-bootstrap-port``,
 ``--model-path``, ``--served-model-name`` matter), binds the same ports (prefill also its
 bootstrap port), answers ``/health``, ``/health_generate``, ``/get_model_info``,
