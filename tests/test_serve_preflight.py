@@ -281,6 +281,12 @@ def test_overlay_env_check_catches_attention_typos_before_start(tmp_path):
     assert len(bad) == 1 and "no fp8 QK path" in bad[0]
     # the caller's environment counts too (it reaches the servers)
     assert pf.check_overlay_env(plan_for(), base={"DSV4_SM120_ATTN_CONFIG": "impl=fast"})
+    # every registered setting, the lines the patched SGLang's startup would stop at (dsv4_sm120.settings)
+    from dsv4_sm120.settings import validate
+
+    base = {"DSV4_SM120_MOE_BACKEND": "triton", "DSV4_SM120_" + "ATTN_BACKNED": "dsv4"}
+    bad = pf.check_overlay_env(plan_for(), base=base)
+    assert len(bad) == 2 and bad == validate(base), bad
     p = plan_for(DSV4_SM120_ATTN_CONFIG="BLOCK_N=48", PREFLIGHT_SKIP="patches,nixl,gpu,model,ports,router")
     said = []
     out = pf.run_preflight(p, say=said.append)

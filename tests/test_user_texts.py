@@ -97,7 +97,7 @@ def _env_names(text: str):
     """Upper-case names in backticks (`NAME` or `NAME=...`) that look like environment variables."""
     names = set()
     for tok in re.findall(r"`([^`\n]+)`", text):
-        for m in re.finditer(r"(?<![A-Za-z0-9_*<])([A-Z][A-Z0-9]*_[A-Z0-9_]*[A-Z0-9])(?![a-z0-9*>])", tok):
+        for m in re.finditer(r"(?<![A-Za-z0-9_*<])([A-Z][A-Z0-9]*_[A-Z0-9_]*[A-Z0-9])(?![A-Za-z0-9_*>])", tok):
             names.add(m.group(1))
     return names
 
