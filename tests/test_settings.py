@@ -80,7 +80,10 @@ def test_typed_values_and_defaults():
         S.get(S.PREFIX + "NO_SUCH")
 
 
-@pytest.mark.parametrize("name", [n for n, s in S._BY_NAME_OURS.items() if s.kind in ("choice", "bool", "int", "float")])
+TYPED = [n for n, s in S._BY_NAME_OURS.items() if s.kind in ("choice", "bool", "int", "float")]
+
+
+@pytest.mark.parametrize("name", TYPED)
 def test_bad_value_is_one_line_naming_variable_and_valid_values(name):
     s = S.setting(name)
     rnd = random.Random(name)

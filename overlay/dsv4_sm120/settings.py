@@ -142,7 +142,8 @@ _OURS: Tuple[Setting, ...] = (
             "runtime"),
     Setting("DSV4_SM120_ATTN_BACKEND", "choice", "dsv4",
             "who runs sparse-MLA decode / verify / draft rows on sm_120: `dsv4` = our tensor-core kernel; the "
-            "others are SGLang 0.5.23's own sm_120 paths", "runtime", choices=("dsv4", "flashinfer", "triton", "torch")),
+            "others are SGLang 0.5.23's own sm_120 paths", "runtime",
+            choices=("dsv4", "flashinfer", "triton", "torch")),
     Setting("DSV4_SM120_ATTN_PREFILL", "choice", "flashinfer",
             "who runs prefill (extend / mixed) rows when the backend is `dsv4`", "runtime",
             choices=("flashinfer", "dsv4")),
