@@ -6,17 +6,17 @@ VENV ?= .venv
 # absolute: the patch tool runs the environment's python from other directories
 VENV_ABS := $(abspath $(VENV))
 PY := $(VENV_ABS)/bin/python
-DSV4_CACHE ?= $(HOME)/.cache/dsv4_sm120
-export DSV4_CACHE
+DSV4_SM120_CACHE ?= $(HOME)/.cache/dsv4_sm120
+export DSV4_SM120_CACHE
 # SGLANG_ROOT=/path/to/site-packages/sglang patches that tree instead of the one in $(VENV).
 SGLANG_ROOT ?=
 ROOT_ARG := $(if $(SGLANG_ROOT),--sglang-root $(abspath $(SGLANG_ROOT)),)
 PATCH_PY := $(if $(wildcard $(PY)),$(PY),python3)
-PATCHING := DSV4_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.patching
+PATCHING := DSV4_SM120_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.patching
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe bench-fp8 bench-kv bench-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary freeze
+        bench-attention bench-moe bench-fp8 bench-kv bench-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary settings freeze
 
 # `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
 # them in two sections, each in file order.
@@ -28,7 +28,7 @@ help: ## list the targets
 	@echo "Maintainer targets (changing the patch series or the pinned environment):"
 	@grep -E '^[a-zA-Z0-9_-]+:.*##m ' $(MAKEFILE_LIST) | sed -E 's/:.*##m /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
 	@echo
-	@echo "Variables: VENV=$(VENV) (environment), SGLANG_ROOT=<sglang package dir> (patch another tree), DSV4_CACHE=$(DSV4_CACHE)"
+	@echo "Variables: VENV=$(VENV) (environment), SGLANG_ROOT=<sglang package dir> (patch another tree), DSV4_SM120_CACHE=$(DSV4_SM120_CACHE)"
 	@echo "           ATTN_VARIANTS / MOE_VARIANTS (launch variants bench-attention / bench-moe time next to the defaults; empty = none), ARGS=... (more bench options)"
 	@echo "Serving is configured by environment variables: bash serve/serve_dsv4_tp4.sh --help-vars lists them."
 
@@ -125,6 +125,9 @@ profile: ## torch-profiler trace of the decode server under load, summarised by 
 profile-summary: ## summarise a trace file offline: make profile-summary TRACE=path
 	@if [ -z "$(TRACE)" ]; then echo "usage: make profile-summary TRACE=<trace.json[.gz]>"; exit 2; fi
 	python3 bench/profile_summary.py $(TRACE)
+
+settings: ## list every environment variable the product reads (name, values, default, who reads it, meaning)
+	@PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.settings
 
 freeze: ##m regenerate requirements/constraints.txt from VENV
 	@{ echo "# pip freeze of the pinned environment (sglang==0.5.23 + requirements/runtime.txt), made by make freeze on $$(date -u +%F)."; \

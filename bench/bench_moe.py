@@ -18,7 +18,7 @@ weights come from HBM and not from L2.
 Cases (``--cases``): ``tp4`` (H 4096, I 512 per rank, E 256, top-6; M = 1,4,16,64,128,1024,4096; ``--m``
 overrides M). ``--variants 'deq=3;BN1=64,BK1=128;apre=0'``: launch variants of the default path, each a
 ','-list of Config fields (deq, BN1, BK1, BN2, BK2, warps1, warps2, stages, BM), align=inkernel|triton|torch|
-auto, aload=split|strided, apre=0|1; timed at ``--variant-m`` and recorded with that text as ``variant``.
+auto, apre=0|1; timed at ``--variant-m`` and recorded with that text as ``variant``.
 
   python bench/bench_moe.py                      # the tp4 case
   python bench/bench_moe.py --m 1,64 --variants 'deq=3' --variant-m 1,64
@@ -42,8 +42,7 @@ from dsv4_sm120 import bench_results as R  # noqa: E402
 # name -> (hidden, inter per rank, experts, top-k, token counts)
 CASES = {"tp4": (4096, 512, 256, 6, (1, 4, 16, 64, 128, 1024, 4096))}
 CONFIG_FIELDS = ("deq", "BN1", "BK1", "BN2", "BK2", "warps1", "warps2", "stages", "BM")
-ENV_KEYS = {"align": ("DSV4_SM120_MOE_ALIGN", ("inkernel", "triton", "torch", "auto")),
-            "aload": ("DSV4_SM120_MOE_ALOAD", ("split", "strided"))}
+ENV_KEYS = {"align": ("DSV4_SM120_MOE_ALIGN", ("inkernel", "triton", "torch", "auto"))}
 
 try:  # the kernels below need triton; --help does not
     import torch

@@ -24,7 +24,7 @@ from sass_tools import disassemble, hot_loop_ops  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deq", default="2,3", help="comma list of DSV4_SM120_MOE_DEQ decodes (1..4)")
+    p.add_argument("--deq", default="2,3", help="comma list of weight decodes (the kernels' DEQ constexpr, 1..4)")
     p.add_argument("--bn", type=int, default=32)
     p.add_argument("--bk", type=int, default=256)
     p.add_argument("--path", default="bf16", choices=("bf16", "fp4"), help="fp4: native dot_scaled (sm_100/120)")

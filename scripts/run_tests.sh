@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The CPU test suite: brings the pinned test environment up to date (cached under
-# ${DSV4_CACHE:-~/.cache/dsv4_sm120}/test-venv, created on demand), then runs pytest on tests/.
+# ${DSV4_SM120_CACHE:-~/.cache/dsv4_sm120}/test-venv, created on demand), then runs pytest on tests/.
 # Arguments go to pytest (default: `tests -q`).  "No tests ran" (pytest exit 5) is a failure, on purpose.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-cache=${DSV4_CACHE:-$HOME/.cache/dsv4_sm120}
+cache=${DSV4_SM120_CACHE:-$HOME/.cache/dsv4_sm120}
 venv=${TEST_VENV:-$cache/test-venv}
 t0=$(date +%s)
 "$here/scripts/setup_env.sh" "$venv" || { echo "[test] could not set up the test environment"; exit 2; }

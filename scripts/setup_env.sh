@@ -4,16 +4,16 @@
 #   requirements/runtime.txt and requirements/nodeps.txt, every version fixed by requirements/constraints.txt.
 # Usage: scripts/setup_env.sh VENV_DIR        (PYTHON=python3.11 to choose the interpreter)
 # Nothing is installed outside VENV_DIR: the SGLang wheel and the installer uv (requirements/tools.txt) are cached in
-# ${DSV4_CACHE:-~/.cache/dsv4_sm120}, the packages in uv's cache (${UV_CACHE_DIR:-~/.cache/uv}), from which uv
+# ${DSV4_SM120_CACHE:-~/.cache/dsv4_sm120}, the packages in uv's cache (${UV_CACHE_DIR:-~/.cache/uv}), from which uv
 # hard-links them into VENV_DIR when both are on one file system: a second environment costs seconds and little disk.
-# DSV4_INSTALLER=pip installs with pip instead (also the fallback when uv cannot be installed).
-# DSV4_COMPILE_BYTECODE=0 skips compiling the .pyc files (uv; minutes on 2 cores; Python then compiles on import).
+# DSV4_SM120_INSTALLER=pip installs with pip instead (also the fallback when uv cannot be installed).
+# DSV4_SM120_COMPILE_BYTECODE=0 skips compiling the .pyc files (uv; minutes on 2 cores; Python then compiles on import).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 venv=${1:?usage: scripts/setup_env.sh VENV_DIR}
 case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac
 py=${PYTHON:-python3}
-cache=${DSV4_CACHE:-$HOME/.cache/dsv4_sm120}
+cache=${DSV4_SM120_CACHE:-$HOME/.cache/dsv4_sm120}
 t0=$(date +%s)
 say() { echo "[setup] $*"; }
 elapsed() { echo "$(( $(date +%s) - t0 )) s"; }
@@ -45,7 +45,7 @@ trap stop_ticker EXIT
 # uv: the pinned version from requirements/tools.txt, installed once into the cache (UV=/path/to/uv uses that one).
 uv_bin=
 find_uv() {
-  [ "${DSV4_INSTALLER:-uv}" = pip ] && return 0
+  [ "${DSV4_SM120_INSTALLER:-uv}" = pip ] && return 0
   if [ -n "${UV:-}" ]; then uv_bin=$UV; return 0; fi
   local spec ver dir tmp
   spec=$(grep -E '^uv==' "$req/tools.txt" | head -1)
@@ -118,7 +118,7 @@ if [ -n "$uv_bin" ]; then
   start_ticker "installing"
   # unsafe-best-match: like pip, consider every index for every package (uv's default stops at the first that has it)
   uvi=("$uv_bin" pip install --python "$venv/bin/python" --index-strategy unsafe-best-match "${src[@]}")
-  [ "${DSV4_COMPILE_BYTECODE:-1}" = 0 ] || uvi+=(--compile-bytecode)
+  [ "${DSV4_SM120_COMPILE_BYTECODE:-1}" = 0 ] || uvi+=(--compile-bytecode)
   "${uvi[@]}" -c "$req/constraints.txt" "$wheel" -r "$req/runtime.txt"
   say "installing requirements/nodeps.txt (no dependencies) ($(elapsed) elapsed)"
   "${uvi[@]}" --no-deps -r "$req/nodeps.txt"

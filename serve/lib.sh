@@ -38,7 +38,7 @@ dsv4_usage_error() {
 dsv4_launch() {
   local py
   py="$(dsv4_python)" || exit 2
-  export DSV4_ORIG_PYTHONPATH="${DSV4_ORIG_PYTHONPATH-${PYTHONPATH-}}"
-  export DSV4_REPO_ROOT="$dsv4_repo"
+  export DSV4_SM120_ORIG_PYTHONPATH="${DSV4_SM120_ORIG_PYTHONPATH-${PYTHONPATH-}}"
+  export DSV4_SM120_REPO_ROOT="$dsv4_repo"
   PYTHONPATH="$dsv4_repo/overlay${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m dsv4_sm120.serving.deploy "$@"
 }

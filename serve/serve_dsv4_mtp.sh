@@ -16,4 +16,4 @@
 #   --help-vars   list the variables with their defaults
 #   -h, --help    this text
 set -euo pipefail
-DSV4_VARIANT=mtp exec bash "$(dirname "${BASH_SOURCE[0]}")/serve_dsv4_tp4.sh" "$@"
+DSV4_SM120_VARIANT=mtp exec bash "$(dirname "${BASH_SOURCE[0]}")/serve_dsv4_tp4.sh" "$@"

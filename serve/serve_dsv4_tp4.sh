@@ -13,9 +13,9 @@
 #   -h, --help    this text
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-# serve_dsv4_mtp.sh runs this script with DSV4_VARIANT=mtp; it is not passed on to the servers.
-dsv4_variant="${DSV4_VARIANT:-base}"
-unset DSV4_VARIANT
+# serve_dsv4_mtp.sh runs this script with DSV4_SM120_VARIANT=mtp; it is not passed on to the servers.
+dsv4_variant="${DSV4_SM120_VARIANT:-base}"
+unset DSV4_SM120_VARIANT
 dsv4_self="${BASH_SOURCE[0]}"
 [ "$dsv4_variant" = mtp ] && dsv4_self="$(dirname "${BASH_SOURCE[0]}")/serve_dsv4_mtp.sh"
 dsv4_opts=()

@@ -1,11 +1,11 @@
 """Integration of patches/0002-sm120-sparse-mla-decode.patch with the pinned SGLang (CPU, Triton
 interpreter), in a subprocess on the `patched_sglang_site` copy with the whole series applied:
 
-* the patched DSv4 backend routes its sm_120 branch through dsv4_sm120.attention.sglang_route and
+* the patched DSv4 backend routes its sm_120 branch through dsv4_sm120.sglang_glue.attention and
   the patched model asks it for the head count;
 * MqaAttentionBase._kernel_num_heads under a forced sm_120 platform: real per-rank heads for every
-  row count with our backend, the stock 64-head padding with SGLANG_DSV4_SM120_ATTN_BACKEND=triton;
-* the route, reached through SGLang's own hook (import_overlay), for decode / target-verify with
+  row count with our backend, the stock 64-head padding with DSV4_SM120_ATTN_BACKEND=triton;
+* the route, reached through SGLang's own hook (import_glue), for decode / target-verify with
   T > 64 / draft-extend / prefill rows, matches SGLang's torch path `_sm120_sparse_decode_fwd`;
   the `triton` switch runs SGLang's upstream fallback and matches too.
 """
@@ -22,21 +22,21 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, "tests")
     res = {}
     import sglang, inspect
-    from sglang.srt.dsv4_sm120_hook import import_overlay
-    route = import_overlay("attention.sglang_route")
+    from sglang.srt.dsv4_sm120_hook import import_glue
+    route = import_glue("attention")
     res["route_loaded"] = route is not None
     import sglang.srt.layers.attention.deepseek_v4_backend as be
     src = inspect.getsource(be)
-    res["backend_routes"] = 'import_overlay("attention.sglang_route")' in src and "_dsv4_route.sparse_attention(" in src
+    res["backend_routes"] = 'import_glue("attention")' in src and "_dsv4_route.sparse_attention(" in src
     from sglang.srt.runtime_context import override_platform
     import sglang.srt.models.deepseek_v4 as mdl
     fake = types.SimpleNamespace(n_local_heads=16, n_heads=64, attn_tp_size=4)
     heads = {}
     with override_platform(is_sm120=True):
         for b in ("dsv4", "triton"):
-            os.environ["SGLANG_DSV4_SM120_ATTN_BACKEND"] = b
+            os.environ["DSV4_SM120_ATTN_BACKEND"] = b
             heads[b] = [mdl.MqaAttentionBase._kernel_num_heads(fake, t) for t in (1, 17, 64, 65, 300)]
-    os.environ.pop("SGLANG_DSV4_SM120_ATTN_BACKEND")
+    os.environ.pop("DSV4_SM120_ATTN_BACKEND")
     res["heads"] = heads
 
     from sglang.kernels.ops.attention.flash_mla_sm120 import _sm120_sparse_decode_fwd
@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent(
                                                        extra_K=16, sink="-inf", seed=32), {}),
         "draft_extend": (ForwardMode.DRAFT_EXTEND_V2, Case(T=2, H=8, K=16, seed=33), {}),
         "prefill_ours": (ForwardMode.EXTEND, Case(T=5, H=8, K=16, extra="c4", extra_K=16, seed=34),
-                         {"SGLANG_DSV4_SM120_ATTN_PREFILL": "dsv4"}),
+                         {"DSV4_SM120_ATTN_PREFILL": "dsv4"}),
         # the register body (the sm_120 default for H <= 16 at small and large batches) through the same entry
         "decode_reg_body": (ForwardMode.DECODE, Case(T=4, H=16, K=40, extra="c4", extra_K=48, lengths="zero_some",
                                                      all_invalid_rows=(2,), seed=36),
@@ -65,7 +65,7 @@ SCRIPT = textwrap.dedent(
                                                             head_slice=True, seed=37),
                             {"DSV4_SM120_ATTN_CONFIG": "impl=reg,BLOCK_N=32,num_warps=4,DEC_LATE=1,SPAN=1,waves=3"}),
         "triton_switch": (ForwardMode.DECODE, Case(T=2, H=8, K=16, extra="c4", extra_K=16, lengths="random", seed=35),
-                          {"SGLANG_DSV4_SM120_ATTN_BACKEND": "triton"}),
+                          {"DSV4_SM120_ATTN_BACKEND": "triton"}),
     }
     for name, (mode, case, env) in cases.items():
         os.environ.update(env)
@@ -74,7 +74,7 @@ SCRIPT = textwrap.dedent(
         sink = kw.get("attn_sink")
         # what the backend hands over: q padded to 64 heads for triton, real heads otherwise
         nh = q.shape[2]
-        if env.get("SGLANG_DSV4_SM120_ATTN_BACKEND") == "triton":
+        if env.get("DSV4_SM120_ATTN_BACKEND") == "triton":
             qp = torch.zeros(q.shape[0], 1, 64, 512, dtype=q.dtype)
             qp[:, :, :nh] = q
             sp = torch.zeros(64)

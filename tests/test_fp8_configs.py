@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_sm120 import fp8_configs as fc
+from dsv4_sm120.sglang_glue import fp8 as glue_fp8
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -161,14 +162,14 @@ def test_project_dir_order(tmp_path, monkeypatch):
 def test_project_config_path_skips_invalid_and_path_tricks(tmp_path, monkeypatch):
     monkeypatch.setenv(fc.ENV_CONFIG_DIR, str(tmp_path))
     name = fc.config_file_name(1024, 4096, "Fake GPU")
-    assert fc.project_config_path(name) is None                       # absent
+    assert glue_fp8.project_config_path(name) is None                       # absent
     (tmp_path / name).write_text(json.dumps({"1": GOOD}))
-    assert fc.project_config_path(name) == str(tmp_path / name)
+    assert glue_fp8.project_config_path(name) == str(tmp_path / name)
     (tmp_path / name).write_text(json.dumps({"1": dict(GOOD, BLOCK_SIZE_K=256)}))
-    assert fc.project_config_path(name) is None                       # invalid -> SGLang's own
+    assert glue_fp8.project_config_path(name) is None                       # invalid -> SGLang's own
     (tmp_path / name).write_text("{not json")
-    assert fc.project_config_path(name) is None
-    assert fc.project_config_path("../" + name) is None
+    assert glue_fp8.project_config_path(name) is None
+    assert glue_fp8.project_config_path("../" + name) is None
 
 
 # --------------------------------------------------------------------------- backend recommendation
@@ -215,7 +216,7 @@ def test_backend_args_cli(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "--fp8-gemm-backend triton" and "faster" in r.stderr
     r = run("backend-args", "--device-name", "Other GPU", "--config-dir", str(d))
     assert r.returncode == 0 and r.stdout.strip() == ""
-    r = run("backend-args", "--device-name", "Fake GPU", extra={"DSV4_FP8_GEMM_BACKEND": "bad name!"})
+    r = run("backend-args", "--device-name", "Fake GPU", extra={"DSV4_SM120_FP8_GEMM_BACKEND": "bad name!"})
     assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr
     assert run("--help").returncode == 0
 
@@ -228,9 +229,9 @@ import sglang.kernels.ops.gemm.fp8_kernel as fk
 out = {}
 def look(tag, dev, N, K, env=None):
     if env is None:
-        os.environ.pop("SGLANG_DSV4_FP8_CONFIG_DIR", None)
+        os.environ.pop("DSV4_SM120_FP8_CONFIG_DIR", None)
     else:
-        os.environ["SGLANG_DSV4_FP8_CONFIG_DIR"] = env
+        os.environ["DSV4_SM120_FP8_CONFIG_DIR"] = env
     fk.get_device_name = lambda device_id=0: dev
     fk.get_w8a8_block_fp8_configs.cache_clear()
     r = fk.get_w8a8_block_fp8_configs(N, K, 128, 128)

@@ -1,9 +1,9 @@
-"""MoE route for hybrid FP8+NVFP4 DeepSeek-V4 checkpoints on sm_120 (dsv4_sm120.moe_route + patch 0003).
+"""MoE route for hybrid FP8+NVFP4 DeepSeek-V4 checkpoints on sm_120 (dsv4_sm120.sglang_glue.moe + patch 0003).
 
 Unit tests of the choice functions, then SGLang 0.5.23 itself (patched scratch copy, in
 a subprocess, platform forced to sm_120 / sm_100) resolving server arguments against a
 directory written by the converter and building the MoE quant methods the loader would
-build. The same checks with the overlay switched off (SGLANG_DSV4_SM120_DISABLE=1) give
+build. The same checks with the overlay switched off (DSV4_SM120_DISABLE=1) give
 the stock, sm_100-only answers, so these tests fail without the patch.
 """
 
@@ -15,7 +15,8 @@ import textwrap
 import pytest
 from conftest import probe_result
 
-from dsv4_sm120 import moe_route as R
+from dsv4_sm120.settings import SettingsError
+from dsv4_sm120.sglang_glue import moe as R
 
 
 # ----------------------------------------------------------------------------
@@ -25,13 +26,13 @@ from dsv4_sm120 import moe_route as R
 
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv(R.ENV_BACKEND, raising=False)
-    monkeypatch.setattr(R, "triton_nvfp4_backend_available", lambda: False)
+    monkeypatch.setattr(R, "backend_available", lambda: False)
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_cutlass"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False) == "flashinfer_trtllm_routed"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False, stock="x") == "x"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True, is_hip=True, stock="x") == "x"
     # the one switch for the overlay's Triton runner
-    monkeypatch.setattr(R, "triton_nvfp4_backend_available", lambda: True)
+    monkeypatch.setattr(R, "backend_available", lambda: True)
     # the overlay's Triton runner is opt-in (not measured on sm_120 yet): auto stays on CUTLASS
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_cutlass"
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False) == "flashinfer_trtllm_routed"
@@ -43,17 +44,18 @@ def test_backend_choice(monkeypatch):
 
 
 def test_backend_env(monkeypatch, caplog):
-    monkeypatch.setattr(R, "triton_nvfp4_backend_available", lambda: False)
+    monkeypatch.setattr(R, "backend_available", lambda: False)
     monkeypatch.setenv(R.ENV_BACKEND, "stock")
     assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_trtllm_routed"
     monkeypatch.setenv(R.ENV_BACKEND, "dsv4_triton_nvfp4")  # asked for, not available
     with caplog.at_level(logging.WARNING):
         assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_cutlass"
     assert "not available" in caplog.text
-    monkeypatch.setenv(R.ENV_BACKEND, "bogus")
-    with caplog.at_level(logging.WARNING):
-        assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_cutlass"
-    assert "bogus" in caplog.text
+    monkeypatch.setenv(R.ENV_BACKEND, "bogus")  # a typo is an error naming the variable and the valid values
+    with pytest.raises(SettingsError, match=r"DSV4_SM120_MOE_BACKEND='bogus'.*auto, flashinfer_cutlass, "
+                                            r"dsv4_triton_nvfp4, stock"):
+        R.hybrid_nvfp4_moe_runner_backend(is_sm120=True)
+    assert R.hybrid_nvfp4_moe_runner_backend(is_sm120=False) == "flashinfer_trtllm_routed"  # not read off sm_120
 
 
 def test_draft_method_choice():
@@ -80,8 +82,8 @@ PROBE = textwrap.dedent(r"""
         "sm100": dict(is_sm120=False, is_sm100=True, is_sm100_or_sm110=True, is_sm90=False, is_blackwell=True),
     }
     out = {"sglang": sglang.__file__}
-    from dsv4_sm120 import moe_route
-    out["triton_available"] = moe_route.triton_nvfp4_backend_available()
+    from dsv4_sm120.sglang_glue import moe as glue_moe
+    out["triton_available"] = glue_moe.backend_available()
 
     def resolve(argv, plat):
         with override_platform(is_cuda=True, is_hip=False, has_flashinfer=True, **PLAT[plat]):
@@ -220,7 +222,7 @@ def test_overlay_off_gives_stock_sm100_only_choices(run_patched, ckpts):
     m = ["--model-path", dst, "--device", "cuda"]
     out = _probe(run_patched, {"resolve": [["sm120", m, "sm120", {}]],
                                "methods": [["hybrid_sm120", m, "sm120", [MAIN, DRAFT]]]},
-                 env={"SGLANG_DSV4_SM120_DISABLE": "1"})
+                 env={"DSV4_SM120_DISABLE": "1"})
     assert out["sm120"]["moe"] == "flashinfer_trtllm_routed"
     h = out["hybrid_sm120"]
     assert h["moe"] == "flashinfer_trtllm_routed"

@@ -39,8 +39,8 @@ PROBE = textwrap.dedent(r"""
     m = ["--model-path", job["ckpt"], "--device", "cuda"]
     cases = {
         "default": (m, SM120, {}),
-        "env_cutlass": (m, SM120, {"SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND": "flashinfer_cutlass"}),
-        "env_triton": (m, SM120, {"SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND": "dsv4_triton_nvfp4"}),
+        "env_cutlass": (m, SM120, {"DSV4_SM120_MOE_BACKEND": "flashinfer_cutlass"}),
+        "env_triton": (m, SM120, {"DSV4_SM120_MOE_BACKEND": "dsv4_triton_nvfp4"}),
         "flag_cutlass": (m + ["--moe-runner-backend", "flashinfer_cutlass"], SM120, {}),
         "flag_triton": (m + ["--moe-runner-backend", "dsv4_triton_nvfp4"], SM120, {}),
         "sm100": (m, SM100, {}),
@@ -165,7 +165,7 @@ def test_patched_sglang_runs_routed_experts_through_overlay(run_patched, hybrid_
 
 
 def test_overlay_disabled_rejects_the_backend_name(run_patched, hybrid_ckpt):
-    out = _probe(run_patched, {"ckpt": hybrid_ckpt}, env={"SGLANG_DSV4_SM120_DISABLE": "1"})
+    out = _probe(run_patched, {"ckpt": hybrid_ckpt}, env={"DSV4_SM120_DISABLE": "1"})
     assert out["default"] == "flashinfer_trtllm_routed"  # stock SGLang choice without the overlay
     assert out["flag_cutlass"] == "flashinfer_cutlass"
     assert out["flag_triton"].startswith("error"), out["flag_triton"]

@@ -1,6 +1,13 @@
-"""Patch 0001 in the real pinned SGLang: the overlay hook logs once and never raises."""
+"""Patch 0001 in the real pinned SGLang: the overlay hook reaches only dsv4_sm120.sglang_glue, logs once, never
+raises for a missing or disabled overlay, and stops the start for an invalid setting; the patches name no other
+part of the overlay."""
 
-from dsv4_sm120 import __version__
+import re
+from pathlib import Path
+
+from dsv4_sm120 import __version__, sglang_glue
+
+REPO = Path(__file__).resolve().parents[1]
 
 CODE = """
 import logging, sys
@@ -8,20 +15,27 @@ logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(le
 from sglang.srt import dsv4_sm120_hook as h
 print("AVAILABLE", h.overlay_available(), h.overlay_available())
 print("ERROR", h.overlay_error())
-m = h.import_overlay("patching")
-print("SUB", m is not None)
-print("MISSING_SUB", h.import_overlay("no_such_module") is None)
+m = h.import_glue("attention")
+print("SUB", m is not None and m.__name__)
+print("MISSING_SUB", h.import_glue("no_such_module") is None)
+print("OUTSIDE_GLUE", h.import_glue("..patching") is None)
 """
+
+MODEL = ("import logging, sys\n"
+         "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(name)s %(message)s')\n"
+         "import sglang.srt.models.deepseek_v4 as m\n"
+         "print('MODEL_OK', m.__file__)\n")
 
 
 def test_hook_logs_active_overlay_once(run_patched):
     r = run_patched(CODE)
     assert r.returncode == 0, r.stderr
     assert "AVAILABLE True True" in r.stdout
-    lines = [l for l in r.stdout.splitlines() if "overlay" in l and "active" in l]
+    lines = [line for line in r.stdout.splitlines() if "overlay" in line and "active" in line]
     assert len(lines) == 1, r.stdout  # logged once
     assert __version__ in lines[0] and "patch series" in lines[0]
-    assert "SUB True" in r.stdout and "MISSING_SUB True" in r.stdout
+    assert "SUB dsv4_sm120.sglang_glue.attention" in r.stdout and "MISSING_SUB True" in r.stdout
+    assert "OUTSIDE_GLUE True" in r.stdout  # the hook hands out the glue, nothing else of the overlay
 
 
 def test_hook_without_overlay_falls_back(run_patched):
@@ -32,17 +46,47 @@ def test_hook_without_overlay_falls_back(run_patched):
 
 
 def test_hook_disabled_by_env(run_patched):
-    r = run_patched(CODE, env={"SGLANG_DSV4_SM120_DISABLE": "1"})
+    # disabled: the overlay is not imported, so not even an invalid setting of it stops SGLang
+    r = run_patched(CODE, env={"DSV4_SM120_DISABLE": "1", "DSV4_SM120_ATTN_BACKEND": "nope"})
     assert r.returncode == 0, r.stderr
-    assert "AVAILABLE False False" in r.stdout and "disabled by SGLANG_DSV4_SM120_DISABLE" in r.stdout
+    assert "AVAILABLE False False" in r.stdout and "disabled by DSV4_SM120_DISABLE" in r.stdout
+
+
+def test_invalid_setting_stops_the_start_with_one_line(run_patched):
+    r = run_patched(MODEL, env={"DSV4_SM120_ATTN_BACKEND": "flashinfr", "DSV4_SM120_MOE_APRE": "2",
+                                "DSV4_SM120_ATTN_QK": "bf16"})
+    assert r.returncode != 0 and "MODEL_OK" not in r.stdout
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    err = r.stderr
+    assert "DSV4_SM120_ATTN_BACKEND='flashinfr' is not valid: expected one of dsv4, flashinfer, triton, torch" in err
+    assert "DSV4_SM120_MOE_APRE='2' is not valid: expected one of 0, 1" in err
+    assert "DSV4_SM120_ATTN_QK" not in err  # a valid one is not reported
+    # a misspelled name is caught too, and the hook keeps refusing on every later call
+    code = ("from sglang.srt import dsv4_sm120_hook as h\n"
+            "for _ in range(2):\n"
+            "    try:\n        h.overlay_available()\n    except SystemExit as e:\n        print('EXIT', e.code)\n")
+    typo = "DSV4_SM120_" + "ATN_BACKEND"  # spelled out, tests/test_settings.py's tree check would flag it
+    r = run_patched(code, env={typo: "dsv4"})
+    assert r.stdout.count("EXIT") == 2 and f"{typo} is not a dsv4_sm120 setting" in r.stdout
 
 
 def test_patched_model_module_imports_and_logs(run_patched):
-    code = ("import logging, sys\n"
-            "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(name)s %(message)s')\n"
-            "import sglang.srt.models.deepseek_v4 as m\n"
-            "print('MODEL_OK', m.__file__)\n")
-    r = run_patched(code)
+    r = run_patched(MODEL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MODEL_OK" in r.stdout
     assert "dsv4_sm120 overlay" in r.stdout and "active" in r.stdout
+
+
+def test_patches_name_only_the_glue():
+    glue_dir = Path(sglang_glue.__file__).parent
+    parts = {p.stem for p in glue_dir.glob("*.py") if p.stem != "__init__"}
+    seen = set()
+    for patch in sorted((REPO / "patches").glob("*.patch")):
+        text = patch.read_text()
+        for mod in re.findall(r"\bdsv4_sm120\.[A-Za-z_][\w.]*", text):
+            assert mod.startswith("dsv4_sm120.sglang_glue"), (patch.name, mod)
+        for part in re.findall(r"import_glue\(\"([^\"]+)\"\)", text):
+            assert part in parts, (patch.name, part)
+            seen.add(part)
+        assert "import_module(" not in text or patch.name.startswith("0001"), patch.name
+    assert seen == parts - {"startup"}, seen  # every glue module is called by a patch; nothing else is in it

@@ -179,7 +179,7 @@ def test_failing_patch_leaves_nothing_half_applied(tree, tmp_path):
 
 def test_crash_while_writing_rolls_back(tree):
     before = snapshot(tree)
-    r = cli("apply", "--sglang-root", str(tree), "--no-install", env={"DSV4_PATCHING_FAIL_AFTER": "1"})
+    r = cli("apply", "--sglang-root", str(tree), "--no-install", env={"DSV4_SM120_TEST_PATCHING_FAIL_AFTER": "1"})
     assert r.returncode == 1
     assert "simulated failure" in r.stderr and "rolled back" in r.stderr
     assert snapshot(tree) == before
@@ -189,23 +189,23 @@ def test_hard_crash_mid_apply_is_recovered(tree):
     """A killed apply (state 'applying', some files written) is rolled back by the next apply or revert."""
     pristine = snapshot(tree)
     with pytest.raises(patching.PatchError):
-        os.environ["DSV4_PATCHING_FAIL_AFTER"] = "1"
+        os.environ["DSV4_SM120_TEST_PATCHING_FAIL_AFTER"] = "1"
         try:
             patching.apply(tree, SERIES, install=False, say=lambda *_: None)  # no rollback: like a kill
         finally:
-            del os.environ["DSV4_PATCHING_FAIL_AFTER"]
+            del os.environ["DSV4_SM120_TEST_PATCHING_FAIL_AFTER"]
     assert patching.read_manifest(tree)["state"] == "applying"
     assert snapshot(tree) != pristine
     r = cli("revert", "--sglang-root", str(tree))
     assert r.returncode == 0, r.stderr
     assert snapshot(tree) == pristine
     # and once more, recovered by apply this time
-    os.environ["DSV4_PATCHING_FAIL_AFTER"] = "1"
+    os.environ["DSV4_SM120_TEST_PATCHING_FAIL_AFTER"] = "1"
     try:
         with pytest.raises(patching.PatchError):
             patching.apply(tree, SERIES, install=False, say=lambda *_: None)
     finally:
-        del os.environ["DSV4_PATCHING_FAIL_AFTER"]
+        del os.environ["DSV4_SM120_TEST_PATCHING_FAIL_AFTER"]
     r = cli("apply", "--sglang-root", str(tree), "--no-install")
     assert r.returncode == 0 and "interrupted apply" in r.stdout
     assert patching.read_manifest(tree)["state"] == "applied"
@@ -253,7 +253,7 @@ def test_cli_help_and_usage_errors():
 
 
 def test_apply_installs_overlay_and_revert_removes_it(tree, tmp_path, monkeypatch):
-    monkeypatch.setenv("DSV4_ORIG_PYTHONPATH", "")  # as the Makefile does: ask the env, not the checkout
+    monkeypatch.setenv("DSV4_SM120_ORIG_PYTHONPATH", "")  # as the Makefile does: ask the env, not the checkout
     venv = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(venv / "bin" / "python")
@@ -287,13 +287,13 @@ def test_apply_installs_overlay_and_revert_removes_it(tree, tmp_path, monkeypatc
 def test_fetch_wheel_cold_cache_prints_only_the_path(tmp_path):
     """scripts/setup_env.sh captures stdout as the wheel path: progress must not end up there."""
     cache = tmp_path / "cache"
-    r = cli("fetch-wheel", "--py", "311", env={"DSV4_CACHE": str(cache)})
+    r = cli("fetch-wheel", "--py", "311", env={"DSV4_SM120_CACHE": str(cache)})
     assert r.returncode == 0, r.stderr
     out = r.stdout.strip().splitlines()
     assert len(out) == 1 and out[0].endswith(".whl") and Path(out[0]).is_file()
     assert patching.sha256_file(Path(out[0])) == patching.PINNED_WHEELS[Path(out[0]).name]
     assert "downloading" in r.stderr
-    r = cli("fetch-wheel", "--py", "39", env={"DSV4_CACHE": str(cache)})
+    r = cli("fetch-wheel", "--py", "39", env={"DSV4_SM120_CACHE": str(cache)})
     assert r.returncode == 2 and "3.11, 3.12 or 3.13" in r.stderr
 
 
@@ -301,7 +301,7 @@ def test_relative_python_is_taken_from_the_callers_cwd(tree, tmp_path):
     """--python .venv/bin/python works from the directory it is relative to (subprocesses run elsewhere)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], check=True)
     r = cli("status", "--sglang-root", str(tree), "--python", ".venv/bin/python", "--json", cwd=tmp_path,
-            env={"DSV4_ORIG_PYTHONPATH": ""})  # as the Makefile does: ask the env, not the checkout
+            env={"DSV4_SM120_ORIG_PYTHONPATH": ""})  # as the Makefile does: ask the env, not the checkout
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     st = json.loads(r.stdout)
     assert st["overlay_current"] is False  # asked of that environment, which has no overlay

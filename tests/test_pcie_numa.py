@@ -25,7 +25,7 @@ TWO_NODES = {i: (0 if i < 4 else 1) for i in range(8)}
 
 
 def plan(tmp_path, sysfs, smi, **kv):
-    env = {"VENV": VENV, "RUN_DIR": str(tmp_path / "run"), "NVIDIA_SMI": smi, "DSV4_SERVE_SYSFS_ROOT": str(sysfs)}
+    env = {"VENV": VENV, "RUN_DIR": str(tmp_path / "run"), "NVIDIA_SMI": smi, "DSV4_SM120_SERVE_SYSFS_ROOT": str(sysfs)}
     env.update(kv)
     return build_plan(env, "base")
 

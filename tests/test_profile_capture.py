@@ -32,7 +32,7 @@ def test_refuses_without_a_deployment(tmp_path):
 
 
 def check_capture(env, out: Path, stdout: str) -> None:
-    """Assertions on a finished capture against the stand-in deployment (DSV4_STANDIN_TRACE_TP=4).
+    """Assertions on a finished capture against the stand-in deployment (DSV4_SM120_STANDIN_TRACE_TP=4).
     Called from tests/test_serve_measure.py, which runs measure and profile on one deployment."""
     cap = json.loads((out / "capture.json").read_text())
     assert len(cap["traces"]) == 4 and all(f"{cap['profile_id']}-TP-{r}" in t for r, t in enumerate(cap["traces"]))
@@ -48,7 +48,7 @@ def check_capture(env, out: Path, stdout: str) -> None:
     # the decode server got exactly the body bench/profile_capture.py builds (validated against SGLang's
     # ProfileReq in tests/test_serve_dryrun.py::test_start_profile_body_is_an_sglang_profile_request)
     from dsv4_sm120.perf import profile_capture as pc
-    rec = [json.loads(x) for x in Path(env["DSV4_STANDIN_RECORD"]).read_text().splitlines()]
+    rec = [json.loads(x) for x in Path(env["DSV4_SM120_STANDIN_RECORD"]).read_text().splitlines()]
     prof = [e for e in rec if e["path"] == "/start_profile"]
     assert len(prof) == 1 and prof[0]["role"] == "decode"
     assert prof[0]["body"] == pc.start_profile_body(str((run_dir / "profile").resolve()), 3, cap["profile_id"])

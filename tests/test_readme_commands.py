@@ -24,10 +24,10 @@ from dsv4_sm120 import patching
 
 def _env() -> dict:
     env = dict(os.environ)
-    for k in ("PYTHONPATH", "VENV", "SGLANG_ROOT", "DSV4_REPO_ROOT", "PYTHONDONTWRITEBYTECODE"):
+    for k in ("PYTHONPATH", "VENV", "SGLANG_ROOT", "DSV4_SM120_REPO_ROOT", "PYTHONDONTWRITEBYTECODE"):
         env.pop(k, None)
     # .pyc compilation (minutes on 2 cores) is left to Python's first import in this throwaway environment
-    env["DSV4_COMPILE_BYTECODE"] = "0"
+    env["DSV4_SM120_COMPILE_BYTECODE"] = "0"
     return env
 
 

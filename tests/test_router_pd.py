@@ -37,7 +37,7 @@ def test_router_pd_forwards_bootstrap_fields_to_both_workers(env):
     assert len(procs) >= 4
     try:
         base = f"http://127.0.0.1:{env['ROUTER_PORT']}"
-        rec = Path(env["DSV4_STANDIN_RECORD"])
+        rec = Path(env["DSV4_SM120_STANDIN_RECORD"])
         prompts = [f"prompt-{i}-{os.urandom(4).hex()}" for i in range(3)]
         g = post(base + "/generate", {"text": prompts[0], "sampling_params": {"max_new_tokens": 4}})
         assert g["text"] == "standin decode output"

@@ -26,7 +26,7 @@ VENV = str(Path(sys.executable).parent.parent)
 def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), check=True):
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith(("PREFILL_", "DECODE_", "ROUTER_", "SPEC_", "NCCL_")) or k in
-                   ("MODEL_PATH", "NODE_ROLE", "DRY_RUN", "DETACH", "FP8_GEMM_BACKEND", "DSV4_SERVE_STANDIN",
+                   ("MODEL_PATH", "NODE_ROLE", "DRY_RUN", "DETACH", "FP8_GEMM_BACKEND", "DSV4_SM120_SERVE_STANDIN",
                     "RUN_DIR", "LOG_DIR", "MAX_RUNNING", "CONTEXT_LEN"))}
     env["VENV"] = VENV
     env["RUN_DIR"] = "/tmp/dsv4-dry-run-dir"
@@ -334,22 +334,22 @@ def test_mtp_config_errors():
 
 
 def test_caller_environment_wins_over_env_files():
-    out = dry_run("serve_dsv4_tp4.sh", {"NCCL_PROTO": "Simple", "SGLANG_DSV4_SM120_ATTN_BACKEND": "torch"}).stdout
+    out = dry_run("serve_dsv4_tp4.sh", {"NCCL_PROTO": "Simple", "DSV4_SM120_ATTN_BACKEND": "torch"}).stdout
     assert "env NCCL_PROTO=Simple  # environment" in out
     assert "env NCCL_ALGO=Ring  # 10-nccl.env" in out
-    assert "env SGLANG_DSV4_SM120_ATTN_BACKEND=torch  # environment" in out
-    out = dry_run("serve_dsv4_tp4.sh", {"SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND": "stock", "UCX_TLS": "tcp",
-                                        "DSV4_STANDIN_ROLE": "decode", "UNRELATED_VAR": "x"}).stdout
-    assert "env SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND=stock  # environment" in out
+    assert "env DSV4_SM120_ATTN_BACKEND=torch  # environment" in out
+    out = dry_run("serve_dsv4_tp4.sh", {"DSV4_SM120_MOE_BACKEND": "stock", "UCX_TLS": "tcp",
+                                        "DSV4_SM120_STANDIN_ROLE": "decode", "UNRELATED_VAR": "x"}).stdout
+    assert "env DSV4_SM120_MOE_BACKEND=stock  # environment" in out
     assert "env UCX_TLS=tcp  # environment" in out
-    assert "DSV4_STANDIN_ROLE" not in out and "UNRELATED_VAR" not in out
+    assert "DSV4_SM120_STANDIN_ROLE" not in out and "UNRELATED_VAR" not in out
 
 
 def test_fp8_backend_hook(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "overlay"))
     from dsv4_sm120.serving.config import ConfigError, fp8_gemm_backend
 
-    monkeypatch.delenv("DSV4_FP8_GEMM_BACKEND", raising=False)
+    monkeypatch.delenv("DSV4_SM120_FP8_GEMM_BACKEND", raising=False)
     dev = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
     assert fp8_gemm_backend("auto", tmp_path, dev)[0] is None          # no summary
     assert fp8_gemm_backend("auto", tmp_path, None)[0] is None         # no GPU
@@ -369,7 +369,7 @@ def test_fp8_backend_hook(tmp_path, monkeypatch):
     assert fp8_gemm_backend("auto", tmp_path, dev)[0] is None
     with pytest.raises(ConfigError):
         fp8_gemm_backend("warp-drive", tmp_path, dev)
-    monkeypatch.setenv("DSV4_FP8_GEMM_BACKEND", "triton")
+    monkeypatch.setenv("DSV4_SM120_FP8_GEMM_BACKEND", "triton")
     assert fp8_gemm_backend("auto", tmp_path, None)[0] == "triton"
 
 
@@ -431,11 +431,11 @@ def test_dry_run_prints_commands_first_then_a_compact_environment(outputs):
 def test_internal_variables_are_not_shown_as_settings(outputs):
     """serve_dsv4_mtp.sh selects the variant through an internal variable: the user never set it."""
     for name in ("mtp", "mn_decode"):
-        assert "DSV4_VARIANT" not in outputs[name], outputs[name]
+        assert "DSV4_SM120_VARIANT" not in outputs[name], outputs[name]
     assert "variant=mtp" in outputs["mtp"].splitlines()[0]
     # a DSV4_* variable the user did set is still listed as theirs
     out = dry_run("serve_dsv4_mtp.sh", {"DSV4_SM120_ATTN_QK": "bf16"}).stdout
-    assert "env DSV4_SM120_ATTN_QK=bf16  # environment" in out and "DSV4_VARIANT" not in out
+    assert "env DSV4_SM120_ATTN_QK=bf16  # environment" in out and "DSV4_SM120_VARIANT" not in out
 
 
 @pytest.mark.parametrize("script", ["serve_dsv4_tp4.sh", "serve_dsv4_mtp.sh"])

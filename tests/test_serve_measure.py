@@ -69,7 +69,7 @@ def test_measure_and_profile_end_to_end_through_router_and_standins(env, tmp_pat
     tok = make_tokenizer(tmp_path / "tok")
     (tok / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))   # passes the model preflight
     r = subprocess.run(["bash", str(SERVE / "serve_dsv4_tp4.sh")], capture_output=True, text=True,
-                       env=dict(env, DETACH="1", MODEL_PATH=str(tok), DSV4_STANDIN_TRACE_TP="4"), timeout=120)
+                       env=dict(env, DETACH="1", MODEL_PATH=str(tok), DSV4_SM120_STANDIN_TRACE_TP="4"), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     out = tmp_path / "results"
     try:

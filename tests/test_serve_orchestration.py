@@ -1,4 +1,4 @@
-"""Orchestration of serve/serve_dsv4_tp4.sh with stand-in servers (DSV4_SERVE_STANDIN=1) and the real router.
+"""Orchestration of serve/serve_dsv4_tp4.sh with stand-in servers (DSV4_SM120_SERVE_STANDIN=1) and the real router.
 
 All-or-nothing start, teardown when a part dies at start or later (non-zero exit), a busy
 port refused before anything starts, a killed supervisor leaving no orphans. (A detached start,
@@ -40,13 +40,13 @@ def free_ports(n):
 @pytest.fixture
 def env(tmp_path):
     pp, bp, dp, rp, mp = free_ports(5)
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_STANDIN_", "PREFILL_", "DECODE_", "ROUTER_"))}
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_SM120_STANDIN_", "PREFILL_", "DECODE_", "ROUTER_"))}
     e.update({
-        "VENV": VENV, "DSV4_SERVE_STANDIN": "1", "LOG_DIR": str(tmp_path / "logs"),
+        "VENV": VENV, "DSV4_SM120_SERVE_STANDIN": "1", "LOG_DIR": str(tmp_path / "logs"),
         "PREFILL_PORT": str(pp), "BOOTSTRAP_PORT": str(bp), "DECODE_PORT": str(dp),
         "ROUTER_PORT": str(rp), "ROUTER_PROMETHEUS_PORT": str(mp),
-        "STOP_GRACE_S": "5", "HEALTH_TIMEOUT_S": "90", "DSV4_SERVE_POLL_S": "0.2",
-        "DSV4_STANDIN_RECORD": str(tmp_path / "requests.jsonl"),
+        "STOP_GRACE_S": "5", "HEALTH_TIMEOUT_S": "90", "DSV4_SM120_SERVE_POLL_S": "0.2",
+        "DSV4_SM120_STANDIN_RECORD": str(tmp_path / "requests.jsonl"),
     })
     for k in ("DRY_RUN", "DETACH", "RUN_DIR", "NODE_ROLE", "PREFLIGHT_SKIP"):
         e.pop(k, None)
@@ -119,7 +119,7 @@ def run_script(env, script="serve_dsv4_tp4.sh", extra=None, timeout=120):
 
 
 def test_child_dying_at_start_tears_everything_down(env):
-    r = run_script(env, extra={"DSV4_STANDIN_ROLE": "decode", "DSV4_STANDIN_FAIL_AT_START": "1"})
+    r = run_script(env, extra={"DSV4_SM120_STANDIN_ROLE": "decode", "DSV4_SM120_STANDIN_FAIL_AT_START": "1"})
     assert r.returncode == 1, r.stdout + r.stderr
     assert "decode exited with code 3 during startup" in r.stdout
     assert "failing at start as asked" in r.stdout          # the decode log's tail is shown
@@ -134,8 +134,8 @@ def test_child_dying_at_start_tears_everything_down(env):
 def test_child_dying_later_tears_everything_down(env, tmp_path):
     trigger = tmp_path / "die-now"
     helper_pidfile = tmp_path / "helper.pid"
-    e = dict(env, DSV4_STANDIN_ROLE="prefill", DSV4_STANDIN_EXIT_WHEN_FILE=str(trigger),
-             DSV4_STANDIN_CHILD_PIDFILE=str(helper_pidfile))
+    e = dict(env, DSV4_SM120_STANDIN_ROLE="prefill", DSV4_SM120_STANDIN_EXIT_WHEN_FILE=str(trigger),
+             DSV4_SM120_STANDIN_CHILD_PIDFILE=str(helper_pidfile))
     out = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT, env=e)
     try:
@@ -181,7 +181,7 @@ def test_busy_port_is_refused_before_anything_starts(env):
     assert len(lines) == 1 and f"port {env['DECODE_PORT']} on 127.0.0.1 (decode HTTP) is already in use" in lines[0]
     assert "nothing was started" in r.stderr and "Traceback" not in r.stderr
     assert not Path(env["LOG_DIR"]).exists() or not any(Path(env["LOG_DIR"]).glob("serve-*"))
-    assert not Path(env["DSV4_STANDIN_RECORD"]).exists()    # no stand-in ever ran
+    assert not Path(env["DSV4_SM120_STANDIN_RECORD"]).exists()    # no stand-in ever ran
     assert "started" not in r.stdout
 
 
@@ -195,7 +195,7 @@ def test_split_hosts_router_waits_for_remote_parts_and_killed_supervisor_leaves_
                          stderr=subprocess.STDOUT, text=True, env=env_b)
     try:
         a = run_script(env, extra={"DETACH": "1", "NODE_ROLE": "prefill,decode",
-                                   "DSV4_STANDIN_STARTUP_S": "2"})
+                                   "DSV4_SM120_STANDIN_STARTUP_S": "2"})
         assert a.returncode == 0, a.stdout + a.stderr
         out_b, _ = b.communicate(timeout=120)
         assert b.returncode == 0, out_b
@@ -226,7 +226,7 @@ def test_failed_health_checks_tear_down(env, tmp_path):
     """SUPERVISE_HEALTH_FAILS: a server that stops answering /health (hung, not dead) is torn down."""
     flag = tmp_path / "unhealthy"
     e = dict(env, NODE_ROLE="prefill,decode", SUPERVISE_HEALTH_FAILS="2", SUPERVISE_HEALTH_EVERY_S="1",
-             DSV4_STANDIN_ROLE="decode", DSV4_STANDIN_UNHEALTHY_WHEN_FILE=str(flag))
+             DSV4_SM120_STANDIN_ROLE="decode", DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE=str(flag))
     out = open(tmp_path / "out.txt", "w")
     proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT, env=e)
     try:
@@ -256,7 +256,7 @@ def test_warmup_runs_through_the_router_before_ready_and_its_time_is_logged(env,
     """WARMUP=1 with stand-ins: after both servers and the router are healthy, one real request goes through
     the router (the decode stand-in makes its first generation wait, a transport cold start); READY only
     after it, its time in the log and in state.json."""
-    e = dict(env, WARMUP="1", DETACH="1", DSV4_STANDIN_ROLE="decode", DSV4_STANDIN_FIRST_GENERATE_S="1.5")
+    e = dict(env, WARMUP="1", DETACH="1", DSV4_SM120_STANDIN_ROLE="decode", DSV4_SM120_STANDIN_FIRST_GENERATE_S="1.5")
     r = run_script(e, timeout=120)
     try:
         assert r.returncode == 0, r.stdout + r.stderr
@@ -266,7 +266,7 @@ def test_warmup_runs_through_the_router_before_ready_and_its_time_is_logged(env,
         assert "warm-up: one request through the router" in out
         assert out.index("router healthy") < out.index("warm-up: first prefill-to-decode request") < out.index("READY")
         assert f"took {st['warmup_s']:.2f} s" in out
-        posts = [json.loads(x) for x in Path(env["DSV4_STANDIN_RECORD"]).read_text().splitlines()]
+        posts = [json.loads(x) for x in Path(env["DSV4_SM120_STANDIN_RECORD"]).read_text().splitlines()]
         posts = [p for p in posts if p["method"] == "POST" and p["path"] == "/generate"]
         assert sorted(p["role"] for p in posts) == ["decode", "prefill"]          # one request, through the router
         assert posts[0]["body"]["bootstrap_room"] == posts[1]["body"]["bootstrap_room"]
@@ -279,8 +279,8 @@ def test_warmup_runs_through_the_router_before_ready_and_its_time_is_logged(env,
 
 
 def test_failed_warmup_tears_everything_down(env):
-    r = run_script(env, extra={"WARMUP": "1", "WARMUP_TIMEOUT_S": "20", "DSV4_STANDIN_ROLE": "decode",
-                               "DSV4_STANDIN_FAIL_GENERATE": "1"}, timeout=120)
+    r = run_script(env, extra={"WARMUP": "1", "WARMUP_TIMEOUT_S": "20", "DSV4_SM120_STANDIN_ROLE": "decode",
+                               "DSV4_SM120_STANDIN_FAIL_GENERATE": "1"}, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "warm-up request through the router failed" in r.stdout and "KV transfer does not work" in r.stdout
     assert "READY" not in r.stdout and "tearing down router, decode, prefill" in r.stdout
@@ -300,7 +300,7 @@ def test_stand_ins_run_pinned_to_the_numa_node_of_their_gpus(env, tmp_path):
     sysfs = make_sysfs(tmp_path / "sys", {0: 1, 1: 1, 2: 1, 3: 1, 4: -1, 5: -1, 6: -1, 7: -1},
                        {0: ",".join(map(str, mine[:-1])) or str(last), 1: str(last)})
     e = dict(env, DETACH="1", NODE_ROLE="prefill,decode", NVIDIA_SMI=make_smi(tmp_path / "nvidia-smi"),
-             DSV4_SERVE_SYSFS_ROOT=str(sysfs))
+             DSV4_SM120_SERVE_SYSFS_ROOT=str(sysfs))
     r = run_script(e, timeout=120)
     try:
         assert r.returncode == 0, r.stdout + r.stderr

@@ -237,7 +237,7 @@ def test_router_and_python_checks():
 
 def test_preflight_skip_and_standin_defaults():
     assert pf.skipped_checks(plan_for()) == []
-    assert pf.skipped_checks(plan_for(DSV4_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl", "p2p", "ucx"]
+    assert pf.skipped_checks(plan_for(DSV4_SM120_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl", "p2p", "ucx"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="p2p,ucx,numa")) == ["p2p", "ucx", "numa"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpu, nixl")) == ["gpu", "nixl"]
     with pytest.raises(ValueError):
@@ -282,6 +282,12 @@ def test_overlay_env_check_catches_attention_typos_before_start(tmp_path):
     assert len(bad) == 1 and "no fp8 QK path" in bad[0]
     # the caller's environment counts too (it reaches the servers)
     assert pf.check_overlay_env(plan_for(), base={"DSV4_SM120_ATTN_CONFIG": "impl=fast"})
+    # every registered setting, the lines the patched SGLang's startup would stop at (dsv4_sm120.settings)
+    from dsv4_sm120.settings import validate
+
+    base = {"DSV4_SM120_MOE_BACKEND": "triton", "DSV4_SM120_" + "ATTN_BACKNED": "dsv4"}
+    bad = pf.check_overlay_env(plan_for(), base=base)
+    assert len(bad) == 2 and bad == validate(base), bad
     p = plan_for(DSV4_SM120_ATTN_CONFIG="BLOCK_N=48", PREFLIGHT_SKIP="patches,nixl,gpu,model,ports,router,p2p,ucx")
     said = []
     out = pf.run_preflight(p, say=said.append)
@@ -321,7 +327,7 @@ def fake_probe(behaviour, hang_at=None):
 def pcie_plan(tmp_path, **kv):
     smi = make_smi(tmp_path / "nvidia-smi")
     sysfs = make_sysfs(tmp_path / "sys", {i: (0 if i < 4 else 1) for i in range(8)}, {0: "0-7", 1: "8-15"})
-    return plan_for(NVIDIA_SMI=smi, DSV4_SERVE_SYSFS_ROOT=str(sysfs), **kv), sysfs
+    return plan_for(NVIDIA_SMI=smi, DSV4_SM120_SERVE_SYSFS_ROOT=str(sysfs), **kv), sysfs
 
 
 def test_p2p_healthy_box_and_a_needless_fallback(tmp_path):

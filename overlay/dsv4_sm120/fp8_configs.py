@@ -6,12 +6,12 @@ SGLang 0.5.23 reads the Triton ``w8a8_block_fp8_matmul`` tile configs only from
 (``dev`` = ``torch.cuda.get_device_name().replace(" ", "_")``; the scheme and the
 schema check are in :mod:`dsv4_sm120.fp8.configs`).  Patch
 ``0004-fp8-config-dir.patch`` makes ``get_w8a8_block_fp8_configs`` ask
-:func:`project_config_path` first; when that returns None SGLang's own directory
-is used as before.
+:func:`dsv4_sm120.sglang_glue.fp8.project_config_path` first, which looks in
+:func:`project_config_dir`; when that returns None SGLang's own directory is used as before.
 
 The project directory is, in this order:
 
-1. ``$SGLANG_DSV4_FP8_CONFIG_DIR`` when set (an empty value turns the project
+1. ``$DSV4_SM120_FP8_CONFIG_DIR`` when set (an empty value turns the project
    directory off: SGLang's own configs only);
 2. ``<repo_root>/configs/fp8`` where ``repo_root`` is the checkout the patches
    were applied from (recorded at apply time in
@@ -29,15 +29,15 @@ This module imports neither torch nor SGLang at import time.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Tuple
+
+from dsv4_sm120 import settings
 
 # The file naming scheme and the schema check are the tuner's (one implementation for writer and reader);
 # re-exported so that this module alone answers every question about the project's config files.
@@ -54,7 +54,7 @@ from dsv4_sm120.fp8.configs import (
 )
 
 __all__ = [
-    "ENV_CONFIG_DIR", "ENV_BACKEND", "project_config_dir", "project_config_path", "load_summary",
+    "ENV_CONFIG_DIR", "ENV_BACKEND", "project_config_dir", "load_summary",
     "detect_device_name", "recommended_fp8_gemm_backend",
     "CONFIG_NAME_RE", "OPTIONAL_KEYS", "REQUIRED_KEYS", "config_file_name", "parse_config_file_name",
     "sglang_device_name", "summary_file_stem", "validate_config_table",
@@ -62,8 +62,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENV_CONFIG_DIR = "SGLANG_DSV4_FP8_CONFIG_DIR"
-ENV_BACKEND = "DSV4_FP8_GEMM_BACKEND"
+ENV_CONFIG_DIR = "DSV4_SM120_FP8_CONFIG_DIR"
+ENV_BACKEND = "DSV4_SM120_FP8_GEMM_BACKEND"
 
 _warned: set = set()
 
@@ -92,7 +92,7 @@ def _sglang_root() -> Optional[Path]:
 
 def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
     """The project's FP8 config directory (see module doc), or None when switched off / not found."""
-    env = os.environ.get(ENV_CONFIG_DIR)
+    env = settings.raw(ENV_CONFIG_DIR)
     if env is not None:
         if not env.strip():
             return None
@@ -107,32 +107,6 @@ def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
         if c is not None and c.is_dir():
             return c
     return None
-
-
-def project_config_path(json_file_name: str, sglang_root: Optional[Path] = None) -> Optional[str]:
-    """Path of the project's config named ``json_file_name`` (SGLang's name), or None to use SGLang's own.
-
-    A project file that is not a valid config is skipped with a warning (SGLang's own is used).
-    """
-    if os.path.basename(json_file_name) != json_file_name:
-        return None
-    d = project_config_dir(sglang_root)
-    if d is None:
-        return None
-    path = d / json_file_name
-    if not path.is_file():
-        return None
-    try:
-        with open(path) as fh:
-            table = json.load(fh)
-        info = parse_config_file_name(json_file_name)
-        validate_config_table(table, block_k=int(info["block_k"]) if info else 128)
-    except (OSError, ValueError) as e:
-        if str(path) not in _warned:
-            _warned.add(str(path))
-            logger.warning("ignoring invalid FP8 GEMM config %s (%s); using SGLang's own", path, e)
-        return None
-    return str(path)
 
 
 # --------------------------------------------------------------------------
@@ -172,13 +146,11 @@ def detect_device_name() -> Optional[str]:
 def recommended_fp8_gemm_backend(device_name: Optional[str] = None,
                                  config_dir: Optional[Path] = None) -> Tuple[Optional[str], str]:
     """(backend, reason): ``"triton"`` when the tuner's summary for this device says Triton wins, else None
-    (keep SGLang's default).  ``$DSV4_FP8_GEMM_BACKEND`` overrides (``auto`` / ``default`` mean None)."""
-    env = os.environ.get(ENV_BACKEND, "").strip()
+    (keep SGLang's default).  ``$DSV4_SM120_FP8_GEMM_BACKEND`` overrides (``auto`` / ``default`` mean None)."""
+    env = settings.get(ENV_BACKEND).strip()  # validated: SettingsError (a ValueError) names the variable
     if env:
         if env.lower() in ("auto", "default", "none"):
             return None, f"{ENV_BACKEND}={env}: SGLang's default backend"
-        if not re.fullmatch(r"[a-z0-9_]+", env):
-            raise ValueError(f"{ENV_BACKEND}={env!r} is not a backend name")
         return env, f"{ENV_BACKEND}={env}"
     if device_name is None:
         device_name = detect_device_name()
@@ -224,6 +196,8 @@ def _main(argv=None) -> int:
             d = project_config_dir()
             print(d if d is not None else "")
         elif a.cmd == "lookup":
+            from dsv4_sm120.sglang_glue.fp8 import project_config_path
+
             name = config_file_name(a.N, a.K, a.device_name)
             p = project_config_path(name)
             print(p if p else f"(not in project dir) {name}")

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from dsv4_sm120 import SGLANG_VERSION, __version__
+from dsv4_sm120 import SGLANG_VERSION, __version__, settings
 
 STATE_DIR = ".dsv4_sm120"
 MANIFEST = "manifest.json"
@@ -65,9 +65,9 @@ def repo_root() -> Path:
     """The product checkout this module belongs to.
 
     Run from the checkout (PYTHONPATH=overlay) that is overlay/dsv4_sm120/../..; the copy `make apply-patches`
-    installs into an environment records its checkout in ``_build.REPO_ROOT``.  DSV4_REPO_ROOT overrides both.
+    installs into an environment records its checkout in ``_build.REPO_ROOT``.  DSV4_SM120_REPO_ROOT overrides both.
     """
-    env = os.environ.get("DSV4_REPO_ROOT")
+    env = settings.get("DSV4_SM120_REPO_ROOT")
     if env:
         return Path(env).resolve()
     here = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def default_series_path() -> Path:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DSV4_CACHE", Path.home() / ".cache" / "dsv4_sm120"))
+    return Path(settings.get("DSV4_SM120_CACHE"))
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -357,7 +357,7 @@ def load_lock(series: Series) -> Optional[dict]:
 
 
 def resolve_root(arg: Optional[str], python: Optional[str]) -> Path:
-    cand = arg or os.environ.get("SGLANG_ROOT")
+    cand = arg or settings.get("SGLANG_ROOT")
     python = absolute_python(python)
     if not cand and python:
         if not os.path.lexists(python):
@@ -630,10 +630,10 @@ def apply(root: Path, series: Series, python: Optional[str] = None, install: boo
         },
     }
     _write_manifest(root, manifest)
-    fail_after = int(os.environ.get("DSV4_PATCHING_FAIL_AFTER", "-1"))  # test hook: simulate a crash
+    fail_after = settings.get("DSV4_SM120_TEST_PATCHING_FAIL_AFTER")  # test hook: simulate a crash
     for n, path in enumerate(targets):
         if n == fail_after:
-            raise PatchError(f"simulated failure after {n} files (DSV4_PATCHING_FAIL_AFTER)")
+            raise PatchError(f"simulated failure after {n} files (DSV4_SM120_TEST_PATCHING_FAIL_AFTER)")
         if new[path] is None:
             (root / path).unlink()
         else:
@@ -707,9 +707,9 @@ def installed_overlay(python: str) -> dict:
             "print(json.dumps({'file': dsv4_sm120.__file__, 'hash': h}))")
     env = dict(os.environ)
     # Launchers (the Makefile, serve/) put the checkout's overlay on PYTHONPATH to run our own modules and keep
-    # the caller's value in DSV4_ORIG_PYTHONPATH: ask what the environment imports without that addition.
-    if "DSV4_ORIG_PYTHONPATH" in os.environ:
-        orig = os.environ["DSV4_ORIG_PYTHONPATH"]
+    # the caller's value in DSV4_SM120_ORIG_PYTHONPATH: ask what the environment imports without that addition.
+    orig = settings.raw("DSV4_SM120_ORIG_PYTHONPATH")
+    if orig is not None:
         if orig:
             env["PYTHONPATH"] = orig
         else:
@@ -888,7 +888,7 @@ def default_status_python() -> Optional[str]:
     import importlib.util
     if importlib.util.find_spec("sglang") is not None:
         return sys.executable
-    venv = Path(os.environ.get("VENV") or ".venv")
+    venv = Path(settings.get("VENV") or ".venv")
     venv = venv if venv.is_absolute() else repo_root() / venv
     py = venv / "bin" / "python"
     return str(py) if os.path.lexists(py) else None
@@ -924,7 +924,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if getattr(a, "python", None):
             a.python = absolute_python(a.python)
             check_python(a.python)
-        if a.cmd == "status" and not (a.sglang_root or os.environ.get("SGLANG_ROOT") or a.python):
+        if a.cmd == "status" and not (a.sglang_root or settings.get("SGLANG_ROOT") or a.python):
             a.python = default_status_python()
             if a.python is None:
                 raise PatchError(f"no SGLang here and no environment at {repo_root() / '.venv'}: run `make setup` "

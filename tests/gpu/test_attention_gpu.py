@@ -24,11 +24,12 @@ ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_le
 
 
 def _env_config():
-    """DSV4_ATTN_TEST_CONFIG='impl=tiled,KCVT=0' runs every test of this file with that launch
+    """DSV4_SM120_TEST_ATTN_CONFIG='impl=tiled,KCVT=0' runs every test of this file with that launch
     configuration (validated as DSV4_SM120_ATTN_CONFIG is), to check a benchmark variant before using it."""
+    from dsv4_sm120 import settings
     from dsv4_sm120.attention import config
 
-    return config.parse_config(os.environ.get("DSV4_ATTN_TEST_CONFIG", ""), "DSV4_ATTN_TEST_CONFIG")
+    return config.parse_config(settings.raw("DSV4_SM120_TEST_ATTN_CONFIG") or "", "DSV4_SM120_TEST_ATTN_CONFIG")
 
 
 def _set_launch(monkeypatch, keys):

@@ -18,7 +18,7 @@ block-scaled QK, native on sm_120). Env ``DSV4_SM120_ATTN_CONFIG`` overrides lau
 
 Modules: ``launch`` (host side: checks, launches, workspace), ``config`` (launch tables, overrides,
 ``resolve``), ``plan`` (split / combine plans), ``kernels`` (Triton), ``reference`` (float64 reference),
-``cache`` (paged caches for tests and benchmarks), ``sglang_route`` (the SGLang glue).
+``cache`` (paged caches for tests and benchmarks). The SGLang glue is ``dsv4_sm120.sglang_glue.attention``.
 """
 
 from __future__ import annotations

@@ -31,11 +31,11 @@ measured on the H200: see bench/results/attention.csv.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 
 from .. import launch_tables as lt
+from .. import settings
 from . import plan as P
 
 KERNEL = "attention"
@@ -134,36 +134,30 @@ def _env_overrides(text: str) -> Tuple[Tuple[str, object], ...]:
 
 def env_overrides(env: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
     """The launch keys of ``DSV4_SM120_ATTN_CONFIG`` (validated; empty when unset)."""
-    env = os.environ if env is None else env
-    return dict(_env_overrides(env.get("DSV4_SM120_ATTN_CONFIG", "")))
+    return dict(_env_overrides(settings.raw("DSV4_SM120_ATTN_CONFIG", env) or ""))
 
 
 def qk_mode(requested: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> str:
     """``"bf16"`` or ``"fp8"``: the ``qk_mode`` argument, else ``DSV4_SM120_ATTN_QK``; ``auto`` (the default) is
     bf16 on every architecture (decode reads ~584 B per candidate for ~2 x 512 x H FLOP of QK, far below any
     tensor-core ridge, and quantizing Q costs 2-3% accuracy; `make bench-attention` times both)."""
-    env = os.environ if env is None else env
-    mode = requested or env.get("DSV4_SM120_ATTN_QK", "auto") or "auto"
-    if mode not in QK_MODES:
-        raise DecodeInputError(f"qk_mode / DSV4_SM120_ATTN_QK must be one of {', '.join(QK_MODES)}, got {mode!r}")
+    if requested:
+        if requested not in QK_MODES:
+            raise DecodeInputError(f"qk_mode must be one of {', '.join(QK_MODES)}, got {requested!r}")
+        mode = requested
+    else:
+        try:
+            mode = settings.get("DSV4_SM120_ATTN_QK", env)
+        except settings.SettingsError as e:
+            raise DecodeInputError(str(e)) from None
     return "fp8" if mode == "fp8" else "bf16"
 
 
 def check_env(env: Mapping[str, str]) -> list:
-    """Problems (one line each) with the attention variables in ``env``: an invalid DSV4_SM120_ATTN_CONFIG or
-    DSV4_SM120_ATTN_QK, or an fp8 QK request combined with a bf16-only body."""
-    problems = []
-    qk = env.get("DSV4_SM120_ATTN_QK", "auto") or "auto"
-    if qk not in QK_MODES:
-        problems.append(f"DSV4_SM120_ATTN_QK must be one of {', '.join(QK_MODES)}, got {qk!r}")
-    try:
-        cfg = parse_config(env.get("DSV4_SM120_ATTN_CONFIG", ""), "DSV4_SM120_ATTN_CONFIG")
-    except DecodeInputError as exc:
-        problems.append(str(exc))
-    else:
-        if qk == "fp8" and cfg.get("impl") in BF16_ONLY_IMPLS:
-            problems.append(f"DSV4_SM120_ATTN_CONFIG impl={cfg['impl']} has no fp8 QK path but DSV4_SM120_ATTN_QK=fp8")
-    return problems
+    """Problems (one line each) with the attention settings in ``env`` (``dsv4_sm120.settings.validate`` of
+    the ``DSV4_SM120_ATTN_*`` variables): an invalid DSV4_SM120_ATTN_CONFIG or DSV4_SM120_ATTN_QK, or an fp8 QK
+    request combined with a bf16-only body."""
+    return settings.validate({k: v for k, v in env.items() if k.startswith("DSV4_SM120_ATTN_")})
 
 
 # ---- table lookup

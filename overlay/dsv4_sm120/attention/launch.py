@@ -13,6 +13,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from .. import settings
 from . import config
 from .config import DecodeInputError, Device, Launch
 from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
@@ -268,7 +269,10 @@ def sparse_mla_decode(
     interp = interpreting()
     # rows per launch: bounded so the workspace stays under DSV4_SM120_ATTN_WS_MB (default 256); only huge T
     # (prefill through this kernel) is cut, decode / verify batches run in one launch
-    cap = int(float(os.environ.get("DSV4_SM120_ATTN_WS_MB", "256")) * (1 << 20) / 4)
+    try:
+        cap = int(settings.get("DSV4_SM120_ATTN_WS_MB") * (1 << 20) / 4)
+    except settings.SettingsError as e:
+        raise DecodeInputError(str(e)) from None
     for t0, t1, L in row_chunks(H, T, K1, K2, device_facts(q.device), qk, overrides, interp, cap):
         sl = slice(t0, t1)
         main = (main_u8, idx1[sl], None if len1 is None else len1[sl], K1, P1, PB1)

@@ -23,6 +23,7 @@ from typing import List, Optional
 
 from .candidates import Candidate, Case, NotApplicable
 from .deployment import C4_PAGE, C128_PAGE, SWA_PAGE, Deployment
+from .. import settings
 
 LAYOUTS = ("swa", "swa_c4", "swa_c128")
 VARIANTS = ("impl=tiled", "SPAN=0", "DEC_LATE=0", "BLOCK_N=64,num_warps=8,waves=1", "BLOCK_N=16", "KCVT=0")
@@ -130,7 +131,7 @@ class Ours(Candidate):
         if not _is_cuda(self.device) and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             return "on CPU our Triton kernel needs TRITON_INTERPRET=1"
         if self.variant:
-            from dsv4_sm120.attention.launch_config import parse_config
+            from dsv4_sm120.attention.config import parse_config
 
             try:
                 parse_config(self.variant, "variant")
@@ -258,9 +259,9 @@ class FlashMLA(Candidate):
 
 
 def upstream_triton_file() -> Optional[Path]:
-    env = os.environ.get(ENV_UPSTREAM_FILE)
+    env = settings.get(ENV_UPSTREAM_FILE)
     cands = [Path(env)] if env else []
-    cache = Path(os.environ.get("DSV4_CACHE", os.path.expanduser("~/.cache/dsv4_sm120")))
+    cache = Path(settings.get("DSV4_SM120_CACHE"))
     cands.append(cache / "pristine" / "sglang" / "kernels" / "ops" / "attention" / "flash_mla_sm120_triton.py")
     return next((c for c in cands if c.is_file()), None)
 

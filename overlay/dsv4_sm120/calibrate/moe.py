@@ -29,11 +29,12 @@ from typing import Dict, List, Optional
 
 from .candidates import Candidate, Case, Outcome, sample_rows
 from .deployment import Deployment
+from .. import settings
 
 NVFP4_RUNNERS = ("flashinfer_cutlass", "dsv4_triton_nvfp4")
 MXFP4_RUNNERS = ("flashinfer_mxfp4", "deep_gemm", "marlin")
 TOL = {"nvfp4": 0.3, "mxfp4": 0.08}
-WORKER_TIMEOUT_S = float(os.environ.get("DSV4_CALIBRATE_MOE_TIMEOUT_S", "900"))
+WORKER_TIMEOUT_S = settings.get("DSV4_SM120_CALIBRATE_MOE_TIMEOUT_S")
 
 
 # ----------------------------------------------------------------------------- weights and the reference

@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
+from .. import settings
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _repo_from_manifest() -> Optional[Path]:
 
 def profile_dir() -> Optional[Path]:
     """Where profiles live (module doc); None when switched off. The directory may not exist yet."""
-    env = os.environ.get(ENV_DIR)
+    env = settings.raw(ENV_DIR)
     if env is not None:
         return Path(env).expanduser() if env.strip() else None
     repo = _repo_from_manifest()

@@ -9,7 +9,7 @@ Sources (``--kernel-source``):
   whole does not import (another torch);
 * ``wheel`` -- ``fp8_kernel.py`` and SGLang's shipped configs extracted from the pinned wheel
   (``--sglang-wheel``; default: the last by name of the ``sglang-<pinned>-*.whl`` files under
-  ``$DSV4_CACHE/wheels``);
+  ``$DSV4_SM120_CACHE/wheels``);
 * ``auto`` -- installed when importable, else the wheel.
 
 Loading the file alone replaces the few SGLang names it imports with stand-ins that compute what SGLang
@@ -21,17 +21,15 @@ from __future__ import annotations
 import glob
 import importlib
 import importlib.util
-import os
 import sys
 import types
 import zipfile
 from pathlib import Path
 from typing import Optional
 
-from dsv4_sm120 import SGLANG_VERSION
+from dsv4_sm120 import SGLANG_VERSION, settings
 from dsv4_sm120.fp8.errors import UsageError
 
-ENV_CACHE = "DSV4_CACHE"   # the project's download cache (default ~/.cache/dsv4_sm120)
 
 KERNEL_MODULE = "sglang.kernels.ops.gemm.fp8_kernel"
 KERNEL_PATH_IN_WHEEL = "sglang/kernels/ops/gemm/fp8_kernel.py"
@@ -40,7 +38,7 @@ CONFIGS_IN_WHEEL = "sglang/kernels/ops/gemm/configs/"
 
 def default_wheel() -> Optional[Path]:
     """The pinned SGLang wheel in the project's cache (the last by name), or None."""
-    cache = Path(os.environ.get(ENV_CACHE, Path.home() / ".cache" / "dsv4_sm120"))
+    cache = Path(settings.get("DSV4_SM120_CACHE"))  # the project's download cache
     hits = sorted(glob.glob(str(cache / "wheels" / f"sglang-{SGLANG_VERSION}-*.whl")))
     return Path(hits[-1]) if hits else None
 
@@ -152,7 +150,7 @@ def load_kernel(source: str, wheel: Optional[Path], workdir: Path):
     wheel = wheel or default_wheel()
     if wheel is None:
         raise UsageError("SGLang is not importable here and no --sglang-wheel was given "
-                         f"(looked for sglang-{SGLANG_VERSION}-*.whl under $DSV4_CACHE/wheels)")
+                         f"(looked for sglang-{SGLANG_VERSION}-*.whl under $DSV4_SM120_CACHE/wheels)")
     path = extract_from_wheel(Path(wheel), workdir)
     return load_kernel_from_file(path), None, f"{Path(wheel).name} (fp8_kernel.py only)", path
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import triton
 
+from .. import settings
 from . import kernels as K
 from .config import ALIGN_MODES, Config, legal_bk
 from .config import choose_config as _table_config
@@ -49,11 +50,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _env_choice(name: str, choices, default: str) -> str:
-    v = os.environ.get(name, "").strip().lower() or default
-    if v not in choices:
-        raise MoEInputError(f"{name}={v!r}: expected one of {', '.join(choices)}")
-    return v
+def _env_choice(name: str, default: Optional[str] = None) -> str:
+    """The setting's value (dsv4_sm120.settings); ``default`` where it is unset and has no default of its own."""
+    try:
+        v = settings.get(name)
+    except settings.SettingsError as e:
+        raise MoEInputError(str(e)) from None
+    return default if v is None else v
 
 
 def _has_fp4_mma(device: torch.device) -> bool:
@@ -64,18 +67,18 @@ def _has_fp4_mma(device: torch.device) -> bool:
 
 def default_path(device: torch.device) -> str:
     """``fp4`` on GPUs with FP4 block-scaled MMA (sm_100, sm_120), else ``bf16``; ``DSV4_SM120_MOE_PATH`` wins."""
-    forced = _env_choice(PATH_ENV, ("auto", "fp4", "bf16"), "auto")
+    forced = _env_choice(PATH_ENV)
     if forced != "auto":
         return forced
     return "fp4" if _has_fp4_mma(device) else "bf16"
 
 
 def default_scaled_dot(device: torch.device) -> str:
-    return _env_choice(SCALED_DOT_ENV, ("native", "emulated"), "native" if _has_fp4_mma(device) else "emulated")
+    return _env_choice(SCALED_DOT_ENV, "native" if _has_fp4_mma(device) else "emulated")
 
 
 def default_apre() -> bool:
-    return _env_choice(APRE_ENV, ("0", "1"), "1") == "1"
+    return _env_choice(APRE_ENV) == "1"
 
 
 def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str,
@@ -213,7 +216,7 @@ def nvfp4_fused_moe_impl(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
     tw = topk_weights.to(torch.float32).contiguous().view(-1)
     P = M * topk
     BM = cfg.BM
-    align = _env_choice(ALIGN_ENV, ("auto",) + ALIGN_MODES, "auto")
+    align = _env_choice(ALIGN_ENV)
     if align == "auto":
         align = cfg.align
     if align not in ALIGN_MODES:

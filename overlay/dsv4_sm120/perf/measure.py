@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional
 
+from .. import settings
 from . import spec_metrics
 
 # the checkout this runs from (overlay/dsv4_sm120/perf/ -> repository root): relative log / venv paths and the
@@ -49,7 +50,7 @@ class MeasureError(Exception):
 
 
 def latest_run(log_dir: Optional[str]) -> Optional[Path]:
-    d = Path(os.path.expanduser(log_dir or os.environ.get("LOG_DIR") or "logs"))
+    d = Path(os.path.expanduser(log_dir or settings.get("LOG_DIR") or "logs"))
     d = d if d.is_absolute() else REPO / d
     latest = d / "latest"
     return latest.resolve() if latest.exists() else None
@@ -238,7 +239,7 @@ def serving_python(explicit=None):
     """The python that runs the benchmark client: explicit, else $VENV (default .venv) if present, else this one."""
     if explicit:
         return explicit
-    venv = Path(os.path.expanduser(os.environ.get("VENV", ".venv")))
+    venv = Path(os.path.expanduser(settings.get("VENV") or ".venv"))
     venv = venv if venv.is_absolute() else REPO / venv
     return str(venv / "bin" / "python") if (venv / "bin" / "python").exists() else sys.executable
 
@@ -273,12 +274,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_dir = latest_run(a.log_dir)
         dep = deployment_info(run_dir)
         router = (a.router or dep.get("router_url")
-                  or f"http://127.0.0.1:{os.environ.get('ROUTER_PORT', '30000')}").rstrip("/")
+                  or f"http://127.0.0.1:{settings.get('ROUTER_PORT') or '30000'}").rstrip("/")
         require_healthy_router(router)
     except MeasureError as e:
         print(f"measure: {e}", file=sys.stderr)
         return 2
-    model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or os.environ.get("MODEL_PATH") or DEFAULT_MODEL
+    model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or settings.get("MODEL_PATH") or DEFAULT_MODEL
     python = serving_python(a.python)
     out_dir = a.out_dir or REPO / "bench" / "results" / time.strftime("measure-%Y%m%d-%H%M%S", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)

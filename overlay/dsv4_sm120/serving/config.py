@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from .. import settings
 from .envfiles import EnvFileError, load_env_dir
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-Flash"
@@ -68,7 +69,7 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "PREFLIGHT_SKIP": ("", "comma list of checks to skip: gpu,model,patches,nixl,ports,router"),
     "DETACH": ("0", "1 = return once everything is healthy, supervision continues in the background"),
     "DRY_RUN": ("0", "1 = print the commands and environment, start nothing"),
-    "DSV4_SERVE_STANDIN": ("0", "1 = stand-in HTTP servers instead of SGLang (rehearsal and tests; no GPU)"),
+    "DSV4_SM120_SERVE_STANDIN": ("0", "1 = stand-in HTTP servers instead of SGLang (rehearsal and tests; no GPU)"),
     "NVIDIA_SMI": ("nvidia-smi", "nvidia-smi executable used by the GPU preflight"),
     "NUMA_BIND": ("1", "1 = bind each server to the NUMA node its GPUs hang off (read from sysfs); 0 = unbound, SGLang's own auto-binding off too"),
     "WARMUP": ("auto", "one real request through the router before READY (the first KV transfer's cold start); auto = on for real servers, off for stand-ins; 1 / 0"),
@@ -76,10 +77,10 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
 }
 
 
-PASS_THROUGH = re.compile(r"^(SGLANG_|DSV4_|NCCL_|UCX_|NIXL_|TORCH_NCCL_|CUDA_DEVICE_ORDER$)")
+PASS_THROUGH = re.compile(r"^(SGLANG_|DSV4_SM120_|NCCL_|UCX_|NIXL_|TORCH_NCCL_|CUDA_DEVICE_ORDER$)")
 # Variables the scripts, the tests and the stand-ins use among themselves: never listed as user settings.
-INTERNAL = re.compile(r"^(DSV4_SERVE_|DSV4_STANDIN_|DSV4_ORIG_PYTHONPATH$|DSV4_REPO_ROOT$|DSV4_CACHE$|DSV4_VARIANT$|"
-                      r"SGLANG_TORCH_PROFILER_DIR$|SGLANG_HOST_IP$)")
+INTERNAL = re.compile(r"^(DSV4_SM120_SERVE_|DSV4_SM120_STANDIN_|DSV4_SM120_ORIG_PYTHONPATH$|DSV4_SM120_REPO_ROOT$|"
+                      r"DSV4_SM120_CACHE$|DSV4_SM120_VARIANT$|SGLANG_TORCH_PROFILER_DIR$|SGLANG_HOST_IP$)")
 
 
 class ConfigError(Exception):
@@ -128,7 +129,7 @@ class Plan:
 
 
 def repo_root() -> Path:
-    env = os.environ.get("DSV4_REPO_ROOT")
+    env = settings.get("DSV4_SM120_REPO_ROOT")
     return Path(env).resolve() if env else Path(__file__).resolve().parents[3]
 
 
@@ -199,7 +200,7 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
     ``FP8_GEMM_BACKEND`` other than ``auto`` is passed as is. With ``auto`` the FP8 tuner's
     summary for the serving GPU (``configs/fp8/summary_<device>.json``, read through
     :func:`dsv4_sm120.fp8_configs.recommended_fp8_gemm_backend`, which also honours
-    ``DSV4_FP8_GEMM_BACKEND``) decides; without a GPU name or a summary SGLang's default stays.
+    ``DSV4_SM120_FP8_GEMM_BACKEND``) decides; without a GPU name or a summary SGLang's default stays.
     """
     setting = (setting or "auto").strip()
     if setting != "auto":
@@ -208,7 +209,7 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
         return setting, f"FP8_GEMM_BACKEND={setting}"
     from dsv4_sm120.fp8_configs import ENV_BACKEND, recommended_fp8_gemm_backend
 
-    if device_name is None and not os.environ.get(ENV_BACKEND, "").strip():
+    if device_name is None and not (settings.raw(ENV_BACKEND) or "").strip():
         return None, "SGLang default (no GPU name from nvidia-smi, so no tuning summary applies)"
     try:
         choice, why = recommended_fp8_gemm_backend(device_name or "unknown", repo / "configs" / "fp8")
@@ -224,7 +225,7 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         raise ConfigError(f"unknown variant {variant!r}")
     s = settings_from_env(environ)
     repo = repo_root()
-    standin = s["DSV4_SERVE_STANDIN"] not in ("", "0")
+    standin = s["DSV4_SM120_SERVE_STANDIN"] not in ("", "0")
 
     venv = Path(os.path.expanduser(s["VENV"]))
     venv = venv if venv.is_absolute() else repo / venv
@@ -387,7 +388,7 @@ def _bind_numa(procs: List[Proc], s: Dict[str, str], environ: Mapping[str, str])
     if s["NUMA_BIND"].strip() not in ("0", "1"):
         raise ConfigError(f"NUMA_BIND={s['NUMA_BIND']!r}: expected 1 (bind to the GPUs' NUMA node) or 0")
     enabled = s["NUMA_BIND"].strip() == "1"
-    sysfs = Path(environ.get("DSV4_SERVE_SYSFS_ROOT") or "/sys")
+    sysfs = Path(settings.get("DSV4_SM120_SERVE_SYSFS_ROOT", environ) or "/sys")
     binds = numa_bindings({p.role: p.gpus for p in servers}, s["NVIDIA_SMI"] or "nvidia-smi", sysfs, enabled)
     for p in servers:
         b = binds[p.role]

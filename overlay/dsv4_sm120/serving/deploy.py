@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from .. import settings
 from . import supervisor as sv
 from .config import VARIABLES, ConfigError, Plan, build_plan, render_dry_run, repo_root
 from .preflight import run_preflight
@@ -29,7 +30,7 @@ def _say(msg: str) -> None:
 
 
 def _log_dir(environ) -> Path:
-    d = Path(os.path.expanduser(environ.get("LOG_DIR") or VARIABLES["LOG_DIR"][0]))
+    d = Path(os.path.expanduser(settings.get("LOG_DIR", environ) or VARIABLES["LOG_DIR"][0]))
     return d if d.is_absolute() else repo_root() / d
 
 
@@ -161,7 +162,7 @@ def cmd_stop(a) -> int:
             _say(f"no deployment recorded under {latest.parent} (nothing to stop)")
             return 0
         run_dir = latest.resolve()
-    grace = os.environ.get("STOP_GRACE_S", VARIABLES["STOP_GRACE_S"][0])
+    grace = settings.get("STOP_GRACE_S") or VARIABLES["STOP_GRACE_S"][0]
     try:
         g = float(grace)
     except ValueError:

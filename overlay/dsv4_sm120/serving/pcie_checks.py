@@ -19,6 +19,7 @@ from .config import Plan
 from .p2p_diag import diagnose_p2p, iommu_state
 from .topology import TopologyError, parse_topo_matrix, run_smi
 from .ucx_info import BW_OVERRIDE, judge_cuda_put, parse_proto_info, transports, version_note
+from .. import settings
 
 P2P_TIMEOUT_S = 120.0
 UCX_TIMEOUT_S = 120.0
@@ -47,7 +48,7 @@ def server_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, s
 
 
 def _sysfs() -> Path:
-    return Path(os.environ.get("DSV4_SERVE_SYSFS_ROOT") or "/sys")
+    return Path(settings.get("DSV4_SM120_SERVE_SYSFS_ROOT") or "/sys")
 
 
 # ---------------------------------------------------------------------------- numa

@@ -258,12 +258,14 @@ def check_python(plan: Plan) -> List[str]:
 
 
 def check_overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> List[str]:
-    from ..attention.launch_config import check_env
+    """The problems the patched SGLang's startup would stop at (``dsv4_sm120.settings.validate`` of the
+    servers' environment: the caller's plus serve/env/*.env), reported before anything starts."""
+    from .. import settings
 
     env = dict(os.environ if base is None else base)
     for k, v, _ in plan.common_env:
         env.setdefault(k, v)
-    return check_env(env)
+    return settings.validate(env)
 
 
 RUNNERS: Dict[str, Callable] = {

@@ -1,27 +1,27 @@
 """A small HTTP server standing in for ``python -m sglang.launch_server`` (no GPU, no model).
 
-Selected by ``DSV4_SERVE_STANDIN=1`` in the serving scripts: it takes the same command line
+Selected by ``DSV4_SM120_SERVE_STANDIN=1`` in the serving scripts: it takes the same command line
 (only ``--host``, ``--port``, ``--disaggregation-mode``, ``--disaggregation-bootstrap-port``,
 ``--model-path``, ``--served-model-name`` matter), binds the same ports (prefill also its
 bootstrap port), answers ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/server_info``, ``/v1/models``, ``/generate``, ``/v1/completions``, ``/v1/chat/completions``,
 ``/start_profile``, ``/stop_profile``, and appends every request it receives (path + JSON body)
-to ``$DSV4_STANDIN_RECORD`` (JSONL) when set.
+to ``$DSV4_SM120_STANDIN_RECORD`` (JSONL) when set.
 
 Failure injection (for orchestration tests), each applying to the role named in
-``DSV4_STANDIN_ROLE`` (``prefill``/``decode``; empty = both):
-  DSV4_STANDIN_FAIL_AT_START=1      exit 3 before binding anything
-  DSV4_STANDIN_EXIT_AFTER_S=<s>     exit 4 after s seconds of serving
-  DSV4_STANDIN_STARTUP_S=<s>        answer /health with 503 for the first s seconds
-  DSV4_STANDIN_EXIT_WHEN_FILE=<path> exit 4 as soon as <path> exists
-  DSV4_STANDIN_UNHEALTHY_WHEN_FILE=<path> answer /health with 503 while <path> exists (a hung server)
-  DSV4_STANDIN_CHILD_PIDFILE=<path> start a `sleep 300` helper in our process group, its pid in <path>
+``DSV4_SM120_STANDIN_ROLE`` (``prefill``/``decode``; empty = both):
+  DSV4_SM120_STANDIN_FAIL_AT_START=1      exit 3 before binding anything
+  DSV4_SM120_STANDIN_EXIT_AFTER_S=<s>     exit 4 after s seconds of serving
+  DSV4_SM120_STANDIN_STARTUP_S=<s>        answer /health with 503 for the first s seconds
+  DSV4_SM120_STANDIN_EXIT_WHEN_FILE=<path> exit 4 as soon as <path> exists
+  DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE=<path> answer /health with 503 while <path> exists (a hung server)
+  DSV4_SM120_STANDIN_CHILD_PIDFILE=<path> start a `sleep 300` helper in our process group, its pid in <path>
                                     (it outlives a crashed stand-in: teardown must find it by group)
-  DSV4_STANDIN_TRACE_TP=<n>         on /start_profile, write n synthetic per-rank trace files (rehearses
+  DSV4_SM120_STANDIN_TRACE_TP=<n>         on /start_profile, write n synthetic per-rank trace files (rehearses
                                     the capture plumbing of bench/profile_capture.py; not measurements)
-  DSV4_STANDIN_FIRST_GENERATE_S=<s> the first generation request waits s seconds (a transport cold start,
+  DSV4_SM120_STANDIN_FIRST_GENERATE_S=<s> the first generation request waits s seconds (a transport cold start,
                                     what the supervisor's warm-up absorbs before READY)
-  DSV4_STANDIN_FAIL_GENERATE=1      answer generation requests with HTTP 500 (a broken KV transfer)
+  DSV4_SM120_STANDIN_FAIL_GENERATE=1      answer generation requests with HTTP 500 (a broken KV transfer)
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
+from .. import settings
+
 _lock = threading.Lock()
 _first_generate = {"pending": True}
 
 
 def _record(entry: dict) -> None:
-    path = os.environ.get("DSV4_STANDIN_RECORD")
+    path = settings.get("DSV4_SM120_STANDIN_RECORD")
     if not path:
         return
     line = json.dumps(entry, sort_keys=True) + "\n"
@@ -132,7 +134,7 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
             body = self._body()
             _record({"role": role, "method": "POST", "path": path, "body": body, "t": time.time()})
             if path == "/start_profile":
-                tp = int(os.environ.get("DSV4_STANDIN_TRACE_TP", "0") or 0)
+                tp = settings.get("DSV4_SM120_STANDIN_TRACE_TP")
                 if tp:
                     threading.Thread(target=_write_synthetic_traces, args=(body, tp), daemon=True).start()
                 return self._send(200, raw=b"Start profiling.\n", ctype="text/plain")
@@ -140,9 +142,9 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
                 return self._send(200, raw=b"OK", ctype="text/plain")
             if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
                 return self._send(404, {"error": f"standin: no POST {path}"})
-            if mine and os.environ.get("DSV4_STANDIN_FAIL_GENERATE") == "1":
-                return self._send(500, {"error": "standin: KV transfer failed (DSV4_STANDIN_FAIL_GENERATE=1)"})
-            first_wait = float(os.environ.get("DSV4_STANDIN_FIRST_GENERATE_S", "0") or 0) if mine else 0.0
+            if mine and settings.get("DSV4_SM120_STANDIN_FAIL_GENERATE"):
+                return self._send(500, {"error": "standin: KV transfer failed (DSV4_SM120_STANDIN_FAIL_GENERATE=1)"})
+            first_wait = settings.get("DSV4_SM120_STANDIN_FIRST_GENERATE_S") if mine else 0.0
             with _lock:
                 first, _first_generate["pending"] = _first_generate["pending"], False
             if first and first_wait:
@@ -172,10 +174,10 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
             return self._send(200, obj)
 
         def _stream_generate(self, body, meta):
-            """Decode side, streaming: one SSE chunk per token, DSV4_STANDIN_TOKEN_S apart (default 2 ms)."""
+            """Decode side, streaming: one SSE chunk per token, DSV4_SM120_STANDIN_TOKEN_S apart (default 2 ms)."""
             n = int((body.get("sampling_params") or {}).get("max_new_tokens") or 16)
             n = max(1, min(n, 4096))
-            gap = float(os.environ.get("DSV4_STANDIN_TOKEN_S", "0.002") or 0)
+            gap = settings.get("DSV4_SM120_STANDIN_TOKEN_S")
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
@@ -214,16 +216,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args, _unknown = ap.parse_known_args(argv)
     role = args.disaggregation_mode
 
-    target = os.environ.get("DSV4_STANDIN_ROLE", "")
+    target = settings.get("DSV4_SM120_STANDIN_ROLE")
     mine = target in ("", role)
-    if mine and os.environ.get("DSV4_STANDIN_FAIL_AT_START") == "1":
-        print(f"[standin {role}] failing at start as asked (DSV4_STANDIN_FAIL_AT_START=1)", file=sys.stderr)
+    if mine and settings.get("DSV4_SM120_STANDIN_FAIL_AT_START"):
+        print(f"[standin {role}] failing at start as asked (DSV4_SM120_STANDIN_FAIL_AT_START=1)", file=sys.stderr)
         return 3
-    startup = float(os.environ.get("DSV4_STANDIN_STARTUP_S", "0") or 0) if mine else 0.0
-    exit_after = float(os.environ.get("DSV4_STANDIN_EXIT_AFTER_S", "0") or 0) if mine else 0.0
-    exit_file = os.environ.get("DSV4_STANDIN_EXIT_WHEN_FILE", "") if mine else ""
+    startup = settings.get("DSV4_SM120_STANDIN_STARTUP_S") if mine else 0.0
+    exit_after = settings.get("DSV4_SM120_STANDIN_EXIT_AFTER_S") if mine else 0.0
+    exit_file = settings.get("DSV4_SM120_STANDIN_EXIT_WHEN_FILE") if mine else ""
 
-    child_pidfile = os.environ.get("DSV4_STANDIN_CHILD_PIDFILE", "") if mine else ""
+    child_pidfile = settings.get("DSV4_SM120_STANDIN_CHILD_PIDFILE") if mine else ""
     if child_pidfile:  # a helper process in our group that outlives us if we die (like a worker subprocess)
         import subprocess
         helper = subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL)
@@ -231,7 +233,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f.write(str(helper.pid))
 
     served = args.served_model_name or args.model_path
-    unhealthy = os.environ.get("DSV4_STANDIN_UNHEALTHY_WHEN_FILE", "") if mine else ""
+    unhealthy = settings.get("DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE") if mine else ""
     handler = make_handler(role, args.model_path, served, time.time() + startup, args, unhealthy, mine)
     servers = [ThreadingHTTPServer((args.host, args.port), handler)]
     if role == "prefill":

@@ -24,10 +24,11 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .. import settings
 from .config import Plan
 from .topology import apply_binding
 
-POLL_S = float(os.environ.get("DSV4_SERVE_POLL_S", "1.0"))
+POLL_S = settings.get("DSV4_SM120_SERVE_POLL_S")
 
 
 LOG_FILE: Optional[str] = None   # foreground runs also keep their messages in RUN_DIR/supervisor.log
@@ -295,7 +296,7 @@ class Supervisor:
     def child_env(self, extra: Dict[str, str]) -> Dict[str, str]:
         env = {k: v for k, v in os.environ.items()}
         # the launcher's own PYTHONPATH addition (the repo overlay) does not leak into SGLang
-        orig = os.environ.get("DSV4_ORIG_PYTHONPATH")
+        orig = settings.raw("DSV4_SM120_ORIG_PYTHONPATH")
         if orig is not None:
             if orig:
                 env["PYTHONPATH"] = orig
@@ -307,7 +308,7 @@ class Supervisor:
         for k, v, _ in self.plan.common_env:
             env[k] = v
         env.update(extra)
-        for k in ("DSV4_ORIG_PYTHONPATH", "DRY_RUN", "DETACH"):
+        for k in ("DSV4_SM120_ORIG_PYTHONPATH", "DRY_RUN", "DETACH"):
             env.pop(k, None)
         return env
 

@@ -1,45 +1,30 @@
-"""Routing of SGLang's DeepSeek-V4 sm_120 attention calls (used by patches/0002-sm120-sparse-mla-decode.patch).
+"""Patch 0002: the DeepSeek-V4 attention backend's sm_120 sparse-attention call and the model's head count.
 
-Environment (read on every call, cheap):
+The patched backend hands its sm_120 sparse-attention call (V4 cache layout, 584 bytes per token) to
+:func:`sparse_attention`; the patched model's ``_kernel_num_heads`` asks :func:`kernel_num_heads`.
+Settings (``dsv4_sm120.settings``, read on every call, cheap):
 
-* ``SGLANG_DSV4_SM120_ATTN_BACKEND`` = ``dsv4`` (default) | ``flashinfer`` | ``triton`` | ``torch``:
+* ``DSV4_SM120_ATTN_BACKEND`` = ``dsv4`` (default) | ``flashinfer`` | ``triton`` | ``torch``:
   who runs the decode-like rows (decode, target-verify, draft-extend; any number of rows T).
-  ``dsv4`` is this overlay's tensor-core Triton kernel with the real per-rank heads;
-  ``flashinfer`` / ``triton`` / ``torch`` are SGLang 0.5.23's own sm_120 paths, called as stock
-  SGLang calls them (``triton`` / ``torch`` with the stock 64-head padding), for A/B runs.
-* ``SGLANG_DSV4_SM120_ATTN_PREFILL`` = ``flashinfer`` (default) | ``dsv4``: who runs prefill
+  ``dsv4`` is the overlay's tensor-core Triton kernel (:func:`dsv4_sm120.attention.sparse_mla_decode`) with
+  the real per-rank heads; ``flashinfer`` / ``triton`` / ``torch`` are SGLang 0.5.23's own sm_120 paths,
+  called as stock SGLang calls them (``triton`` / ``torch`` with the stock 64-head padding), for A/B runs.
+* ``DSV4_SM120_ATTN_PREFILL`` = ``flashinfer`` (default) | ``dsv4``: who runs prefill
   (extend / mixed) rows when the backend is ``dsv4``. ``flashinfer`` keeps FlashInfer's kernels
   (its prefill kernel, or its decode kernel for <= 64 rows when it supports the head count).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
-logger = logging.getLogger(__name__)
-
-BACKENDS = ("dsv4", "flashinfer", "triton", "torch")
-PREFILL_BACKENDS = ("flashinfer", "dsv4")
-_warned = set()
-
-
-def _env_choice(name: str, allowed, default: str) -> str:
-    v = os.environ.get(name, "").strip().lower() or default
-    if v not in allowed:
-        if name not in _warned:
-            _warned.add(name)
-            logger.warning("%s=%r is not one of %s; using %r", name, v, "|".join(allowed), default)
-        return default
-    return v
+from dsv4_sm120 import settings
 
 
 def backend() -> str:
-    return _env_choice("SGLANG_DSV4_SM120_ATTN_BACKEND", BACKENDS, "dsv4")
+    return settings.get("DSV4_SM120_ATTN_BACKEND")
 
 
 def prefill_backend() -> str:
-    return _env_choice("SGLANG_DSV4_SM120_ATTN_PREFILL", PREFILL_BACKENDS, "flashinfer")
+    return settings.get("DSV4_SM120_ATTN_PREFILL")
 
 
 def kernel_num_heads(n_local_heads: int, n_heads: int, num_tokens: int):
@@ -91,7 +76,7 @@ def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
     b = backend()
     decode_like = is_decode_like(forward_mode)
     if b == "dsv4" and (decode_like or prefill_backend() == "dsv4"):
-        from .launch import sparse_mla_decode
+        from dsv4_sm120.attention import sparse_mla_decode
 
         sink = kw.pop("attn_sink", None)
         if sink is not None:

@@ -1,0 +1,452 @@
+"""Every environment variable dsv4_sm120 reads: the one registry.
+
+Each setting is declared once here (name, type, valid values, default, meaning, who reads it) and read
+only through :func:`get` / :func:`raw`, which validate: a bad value is a :class:`SettingsError` whose one
+line names the variable and the valid values. Ours start with ``DSV4_SM120_``; the serve scripts'
+parameters (``MODEL_PATH``, ``PREFILL_GPUS``, ...) keep their short names and are declared in
+``dsv4_sm120.serving.config.VARIABLES``, which this registry includes as the group ``serve``.
+
+Who reads a setting (``reader``):
+
+* ``runtime``: the patched SGLang and the kernels, in the server processes;
+* ``serve``: the serve scripts (``serve/*.sh``, ``dsv4_sm120.serving``);
+* ``tools``: make targets, ``scripts/*.sh``, the patch tool, the FP8 tuner;
+* ``internal``: set by our own launchers for the processes they start (never by hand);
+* ``test``: test hooks (the serving stand-ins, simulated failures, GPU test launches).
+
+:func:`validate` returns the problems of an environment (also unknown ``DSV4_SM120_*`` names, i.e.
+typos, and names with the retired ``SGLANG_DSV4_`` / ``DSV4_`` prefixes); the glue's startup in the
+patched SGLang and the serve preflight both refuse to start with problems.
+``python -m dsv4_sm120.settings`` lists them (``--markdown`` is the README's table, ``--json``,
+``--check`` validates the current environment). Importing this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+PREFIX = "DSV4_SM120_"
+READERS = ("runtime", "serve", "tools", "internal", "test")
+KINDS = ("choice", "bool", "int", "float", "path", "text")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingsError(ValueError):
+    """A bad value of a setting, as one line naming the variable and what is valid."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str                       # one of KINDS
+    default: Optional[str]          # None: unset has its own meaning (said in ``meaning``)
+    meaning: str
+    reader: str                     # one of READERS
+    choices: Tuple[str, ...] = ()   # kind "choice": the valid values (compared lower-cased)
+    minimum: Optional[float] = None  # kinds "int" / "float": the smallest valid value
+    above: bool = False             # kinds "int" / "float": the value must be strictly above ``minimum``
+    check: Optional[Callable[[str], Optional[str]]] = None  # extra check of a set value: a problem or None
+    values: str = ""                # the valid values in words, for the listing (default: from the kind)
+
+    def describe_values(self) -> str:
+        if self.values:
+            return self.values
+        if self.kind == "choice":
+            return " \\| ".join(c if c else '""' for c in self.choices)
+        if self.kind == "bool":
+            return "0 \\| 1"
+        if self.kind in ("int", "float"):
+            word = "integer" if self.kind == "int" else "number"
+            if self.minimum is None:
+                return word
+            return f"{word} {'>' if self.above else '>='} {self.minimum:g}"
+        return "path" if self.kind == "path" else "text"
+
+    def parse(self, text: Optional[str]):
+        """The typed value of ``text`` (None or empty: the default's value); SettingsError when invalid."""
+        if text is None or not text.strip():
+            if self.default is None:
+                return None
+            if not self.default.strip():
+                return _EMPTY[self.kind]
+            text = self.default
+        v = text.strip()
+        if self.kind == "choice":
+            v = v.lower()
+            if v not in self.choices:
+                raise SettingsError(f"{self.name}={text!r} is not valid: expected one of "
+                                    f"{', '.join(c or repr(c) for c in self.choices)}")
+            return v
+        if self.kind == "bool":
+            if v.lower() in _TRUE:
+                return True
+            if v.lower() in _FALSE:
+                return False
+            raise SettingsError(f"{self.name}={text!r} is not valid: expected 0 or 1")
+        if self.kind in ("int", "float"):
+            try:
+                num = int(v) if self.kind == "int" else float(v)
+            except ValueError:
+                raise SettingsError(f"{self.name}={text!r} is not valid: expected "
+                                    f"{'an integer' if self.kind == 'int' else 'a number'}") from None
+            if self.minimum is not None and (num <= self.minimum if self.above else num < self.minimum) \
+                    or num != num:
+                raise SettingsError(f"{self.name}={text!r} is out of range: expected "
+                                    f"{'>' if self.above else '>='} {self.minimum:g}")
+            return num
+        if self.check is not None:
+            problem = self.check(v)
+            if problem:
+                raise SettingsError(f"{self.name}={text!r} is not valid: {problem}")
+        return text if self.kind == "text" else os.path.expanduser(v)
+
+
+_EMPTY = {"bool": False, "int": 0, "float": 0.0, "path": "", "text": "", "choice": ""}
+
+
+# ---- checks of free-form values
+
+
+def _attention_launch(text: str) -> Optional[str]:
+    from dsv4_sm120.attention.config import DecodeInputError, parse_config
+
+    try:
+        parse_config(text, "launch config")
+    except DecodeInputError as e:
+        return str(e).replace("launch config: ", "")
+    return None
+
+
+def _fp8_backend(text: str) -> Optional[str]:
+    if text.lower() in ("auto", "default", "none") or re.fullmatch(r"[a-z0-9_]+", text):
+        return None
+    return "expected auto, default, none or a backend name ([a-z0-9_]+)"
+
+
+# ---- the registry (order = the order of the listing)
+
+_ATTN_CONFIG_VALUES = "comma list of launch keys, e.g. `impl=tiled` or `KCVT=0,maxnreg=0` (docs/attention.md)"
+
+_OURS: Tuple[Setting, ...] = (
+    # runtime: the patched SGLang and the kernels
+    Setting("DSV4_SM120_DISABLE", "bool", "0",
+            "1: the patched SGLang does not import the overlay and runs its stock paths (A/B against upstream)",
+            "runtime"),
+    Setting("DSV4_SM120_ATTN_BACKEND", "choice", "dsv4",
+            "who runs sparse-MLA decode / verify / draft rows on sm_120: `dsv4` = our tensor-core kernel; the "
+            "others are SGLang 0.5.23's own sm_120 paths", "runtime",
+            choices=("dsv4", "flashinfer", "triton", "torch")),
+    Setting("DSV4_SM120_ATTN_PREFILL", "choice", "flashinfer",
+            "who runs prefill (extend / mixed) rows when the backend is `dsv4`", "runtime",
+            choices=("flashinfer", "dsv4")),
+    Setting("DSV4_SM120_ATTN_QK", "choice", "auto",
+            "QK path of our decode kernel: `auto` = `bf16`; `fp8` = block-scaled MMA, opt-in if "
+            "`make bench-attention` shows it ahead", "runtime", choices=("auto", "bf16", "fp8")),
+    Setting("DSV4_SM120_ATTN_CONFIG", "text", "",
+            "launch variant of our decode kernel (empty: the launch tables); `make bench-attention` prints the line "
+            "to set when a variant wins", "runtime", check=_attention_launch, values=_ATTN_CONFIG_VALUES),
+    Setting("DSV4_SM120_ATTN_WS_MB", "float", "256",
+            "workspace bound of one decode launch in MiB (longer calls are cut into row chunks)", "runtime",
+            minimum=0, above=True),
+    Setting("DSV4_SM120_MOE_BACKEND", "choice", "auto",
+            "MoE runner of NVFP4 checkpoints on sm_120 when `--moe-runner-backend` is auto: `auto` = "
+            "`flashinfer_cutlass`; `dsv4_triton_nvfp4` = our Triton MoE (opt-in); `stock` = SGLang's choice",
+            "runtime", choices=("auto", "flashinfer_cutlass", "dsv4_triton_nvfp4", "stock")),
+    Setting("DSV4_SM120_MOE_PATH", "choice", "auto",
+            "compute path of our NVFP4 MoE: `auto` = `fp4` on GPUs with FP4 MMA (sm_100, sm_120), else `bf16`",
+            "runtime", choices=("auto", "fp4", "bf16")),
+    Setting("DSV4_SM120_MOE_SCALED_DOT", "choice", None,
+            "fp4 path's block-scaled dot: unset = `native` on GPUs with FP4 MMA, else `emulated` (same result)",
+            "runtime", choices=("native", "emulated")),
+    Setting("DSV4_SM120_MOE_APRE", "choice", "1",
+            "fp4 path: 1 = quantize activations once per row before each GEMM; 0 = inside every GEMM program",
+            "runtime", choices=("0", "1")),
+    Setting("DSV4_SM120_MOE_ALIGN", "choice", "auto",
+            "token grouping of our MoE: `auto` = the launch table's choice (all give the same bits)", "runtime",
+            choices=("auto", "inkernel", "triton", "torch")),
+    Setting("DSV4_SM120_FP8_CONFIG_DIR", "path", None,
+            "where the patched SGLang looks up tuned FP8 block-GEMM configs first: unset = configs/fp8 of the "
+            "checkout the patches were applied from; empty = SGLang's own configs only", "runtime",
+            values="directory, or empty"),
+    # serve
+    Setting("DSV4_SM120_FP8_GEMM_BACKEND", "text", "",
+            "`--fp8-gemm-backend` the serve scripts pass under `FP8_GEMM_BACKEND=auto`: empty = the FP8 tuning "
+            "summary decides; `auto`/`default`/`none` = SGLang's default; else that backend", "serve",
+            check=_fp8_backend, values="empty, auto, default, none or a backend name"),
+    # tools
+    Setting("DSV4_SM120_CACHE", "path", "~/.cache/dsv4_sm120",
+            "the project's cache: test environment, pinned wheels, pristine SGLang copies (also a make variable)",
+            "tools"),
+    Setting("SGLANG_ROOT", "path", "",
+            "make apply-patches / revert-patches / patch-status: patch this `sglang` package directory instead of "
+            "the one in VENV (a make variable)", "tools"),
+    Setting("DSV4_SM120_INSTALLER", "choice", "uv",
+            "scripts/setup_env.sh: install the environment with uv, or with pip", "tools", choices=("uv", "pip")),
+    Setting("DSV4_SM120_COMPILE_BYTECODE", "bool", "1",
+            "scripts/setup_env.sh (uv): compile .pyc files at install; 0 saves minutes on few cores", "tools"),
+    Setting("DSV4_SM120_PROFILE_DIR", "path", None,
+            "make calibrate / the patched SGLang: directory of the machine profiles (unset: configs/profiles of "
+            "the checkout that applied the patches; empty: profiles off)", "tools"),
+    Setting("DSV4_SM120_UPSTREAM_TRITON_FILE", "path", "",
+            "make calibrate without SGLang installed: path of SGLang's flash_mla_sm120_triton.py (a candidate)",
+            "tools"),
+    Setting("DSV4_SM120_CALIBRATE_MOE_TIMEOUT_S", "float", "900",
+            "make calibrate: seconds one SGLang MoE runner's measurement may take", "tools", minimum=0, above=True),
+    # internal
+    Setting("DSV4_SM120_REPO_ROOT", "path", None,
+            "the checkout our launchers run from (unset: found from the package's location)", "internal"),
+    Setting("DSV4_SM120_ORIG_PYTHONPATH", "text", None,
+            "the caller's PYTHONPATH before a launcher added the checkout's overlay (restored for SGLang)",
+            "internal"),
+    Setting("DSV4_SM120_VARIANT", "choice", "base",
+            "serve variant, set by serve_dsv4_mtp.sh (not passed on to the servers)", "internal",
+            choices=("base", "mtp")),
+    # test hooks
+    Setting("DSV4_SM120_SERVE_POLL_S", "float", "1.0", "seconds between the supervisor's checks", "test",
+            minimum=0, above=True),
+    Setting("DSV4_SM120_STANDIN_ROLE", "choice", "",
+            "the stand-in role the other DSV4_SM120_STANDIN_* hooks apply to (empty: every role)", "test",
+            choices=("", "prefill", "decode", "null")),
+    Setting("DSV4_SM120_STANDIN_RECORD", "path", "", "file the stand-ins append every request to (JSON lines)",
+            "test"),
+    Setting("DSV4_SM120_STANDIN_TRACE_TP", "int", "0",
+            "ranks of synthetic profiler traces a stand-in writes on /start_profile (0: none)", "test", minimum=0),
+    Setting("DSV4_SM120_STANDIN_TOKEN_S", "float", "0.002", "seconds between a stand-in's streamed tokens", "test",
+            minimum=0),
+    Setting("DSV4_SM120_STANDIN_FAIL_AT_START", "bool", "0", "1: the stand-in exits at start", "test"),
+    Setting("DSV4_SM120_STANDIN_STARTUP_S", "float", "0", "seconds before the stand-in reports healthy", "test",
+            minimum=0),
+    Setting("DSV4_SM120_STANDIN_EXIT_AFTER_S", "float", "0", "seconds after which the stand-in exits (0: never)",
+            "test", minimum=0),
+    Setting("DSV4_SM120_STANDIN_EXIT_WHEN_FILE", "path", "", "the stand-in exits once this file exists", "test"),
+    Setting("DSV4_SM120_STANDIN_CHILD_PIDFILE", "path", "",
+            "the stand-in starts a helper process and writes its pid here", "test"),
+    Setting("DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE", "path", "",
+            "the stand-in answers health checks with 503 while this file exists", "test"),
+    Setting("DSV4_SM120_STANDIN_FIRST_GENERATE_S", "float", "0",
+            "the stand-in's first generation request waits this many seconds (a transport cold start)", "test",
+            minimum=0),
+    Setting("DSV4_SM120_STANDIN_FAIL_GENERATE", "bool", "0",
+            "1: the stand-in answers generation requests with HTTP 500 (a broken KV transfer)", "test"),
+    Setting("DSV4_SM120_SERVE_SYSFS_ROOT", "path", "/sys",
+            "root of the sysfs tree the NUMA placement and the PCIe preflight read (tests point it at a fake box)",
+            "test"),
+    Setting("DSV4_SM120_TEST_PATCHING_FAIL_AFTER", "int", "-1",
+            "the patch tool fails after writing this many files (-1: never)", "test", minimum=-1),
+    Setting("DSV4_SM120_TEST_ATTN_CONFIG", "text", "",
+            "launch keys the GPU attention tests (tests/gpu) run every case with", "test",
+            check=_attention_launch, values=_ATTN_CONFIG_VALUES),
+)
+
+
+def _serve_settings() -> Tuple[Setting, ...]:
+    # The serve scripts' parameters are declared once, in serving.config.VARIABLES (imported here, not at module
+    # load: serving.config reads its own settings through this module).
+    from dsv4_sm120.serving.config import VARIABLES
+
+    return tuple(Setting(name, "text", default or "", help_, "serve") for name, (default, help_) in VARIABLES.items()
+                 if name not in _BY_NAME_OURS)
+
+
+_BY_NAME_OURS: Dict[str, Setting] = {s.name: s for s in _OURS}
+_ALL: Optional[Dict[str, Setting]] = None
+
+
+def registry() -> Dict[str, Setting]:
+    """{name: Setting} of every setting, ours then the serve scripts' parameters."""
+    global _ALL
+    if _ALL is None:
+        _ALL = dict(_BY_NAME_OURS)
+        _ALL.update((s.name, s) for s in _serve_settings())
+    return _ALL
+
+
+def setting(name: str) -> Setting:
+    s = _BY_NAME_OURS.get(name) or registry().get(name)
+    if s is None:
+        raise KeyError(f"{name} is not a registered setting (dsv4_sm120/settings.py)")
+    return s
+
+
+def raw(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The variable's text as set (None when unset): for settings where unset and empty differ."""
+    setting(name)
+    return (os.environ if environ is None else environ).get(name)
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None):
+    """The typed, validated value of setting ``name`` in ``environ`` (default: this process's environment):
+    str for choice / text / path, bool, int or float; unset or empty gives the default's value (None where
+    the default is unset). Raises SettingsError for an invalid value."""
+    return setting(name).parse(raw(name, environ))
+
+
+# ---- validation
+
+
+def _cross_checks(env: Mapping[str, str]) -> List[str]:
+    out = []
+    try:
+        qk, cfg_text = get("DSV4_SM120_ATTN_QK", env), get("DSV4_SM120_ATTN_CONFIG", env)
+    except SettingsError:
+        return out  # reported on their own
+    if qk == "fp8" and cfg_text:
+        from dsv4_sm120.attention.config import BF16_ONLY_IMPLS, parse_config
+
+        impl = parse_config(cfg_text).get("impl")
+        if impl in BF16_ONLY_IMPLS:
+            out.append(f"DSV4_SM120_ATTN_CONFIG impl={impl} has no fp8 QK path but DSV4_SM120_ATTN_QK=fp8")
+    return out
+
+
+# Names retired by the move to one prefix (CHANGELOG.md): set in the environment, each is an error that names its
+# successor. Only these: SGLang's own SGLANG_DSV4_* variables (e.g. SGLANG_DSV4_FP4_EXPERTS) are not ours.
+RENAMED = {
+    "SGLANG_DSV4_SM120_DISABLE": "DSV4_SM120_DISABLE",
+    "SGLANG_DSV4_SM120_ATTN_BACKEND": "DSV4_SM120_ATTN_BACKEND",
+    "SGLANG_DSV4_SM120_ATTN_PREFILL": "DSV4_SM120_ATTN_PREFILL",
+    "SGLANG_DSV4_SM120_NVFP4_MOE_BACKEND": "DSV4_SM120_MOE_BACKEND",
+    "SGLANG_DSV4_FP8_CONFIG_DIR": "DSV4_SM120_FP8_CONFIG_DIR",
+    "DSV4_FP8_GEMM_BACKEND": "DSV4_SM120_FP8_GEMM_BACKEND",
+    "DSV4_CACHE": "DSV4_SM120_CACHE",
+    "DSV4_INSTALLER": "DSV4_SM120_INSTALLER",
+    "DSV4_COMPILE_BYTECODE": "DSV4_SM120_COMPILE_BYTECODE",
+    "DSV4_SERVE_STANDIN": "DSV4_SM120_SERVE_STANDIN",
+    "DSV4_REPO_ROOT": "DSV4_SM120_REPO_ROOT",
+    "DSV4_ORIG_PYTHONPATH": "DSV4_SM120_ORIG_PYTHONPATH",
+    "DSV4_VARIANT": "DSV4_SM120_VARIANT",
+    "DSV4_SERVE_POLL_S": "DSV4_SM120_SERVE_POLL_S",
+    "DSV4_PATCHING_FAIL_AFTER": "DSV4_SM120_TEST_PATCHING_FAIL_AFTER",
+    "DSV4_ATTN_TEST_CONFIG": "DSV4_SM120_TEST_ATTN_CONFIG",
+    **{f"DSV4_STANDIN_{k}": f"DSV4_SM120_STANDIN_{k}" for k in (
+        "ROLE", "RECORD", "TRACE_TP", "TOKEN_S", "FAIL_AT_START", "STARTUP_S", "EXIT_AFTER_S", "EXIT_WHEN_FILE",
+        "CHILD_PIDFILE", "UNHEALTHY_WHEN_FILE")},
+}
+
+
+def validate(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Problems (one line each) with the settings in ``environ``: invalid values, unknown ``DSV4_SM120_*``
+    names (typos) and retired names (``RENAMED``, as in CHANGELOG.md)."""
+    env = os.environ if environ is None else environ
+    problems = []
+    reg = registry()
+    for name in sorted(env):
+        if name in reg:
+            try:
+                reg[name].parse(env[name])
+            except SettingsError as e:
+                problems.append(str(e))
+        elif name.startswith(PREFIX):
+            problems.append(f"{name} is not a dsv4_sm120 setting (python -m dsv4_sm120.settings lists them)")
+        elif name in RENAMED:
+            problems.append(f"{name} was renamed to {RENAMED[name]} (CHANGELOG.md lists the renamed settings)")
+    return problems + _cross_checks(env)
+
+
+# ---- listing
+
+
+def _rows(reader: Optional[str] = None) -> List[Setting]:
+    return [s for r in READERS for s in registry().values() if s.reader == r and reader in (None, r)]
+
+
+def _default_text(s: Setting) -> str:
+    return "unset" if s.default is None else (f"`{s.default}`" if s.default else "empty")
+
+
+def markdown() -> str:
+    """The settings table (README.md carries exactly this between its settings markers)."""
+    lines = ["| variable | values | default | read by | meaning |", "| --- | --- | --- | --- | --- |"]
+    for s in _rows():
+        meaning = s.meaning.replace("|", "\\|")
+        lines.append(f"| `{s.name}` | {s.describe_values()} | {_default_text(s)} | {s.reader} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def as_json() -> str:
+    return json.dumps([{"name": s.name, "kind": s.kind, "choices": list(s.choices), "default": s.default,
+                        "reader": s.reader, "meaning": s.meaning, "values": s.describe_values().replace("\\|", "|")}
+                       for s in _rows()], indent=2) + "\n"
+
+
+def text_listing(reader: Optional[str] = None) -> str:
+    out = []
+    for s in _rows(reader):
+        d = "unset" if s.default is None else (s.default or "empty")
+        out.append(f"{s.name}  [{s.reader}; {s.describe_values().replace(chr(92) + '|', '|')}; default {d}]\n"
+                   f"    {s.meaning.replace('`', '')}")
+    return "\n".join(out) + "\n"
+
+
+README_BEGIN = "<!-- settings: begin (python -m dsv4_sm120.settings --write-readme) -->"
+README_END = "<!-- settings: end -->"
+
+
+def readme_table(text: str) -> Optional[str]:
+    """The table between the settings markers of a README's text (None without markers)."""
+    if README_BEGIN not in text or README_END not in text:
+        return None
+    return text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip("\n") + "\n"
+
+
+def write_readme(path: Path) -> bool:
+    """Replace the table between the markers with :func:`markdown`; True when the file changed."""
+    text = path.read_text()
+    if readme_table(text) is None:
+        raise SettingsError(f"{path} has no settings markers ({README_BEGIN} ... {README_END})")
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    new = f"{head}{README_BEGIN}\n{markdown()}{README_END}{tail}"
+    if new == text:
+        return False
+    path.write_text(new)
+    return True
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.settings",
+                                 description="List every environment variable dsv4_sm120 reads (name, valid values, "
+                                             "default, who reads it, meaning), or check the current environment.")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--markdown", action="store_true", help="a markdown table (the one in README.md)")
+    g.add_argument("--json", action="store_true", help="JSON: one object per setting")
+    g.add_argument("--check", action="store_true",
+                   help="validate this environment: print each problem, exit 1 if there is any")
+    g.add_argument("--write-readme", nargs="?", const="README.md", metavar="PATH",
+                   help="rewrite the table between the settings markers of PATH (default README.md)")
+    ap.add_argument("--reader", choices=READERS, help="only the settings read by this part (plain listing)")
+    a = ap.parse_args(argv)
+    if a.markdown:
+        sys.stdout.write(markdown())
+    elif a.json:
+        sys.stdout.write(as_json())
+    elif a.check:
+        problems = validate()
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        if not problems:
+            print("settings: ok")
+        return 1 if problems else 0
+    elif a.write_readme:
+        path = Path(a.write_readme)
+        try:
+            changed = write_readme(path)
+        except (OSError, SettingsError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"{path}: {'settings table updated' if changed else 'settings table up to date'}")
+    else:
+        sys.stdout.write(text_listing(a.reader))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""dsv4_sm120.sglang_glue: everything the patched SGLang calls, and nothing else.
+
+Patched SGLang reaches the overlay only through ``sglang.srt.dsv4_sm120_hook`` (patch 0001), and the hook
+imports only this package: ``import_glue("attention")`` gives :mod:`.attention` and so on. Each module is the
+SGLang-facing side of one part; the kernels and the rest of the logic live in the overlay's other packages
+and are called from here.
+
+* :func:`start` (:mod:`.startup`): run once by the hook when the patched SGLang first uses the overlay;
+  validates every dsv4_sm120 setting (an invalid one stops the server with one line per problem) and logs
+  the active overlay version and patch series.
+* :mod:`.attention` (patch 0002): the DeepSeek-V4 backend's sm_120 sparse-attention call and the model's
+  head count.
+* :mod:`.moe` (patches 0003, 0005): the MoE runner for hybrid FP8 + NVFP4 checkpoints, the MTP draft
+  experts' MXFP4 method, and the ``dsv4_triton_nvfp4`` runner backend.
+* :mod:`.fp8` (patch 0004): where SGLang's FP8 block-GEMM config lookup finds the project's tuned configs.
+
+Importing this package imports neither torch, Triton nor SGLang.
+"""
+
+from __future__ import annotations
+
+from .startup import start
+
+__all__ = ["start"]

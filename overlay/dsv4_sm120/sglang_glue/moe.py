@@ -1,0 +1,205 @@
+"""Patches 0003 and 0005: the MoE runner of DeepSeek-V4 hybrid FP8 + NVFP4 checkpoints on sm_120, and the
+``dsv4_triton_nvfp4`` runner backend.
+
+Patch 0003 calls two functions, through ``sglang.srt.dsv4_sm120_hook.import_glue("moe")``:
+
+* :func:`hybrid_nvfp4_moe_runner_backend` from the DeepSeek-V4 server-argument
+  override, when the user left ``--moe-runner-backend`` at ``auto`` and the
+  checkpoint is the hybrid format (``quantization_config`` with
+  ``moe_quant_algo: NVFP4``; e.g. the output of ``python -m dsv4_sm120.convert_nvfp4``).
+  Stock 0.5.23 forces ``flashinfer_trtllm_routed`` there, which only runs on
+  sm_100; on sm_120 this returns ``flashinfer_cutlass`` (ModelOpt NVFP4 through
+  FlashInfer's CUTLASS fused MoE, which has sm_120 kernels). The overlay's own Triton runner
+  (``dsv4_triton_nvfp4``) is opt-in: it missed its H200 targets and has not run
+  on sm_120 yet (docs/moe.md); ``make bench-moe`` on sm_120 decides, then
+  ``DSV4_SM120_MOE_BACKEND=dsv4_triton_nvfp4`` selects it.
+* :func:`draft_mxfp4_expert_method` from ``HybridFp8NvFp4Config.get_quant_method``
+  for the MTP draft experts, which that format keeps in MXFP4. Stock 0.5.23 sends
+  them to ``Mxfp4FlashinferTrtllmMoEMethod`` (TRT-LLM, sm_100 only); on sm_120
+  this picks ``Mxfp4FlashinferCutlassMoEMethod``, the class stock SGLang itself
+  uses for MXFP4 experts there (MXFP8 activations x MXFP4 weights).
+
+Both take plain values (no SGLang import), so they are testable on their own; on doubt they return the stock
+choice. ``DSV4_SM120_MOE_BACKEND`` = ``auto`` (default) | ``flashinfer_cutlass`` | ``dsv4_triton_nvfp4`` |
+``stock`` (keep SGLang's own choice) forces the hybrid-NVFP4 runner on sm_120; an explicit
+``--moe-runner-backend`` always wins over all of this.
+
+Patch 0005 registers :data:`BACKEND_NAME` with SGLang (choices and runner backend names) and, in
+``ModelOptNvFp4FusedMoEMethod`` when the layer's runner backend is ours, calls:
+
+* :func:`prepare_layer` from ``process_weights_after_loading`` instead of the
+  FlashInfer / CUTLASS weight processing: the kernel reads the loader's NVFP4
+  layout as is (gate rows then up rows, row-major E4M3 block scales, per-expert
+  fp32 global scales), so nothing is swizzled, padded or copied;
+* :func:`apply` from ``apply``: returns the ``[M, H]`` bf16 output of the routed
+  experts (:func:`dsv4_sm120.moe.nvfp4_fused_moe`; the patch wraps it in ``StandardCombineInput``).
+
+Only routed experts of ModelOpt NVFP4 layers come here; shared experts keep their
+own (FP8) path. The routed scaling factor is not applied, as with
+``flashinfer_cutlass`` for NVFP4 (DeepSeek-V4 applies it outside the experts).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dsv4_sm120 import settings
+from dsv4_sm120.moe import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+
+ENV_BACKEND = "DSV4_SM120_MOE_BACKEND"
+
+#: What stock SGLang 0.5.23 picks for the hybrid format (sm_100 only).
+STOCK_HYBRID_BACKEND = "flashinfer_trtllm_routed"
+#: The FlashInfer runner that runs ModelOpt NVFP4 MoE on sm_120.
+SM120_NVFP4_BACKEND = "flashinfer_cutlass"
+#: The overlay's Triton NVFP4 fused-MoE runner backend (dsv4_sm120.moe).
+TRITON_NVFP4_BACKEND = BACKEND_NAME
+
+#: Draft-expert (MXFP4) method names returned by draft_mxfp4_expert_method.
+DRAFT_CUTLASS = "flashinfer_cutlass_mxfp4"  # Mxfp4FlashinferCutlassMoEMethod
+DRAFT_TRTLLM = "flashinfer_trtllm_mxfp4"  # Mxfp4FlashinferTrtllmMoEMethod (stock)
+
+
+# ---- patch 0003: runner choice
+
+
+def hybrid_nvfp4_moe_runner_backend(
+    *,
+    is_sm120: bool,
+    is_hip: bool = False,
+    stock: str = STOCK_HYBRID_BACKEND,
+) -> str:
+    """MoE runner backend for a hybrid FP8+NVFP4 DeepSeek-V4 checkpoint.
+
+    Called only when ``--moe-runner-backend`` is ``auto``. ``stock`` is what
+    SGLang would pick; it is returned unchanged off sm_120 (and on ROCm).
+    On sm_120: ``flashinfer_cutlass`` by default (``auto``);
+    ``DSV4_SM120_MOE_BACKEND=dsv4_triton_nvfp4`` selects the overlay's
+    Triton runner when :func:`backend_available`, ``stock`` keeps SGLang's.
+    """
+    if not is_sm120 or is_hip:
+        return stock
+    choice = settings.get(ENV_BACKEND)
+    if choice == "stock":
+        return stock
+    if choice == TRITON_NVFP4_BACKEND:
+        if backend_available():
+            return TRITON_NVFP4_BACKEND
+        logger.warning("%s=%s but that backend is not available; using %s",
+                       ENV_BACKEND, TRITON_NVFP4_BACKEND, SM120_NVFP4_BACKEND)
+        return SM120_NVFP4_BACKEND
+    # auto: the path with measured sm_120 results. Flip this default only with an sm_120 `make bench-moe`
+    # showing dsv4_triton_nvfp4 ahead (it was slower than an FP8 MoE on the H200: bench/results/moe.csv).
+    return SM120_NVFP4_BACKEND
+
+
+def draft_mxfp4_expert_method(*, is_sm120: bool, is_hip: bool = False) -> str:
+    """Which MXFP4 MoE method the MTP draft experts of a hybrid checkpoint get.
+
+    ``flashinfer_cutlass_mxfp4`` (``Mxfp4FlashinferCutlassMoEMethod``) on sm_120,
+    where stock SGLang runs MXFP4 experts with that class; elsewhere the stock
+    ``flashinfer_trtllm_mxfp4`` (``Mxfp4FlashinferTrtllmMoEMethod``, sm_100).
+    """
+    if is_hip or not is_sm120:
+        return DRAFT_TRTLLM
+    return DRAFT_CUTLASS
+
+
+def describe(is_sm120: bool) -> dict:
+    """Both choices for a platform, for logs and reports."""
+    return {
+        "hybrid_nvfp4_moe_runner_backend": hybrid_nvfp4_moe_runner_backend(is_sm120=is_sm120),
+        "draft_mxfp4_expert_method": draft_mxfp4_expert_method(is_sm120=is_sm120),
+        "triton_nvfp4_backend_available": backend_available(),
+        "env": settings.raw(ENV_BACKEND),
+    }
+
+
+# ---- patch 0005: the dsv4_triton_nvfp4 runner backend
+
+
+def backend_available() -> bool:
+    """True when SGLang knows the backend name (patch 0005 applied) and the
+    kernel's dependencies import. Never raises."""
+    try:
+        from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES
+        from sglang.srt.layers.moe.utils import resolve_moe_runner_backend
+
+        import triton  # noqa: F401
+
+        resolve_moe_runner_backend(BACKEND_NAME)
+    except Exception:  # noqa: BLE001
+        return False
+    return BACKEND_NAME in MOE_RUNNER_BACKEND_CHOICES
+
+
+def is_backend(backend) -> bool:
+    """Whether an SGLang ``MoeRunnerBackend``-like value (or string) is ours."""
+    return getattr(backend, "value", backend) == BACKEND_NAME
+
+
+def _global_scales_13(layer):
+    s = layer.w13_weight_scale_2.data
+    if s.dim() == 1:  # one shared gate/up scale per expert
+        s = s[:, None].expand(-1, 2)
+    return s.float().contiguous()
+
+
+def prepare_layer(layer) -> None:
+    """Check the layer's NVFP4 tensors once after loading; keep them as loaded."""
+    cfg = getattr(layer, "moe_runner_config", None)
+    act = getattr(cfg, "activation", "silu")
+    if act != "silu" or not getattr(cfg, "is_gated", True):
+        raise ValueError(f"{BACKEND_NAME}: only gated SiLU (SwiGLU) experts are supported, got {act!r}")
+    if getattr(cfg, "apply_router_weight_on_input", False):
+        raise ValueError(f"{BACKEND_NAME}: apply_router_weight_on_input is not supported")
+    import torch
+
+    E, two_i, h2 = layer.w13_weight.shape
+    for name, want in (("w13_weight_scale", (E, two_i, h2 * 2 // 16)),
+                       ("w2_weight", (E, h2 * 2, two_i // 4)),
+                       ("w2_weight_scale", (E, h2 * 2, two_i // 32))):
+        got = tuple(getattr(layer, name).shape)
+        if got != want:
+            raise ValueError(f"{BACKEND_NAME}: {name} has shape {got}, expected {want}")
+    for name in ("w13_weight_scale", "w2_weight_scale"):
+        if getattr(layer, name).dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{BACKEND_NAME}: {name} must be float8_e4m3fn")
+    layer._dsv4_w13_scale_2 = _global_scales_13(layer)
+    layer._dsv4_w2_scale_2 = layer.w2_weight_scale_2.data.float().reshape(-1).contiguous()
+    dispatcher = getattr(layer, "dispatcher", None)
+    if dispatcher is not None and hasattr(dispatcher, "set_quant_config"):
+        dispatcher.set_quant_config({"input_global_scale": None})  # bf16 activations in
+    logger.info("%s: MoE layer with %d local experts, H=%d, I=%d", BACKEND_NAME, E, h2 * 2, two_i // 2)
+
+
+def apply(layer, dispatch_output):
+    """Run the routed experts: ``[M, H]`` bf16."""
+    from dsv4_sm120.moe import nvfp4_fused_moe
+
+    if not hasattr(dispatch_output, "topk_output") or getattr(dispatch_output, "hidden_states_scale", None) is not None:
+        raise NotImplementedError(
+            f"{BACKEND_NAME} runs on the standard (no all-to-all) MoE dispatcher with bf16 hidden states; got "
+            f"{type(dispatch_output).__name__}. Use --moe-runner-backend flashinfer_cutlass with this a2a backend.")
+    topk_output = dispatch_output.topk_output
+    to_std = getattr(topk_output, "to_standard", None)
+    if not hasattr(topk_output, "topk_ids") and to_std is not None:
+        topk_output = to_std()
+    x = dispatch_output.hidden_states
+    cfg = layer.moe_runner_config
+    if not hasattr(layer, "_dsv4_w13_scale_2"):
+        prepare_layer(layer)
+    return nvfp4_fused_moe(
+        x,
+        layer.w13_weight.data,
+        layer.w13_weight_scale.data,
+        layer._dsv4_w13_scale_2,
+        layer.w2_weight.data,
+        layer.w2_weight_scale.data,
+        layer._dsv4_w2_scale_2,
+        topk_output.topk_weights,
+        topk_output.topk_ids,
+        swiglu_limit=getattr(cfg, "swiglu_limit", None),
+    )

@@ -1,0 +1,218 @@
+"""The settings registry (dsv4_sm120.settings): typed accessors, validation, the listing, and the tree:
+every DSV4_* / SGLANG_DSV4* name anywhere in the repository is a registered setting (no renamed name left
+outside CHANGELOG.md), every module reads registered variables through the registry, and README.md's table is
+the registry's."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4_sm120 import settings as S
+from dsv4_sm120.serving.config import VARIABLES
+
+REPO = Path(__file__).resolve().parents[1]
+OVERLAY = REPO / "overlay"
+NAME = re.compile(r"\b(?:SGLANG_DSV4|DSV4)_[A-Z0-9_]+")
+# Python constants of the converter that share the spelling (not environment variables)
+CONSTANTS = {"DSV4_ARCHS", "DSV4_MODEL_TYPES"}
+
+
+def renames():
+    """(old, new) pairs of CHANGELOG.md's rename table."""
+    text = (REPO / "CHANGELOG.md").read_text()
+    pairs = re.findall(r"^\| `([A-Z0-9_]+)` \| `([A-Z0-9_]+)`", text, re.M)
+    assert len(pairs) >= 20, "CHANGELOG.md lost its rename table"
+    return pairs
+
+
+def tree_files():
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    for rel in out:
+        p = REPO / rel
+        if not rel or rel == "CHANGELOG.md" or not p.is_file():
+            continue
+        try:
+            yield rel, p.read_text()
+        except UnicodeDecodeError:
+            continue
+
+
+# ---- accessors
+
+
+def test_every_setting_is_declared_completely():
+    reg = S.registry()
+    for name, s in reg.items():
+        assert s.name == name and s.kind in S.KINDS and s.reader in S.READERS and s.meaning.strip(), name
+        if s.kind == "choice":
+            assert s.choices and (s.default is None or s.default.lower() in s.choices), name
+        S.get(name, {})  # the default itself is valid
+        if s.reader != "serve" and name != "SGLANG_ROOT":
+            assert name.startswith(S.PREFIX), name
+    # the serve scripts' parameters are declared once, in serving.config.VARIABLES, and all registered
+    for name, (default, help_) in VARIABLES.items():
+        assert reg[name].reader == "serve" or name.startswith(S.PREFIX)
+        assert reg[name].meaning == help_ or name in S._BY_NAME_OURS
+
+
+def test_typed_values_and_defaults():
+    env = {"DSV4_SM120_DISABLE": "TRUE", "DSV4_SM120_ATTN_BACKEND": " Triton ", "DSV4_SM120_ATTN_WS_MB": "0.5",
+           "DSV4_SM120_STANDIN_TRACE_TP": "4", "DSV4_SM120_CACHE": "~/x"}
+    assert S.get("DSV4_SM120_DISABLE", env) is True and S.get("DSV4_SM120_DISABLE", {}) is False
+    assert S.get("DSV4_SM120_ATTN_BACKEND", env) == "triton" and S.get("DSV4_SM120_ATTN_BACKEND", {}) == "dsv4"
+    assert S.get("DSV4_SM120_ATTN_WS_MB", env) == 0.5 and S.get("DSV4_SM120_ATTN_WS_MB", {}) == 256.0
+    assert S.get("DSV4_SM120_STANDIN_TRACE_TP", env) == 4
+    assert S.get("DSV4_SM120_CACHE", env) == str(Path.home() / "x")
+    assert S.get("DSV4_SM120_MOE_SCALED_DOT", {}) is None  # unset has its own meaning
+    # unset and empty differ where it matters
+    assert S.raw("DSV4_SM120_FP8_CONFIG_DIR", {}) is None and S.raw("DSV4_SM120_FP8_CONFIG_DIR", {
+        "DSV4_SM120_FP8_CONFIG_DIR": ""}) == ""
+    with pytest.raises(KeyError):
+        S.get(S.PREFIX + "NO_SUCH")
+
+
+TYPED = [n for n, s in S._BY_NAME_OURS.items() if s.kind in ("choice", "bool", "int", "float")]
+
+
+@pytest.mark.parametrize("name", TYPED)
+def test_bad_value_is_one_line_naming_variable_and_valid_values(name):
+    s = S.setting(name)
+    rnd = random.Random(name)
+    bad = "x" + "".join(rnd.choice(string.ascii_lowercase) for _ in range(5))
+    with pytest.raises(S.SettingsError) as e:
+        S.get(name, {name: bad})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{name}={bad!r}")
+    if s.kind == "choice":
+        assert all(c in msg for c in s.choices if c)
+    if s.minimum is not None:
+        low = s.minimum if s.above else s.minimum - 1
+        with pytest.raises(S.SettingsError, match="out of range"):
+            S.get(name, {name: str(int(low) if s.kind == "int" else low)})
+
+
+def test_free_form_values_are_checked():
+    assert S.get("DSV4_SM120_ATTN_CONFIG", {"DSV4_SM120_ATTN_CONFIG": "impl=reg,KCVT=0"}) == "impl=reg,KCVT=0"
+    with pytest.raises(S.SettingsError, match=r"DSV4_SM120_ATTN_CONFIG='QPRE=1'.*unknown key 'QPRE'"):
+        S.get("DSV4_SM120_ATTN_CONFIG", {"DSV4_SM120_ATTN_CONFIG": "QPRE=1"})
+    with pytest.raises(S.SettingsError, match="DSV4_SM120_TEST_ATTN_CONFIG"):
+        S.get("DSV4_SM120_TEST_ATTN_CONFIG", {"DSV4_SM120_TEST_ATTN_CONFIG": "BLOCK_H=3"})
+    for ok in ("", "auto", "none", "triton"):
+        S.get("DSV4_SM120_FP8_GEMM_BACKEND", {"DSV4_SM120_FP8_GEMM_BACKEND": ok})
+    with pytest.raises(S.SettingsError, match="DSV4_SM120_FP8_GEMM_BACKEND"):
+        S.get("DSV4_SM120_FP8_GEMM_BACKEND", {"DSV4_SM120_FP8_GEMM_BACKEND": "triton; rm -rf /"})
+
+
+# ---- validation
+
+
+def test_validate_reports_each_problem():
+    assert S.validate({}) == []
+    assert S.validate({"DSV4_SM120_ATTN_QK": "fp8", "MODEL_PATH": "/m", "PATH": "/bin", "SGLANG_SOMETHING": "1"}) == []
+    typo = S.PREFIX + "ATN_BACKEND"  # spelled out, the tree test below would (rightly) flag it
+    probs = S.validate({"DSV4_SM120_ATTN_QK": "fp16", typo: "dsv4",
+                        "DSV4_SM120_MOE_ALIGN": "sorted", "DSV4_SM120_ATTN_BACKEND": "dsv4"})
+    assert len(probs) == 3, probs
+    assert any(p.startswith("DSV4_SM120_ATTN_QK='fp16'") for p in probs)
+    assert any(p.startswith(f"{typo} is not a dsv4_sm120 setting") for p in probs)
+    assert any(p.startswith("DSV4_SM120_MOE_ALIGN='sorted'") for p in probs)
+    # settings that are fine alone but not together
+    probs = S.validate({"DSV4_SM120_ATTN_QK": "fp8", "DSV4_SM120_ATTN_CONFIG": "impl=reg"})
+    assert probs == ["DSV4_SM120_ATTN_CONFIG impl=reg has no fp8 QK path but DSV4_SM120_ATTN_QK=fp8"]
+    assert S.validate({"DSV4_SM120_ATTN_QK": "bf16", "DSV4_SM120_ATTN_CONFIG": "impl=reg"}) == []
+
+
+def test_renamed_names_are_refused_and_the_new_ones_registered():
+    reg = S.registry()
+    for old, new in renames():
+        assert new in reg, new
+        probs = S.validate({old: "1"})
+        assert len(probs) == 1 and probs[0].startswith(f"{old}: dsv4_sm120 settings start with DSV4_SM120_"), probs
+
+
+# ---- the tree
+
+
+def test_no_unregistered_or_renamed_name_in_the_tree():
+    reg = S.registry()
+    old = {o for o, _ in renames()}
+    bad = []
+    for rel, text in tree_files():
+        for m in NAME.finditer(text):
+            name = m.group(0)
+            after = text[m.end():m.end() + 1]
+            if name in old:
+                bad.append(f"{rel}: renamed {name} (CHANGELOG.md)")
+            elif name in reg or name in CONSTANTS:
+                continue
+            elif (name.endswith("_") or after == "*") and any(r.startswith(name) for r in reg):
+                continue  # a prefix, e.g. DSV4_SM120_STANDIN_*
+            else:
+                bad.append(f"{rel}: {name} is not in dsv4_sm120/settings.py")
+    assert not bad, "\n".join(sorted(set(bad)))
+    from dsv4_sm120 import convert_nvfp4
+
+    assert all(hasattr(convert_nvfp4, c) for c in CONSTANTS)
+
+
+READ = re.compile(r"""(?:environ\.get|getenv|environ\.pop|environ\.setdefault)\(\s*["']([A-Z][A-Z0-9_]*)["']"""
+                  r"""|environ\[\s*["']([A-Z][A-Z0-9_]*)["']\s*\]|["']([A-Z][A-Z0-9_]*)["']\s+in\s+os\.environ""")
+
+
+def test_modules_read_registered_variables_only_through_the_registry():
+    reg = S.registry()
+    bad = []
+    for p in sorted((OVERLAY / "dsv4_sm120").rglob("*.py")):
+        if p.name == "settings.py":
+            continue
+        for m in READ.finditer(p.read_text()):
+            name = next(g for g in m.groups() if g)
+            if name in reg or name.startswith(("DSV4_", "SGLANG_DSV4")):
+                bad.append(f"{p.relative_to(REPO)}: reads {name} directly")
+    assert not bad, "\n".join(bad)
+
+
+def test_readme_table_is_the_registry_listing():
+    table = S.readme_table((REPO / "README.md").read_text())
+    assert table is not None, "README.md lost its settings markers"
+    assert table == S.markdown(), "README.md's settings table is stale: python -m dsv4_sm120.settings --write-readme"
+
+
+# ---- the command
+
+
+def _cli(*args, env=None):
+    e = {"PYTHONPATH": str(OVERLAY), "PATH": "/usr/bin:/bin", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dsv4_sm120.settings", *args], capture_output=True, text=True,
+                          env=e, cwd=str(REPO))
+
+
+def test_cli_lists_checks_and_writes(tmp_path):
+    r = _cli()
+    assert r.returncode == 0 and all(n in r.stdout for n in S.registry())
+    r = _cli("--markdown")
+    assert r.returncode == 0 and r.stdout == S.markdown()
+    rows = json.loads(_cli("--json").stdout)
+    assert [x["name"] for x in rows] == [s.name for s in S._rows()]
+    assert {x["name"]: x["default"] for x in rows}["DSV4_SM120_ATTN_BACKEND"] == "dsv4"
+    assert _cli("--check").returncode == 0
+    r = _cli("--check", env={"DSV4_SM120_ATTN_PREFILL": "torch"})
+    assert r.returncode == 1 and "DSV4_SM120_ATTN_PREFILL='torch'" in r.stderr and "Traceback" not in r.stderr
+    assert _cli("--help").returncode == 0
+    readme = tmp_path / "R.md"
+    readme.write_text(f"# x\n{S.README_BEGIN}\n| stale |\n{S.README_END}\ntail\n")
+    r = _cli("--write-readme", str(readme))
+    assert r.returncode == 0 and S.readme_table(readme.read_text()) == S.markdown()
+    assert readme.read_text().endswith("tail\n")
+    (tmp_path / "plain.md").write_text("no markers\n")
+    r = _cli("--write-readme", str(tmp_path / "plain.md"))
+    assert r.returncode == 2 and "no settings markers" in r.stderr
