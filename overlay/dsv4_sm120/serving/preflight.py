@@ -247,7 +247,7 @@ def check_python(plan: Plan) -> List[str]:
 
 
 def check_overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> List[str]:
-    from ..attention.launch_config import check_env
+    from ..attention.config import check_env
 
     env = dict(os.environ if base is None else base)
     for k, v, _ in plan.common_env:
