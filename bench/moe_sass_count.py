@@ -25,14 +25,13 @@ from dsv4_sm120.devtools.sass import compile_for, disassemble, hot_loop_ops, moe
 DECODES = (0, 3)  # dsv4_sm120.moe.config.DECODES (not imported: --help needs no triton)
 
 
-def _int_list(text: str, what: str, allowed) -> list:
+def _int_list(parser, text: str, what: str, allowed) -> list:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         vals = None
     if not vals or any(v not in allowed for v in vals):
-        raise SystemExit(f"moe_sass_count: error: {what} must be a comma list of {', '.join(map(str, allowed))}, "
-                         f"got {text!r}")
+        parser.error(f"{what} must be a comma list of {', '.join(map(str, allowed))}, got {text!r}")  # exits 2
     return vals
 
 
@@ -47,8 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--apre", default="0", help="fp4 path: comma list of APRE values (pre-quantized activations)")
     args = p.parse_args(argv)
     fp4 = args.path == "fp4"
-    runs = ([(0, a) for a in _int_list(args.apre, "--apre", (0, 1))] if fp4
-            else [(d, 0) for d in _int_list(args.deq, "--deq", DECODES)])
+    runs = ([(0, a) for a in _int_list(p, args.apre, "--apre", (0, 1))] if fp4
+            else [(d, 0) for d in _int_list(p, args.deq, "--deq", DECODES)])
     os.environ.pop("TRITON_INTERPRET", None)
     try:
         import triton
