@@ -274,17 +274,12 @@ def main(argv=None):
         return 2
     if args.dry_run:
         return dry_run(args, cases, variants, modes, command)
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError as exc:
-        print(f"bench_attention: error: {exc.name} is not installed; this benchmark needs torch, triton and a CUDA "
-              "GPU (--dry-run lists the cases without one)", file=sys.stderr)
+    error = R.missing_gpu("bench_attention")
+    if error:
+        print(error, file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("bench_attention: error: no CUDA GPU visible; nothing to measure (--dry-run lists the cases)",
-              file=sys.stderr)
-        return 2
+    import torch
+
     env = R.environment(REPO, command)
     bl = Baselines(args, torch)
     for k, v in bl.notes.items():
@@ -362,28 +357,24 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env):
             return o[:, :, :H]
 
         calls[("flashmla", "default")] = (f, True, f"q padded to {pad} heads")
+    def sglang_call(fn, q, kw, sink_):
+        """SGLang's sparse decode entry points share FlashMLA's positional signature; -> out."""
+        return fn(q, kw["k_cache"], kw["indices"], kw["topk_length"], sink_, 512, scale, kw.get("extra_k_cache"),
+                  kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"))[0]
+
     if "flashinfer" in impls and bl.flashinfer is not None:
         def f(i):
-            kw = layers[i][0]
-            return bl.flashinfer(qs[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink, 512, scale,
-                                 kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                                 kw.get("extra_topk_length"))[0]
+            return sglang_call(bl.flashinfer, qs[i], layers[i][0], sink)
 
         calls[("flashinfer", "default")] = (f, True, "")
     if "upstream" in impls and bl.upstream is not None and B <= args.upstream_max_batch:
         def f(i):
-            kw = layers[i][0]
-            return bl.upstream(q64[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink64, 512, scale,
-                               kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                               kw.get("extra_topk_length"))[0][:, :, :H]
+            return sglang_call(bl.upstream, q64[i], layers[i][0], sink64)[:, :, :H]
 
         calls[("upstream-triton", "default")] = (f, True, f"q padded to {pad} heads")
     if "torch" in impls and bl.torch_fwd is not None and B <= args.torch_max_batch:
         def f(i):
-            kw = layers[i][0]
-            return bl.torch_fwd(qs[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink, 512, scale,
-                                kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                                kw.get("extra_topk_length"))[0]
+            return sglang_call(bl.torch_fwd, qs[i], layers[i][0], sink)
 
         calls[("torch-eager", "default")] = (f, False, "eager, no graph")
 

@@ -61,6 +61,23 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
+    def _fp8_rows(a):
+        """bf16 activation tile -> (e4m3 tile, fp32 scale per row): one scale per token and K step (the K step
+        is the 128-column group)."""
+        af = a.to(tl.float32)
+        am = tl.max(tl.abs(af), axis=1)
+        sa = tl.where(am > 0, am / 448.0, 1.0)
+        return (af / sa[:, None]).to(tl.float8e4nv), sa
+
+    @triton.jit
+    def _block_rows(sorted_ptr, pid_m, pid_n, P, BM: tl.constexpr, BN: tl.constexpr):
+        """The rows of row block ``pid_m`` (slots of the sorted order), their pair index, which hold a pair, and
+        the output columns of ``pid_n``."""
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + rows)
+        return rows, pair, pair < P, pid_n * BN + tl.arange(0, BN)
+
+    @triton.jit
     def _base_gemm1(x_ptr, w_ptr, s_ptr, sorted_ptr, be_ptr, h_ptr, P, TOPK, H, I,
                     stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
@@ -69,11 +86,8 @@ if triton is not None:
         e = tl.load(be_ptr + pid_m)
         if e >= 0:
             e64 = e.to(tl.int64)
-            rows = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_ptr + rows)
-            rvalid = pair < P
+            rows, pair, rvalid, offs_n = _block_rows(sorted_ptr, pid_m, pid_n, P, BM, BN)
             tok = tl.where(rvalid, pair // TOPK, 0).to(tl.int64)
-            offs_n = pid_n * BN + tl.arange(0, BN)
             kk = tl.arange(0, BK)
             a_row = x_ptr + tok[:, None] * H
             wg_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None]
@@ -87,10 +101,7 @@ if triton is not None:
                 wg = tl.load(wg_p + k0)
                 wu = tl.load(wu_p + k0)
                 if FP8:
-                    af = a.to(tl.float32)
-                    am = tl.max(tl.abs(af), axis=1)
-                    sa = tl.where(am > 0, am / 448.0, 1.0)
-                    aq = (af / sa[:, None]).to(tl.float8e4nv)
+                    aq, sa = _fp8_rows(a)
                     sg = tl.load(sg_p + k0 // 128)
                     su = tl.load(su_p + k0 // 128)
                     acc_g += tl.dot(aq, wg) * (sa[:, None] * sg[None, :])
@@ -113,10 +124,7 @@ if triton is not None:
         e = tl.load(be_ptr + pid_m)
         if e >= 0:
             e64 = e.to(tl.int64)
-            rows = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_ptr + rows)
-            rvalid = pair < P
-            offs_n = pid_n * BN + tl.arange(0, BN)
+            rows, pair, rvalid, offs_n = _block_rows(sorted_ptr, pid_m, pid_n, P, BM, BN)
             kk = tl.arange(0, BK)
             a_row = h_ptr + rows[:, None].to(tl.int64) * I
             w_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None]
@@ -126,10 +134,7 @@ if triton is not None:
                 a = tl.load(a_row + k0 + kk[None, :], mask=rvalid[:, None], other=0.0)
                 w = tl.load(w_p + k0)
                 if FP8:
-                    af = a.to(tl.float32)
-                    am = tl.max(tl.abs(af), axis=1)
-                    sa = tl.where(am > 0, am / 448.0, 1.0)
-                    aq = (af / sa[:, None]).to(tl.float8e4nv)
+                    aq, sa = _fp8_rows(a)
                     sw = tl.load(s_p + k0 // 128)
                     acc += tl.dot(aq, w) * (sa[:, None] * sw[None, :])
                 else:
@@ -447,12 +452,9 @@ def main(argv=None) -> int:
         return 2
     if args.dry_run:
         return dry_run(args, shape, ms, vms, variants, command)
-    if torch is None or triton is None:
-        print("bench_moe: error: torch and triton are needed (not installed); --dry-run lists the rows without them",
-              file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("bench_moe: error: no CUDA GPU visible; nothing to measure (--dry-run lists the rows)", file=sys.stderr)
+    error = R.missing_gpu("bench_moe")
+    if error:
+        print(error, file=sys.stderr)
         return 2
     try:
         return run(args, shape, ms, vms, variants, command)
