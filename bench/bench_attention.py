@@ -19,7 +19,7 @@ Impls (rows' ``impl``): ``ours-bf16`` / ``ours-fp8`` (``--qk-modes``), and each 
 the installed SGLang, the pristine copy under ~/.cache/dsv4_sm120 or ``--upstream-file``), ``torch-eager``
 (SGLang's torch reference; it syncs the host).
 
-``--variants 'A;B'``: launch-config texts passed to the kernel's config override (the DSV4_SM120_ATTN_CONFIG
+``--variants 'A;B'``: launch-config texts set as ``attention.launch.CONFIG_OVERRIDE`` (the DSV4_SM120_ATTN_CONFIG
 syntax); each is timed next to the default at ``--variant-cases`` and recorded with that text as ``variant``.
 
   python3 bench/bench_attention.py --cases tp4_decode --variants 'SPAN=0'
@@ -114,15 +114,13 @@ def plan(args):
 
 
 def check_variants(variants):
-    """Validate the variant texts with the kernel's torch-free parser when it is there (a typo fails before
-    any GPU work); the kernel validates them again when it runs."""
-    try:
-        from dsv4_sm120.attention import launch_config
-    except ImportError:
-        return
+    """Validate the variant texts with the kernel's torch-free parser (a typo fails before any GPU work); the
+    kernel validates them again when it runs."""
+    from dsv4_sm120.attention.config import parse_config
+
     for v in variants:
         try:
-            launch_config.parse_config(v, f"--variants item {v!r}")
+            parse_config(v, f"--variants item {v!r}")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
 
@@ -276,25 +274,12 @@ def main(argv=None):
         return 2
     if args.dry_run:
         return dry_run(args, cases, variants, modes, command)
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError as exc:
-        print(f"bench_attention: error: {exc.name} is not installed; this benchmark needs torch, triton and a CUDA "
-              "GPU (--dry-run lists the cases without one)", file=sys.stderr)
+    error = R.missing_gpu("bench_attention")
+    if error:
+        print(error, file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("bench_attention: error: no CUDA GPU visible; nothing to measure (--dry-run lists the cases)",
-              file=sys.stderr)
-        return 2
-    from dsv4_sm120.attention import kernel as K
+    import torch
 
-    for v in variants:
-        try:
-            K.parse_config(v, f"--variants item {v!r}")
-        except K.DecodeInputError as exc:
-            print(f"bench_attention: error: {exc}", file=sys.stderr)
-            return 2
     env = R.environment(REPO, command)
     bl = Baselines(args, torch)
     for k, v in bl.notes.items():
@@ -302,7 +287,7 @@ def main(argv=None):
     rows = []
     for case, layout, H, bs, with_v in cases:
         for B in bs:
-            got = run_point(args, torch, K, bl, case, layout, B, H, variants if with_v else [], modes, env)
+            got = run_point(args, torch, bl, case, layout, B, H, variants if with_v else [], modes, env)
             R.append_rows(args.results, "attention", got)  # per point: an interrupted run keeps what it measured
             rows += got
     print(R.render_table("attention", rows, env["gpu"], all_variants=True) if rows else "no rows measured")
@@ -311,7 +296,8 @@ def main(argv=None):
     return 0
 
 
-def run_point(args, torch, K, bl, case, layout, B, H, variants, modes, env):
+def run_point(args, torch, bl, case, layout, B, H, variants, modes, env):
+    from dsv4_sm120.attention import config, launch
     from dsv4_sm120.attention.reference import rel_fro, sparse_mla_decode_ref
 
     dev = torch.device("cuda")
@@ -334,22 +320,21 @@ def run_point(args, torch, K, bl, case, layout, B, H, variants, modes, env):
 
     # (impl, variant) -> (f(layer_i) returning out [B,1,H,512], graph replay?, notes)
     calls = {}
-    bf16_only = getattr(getattr(K, "launch_config", None), "BF16_ONLY_IMPLS", ())
     if "ours" in impls:
         for mode in modes:
             for v in [""] + variants:
-                ov = K.parse_config(v, f"--variants item {v!r}")
-                if mode == "fp8" and ov.get("impl") in bf16_only:
+                ov = config.parse_config(v, f"--variants item {v!r}")
+                if mode == "fp8" and ov.get("impl") in config.BF16_ONLY_IMPLS:
                     continue  # bf16-only bodies refuse fp8 QK
 
                 def f(i, mode=mode, ov=ov):
-                    K.CONFIG_OVERRIDE.clear()
-                    K.CONFIG_OVERRIDE.update(ov)
+                    launch.CONFIG_OVERRIDE.clear()
+                    launch.CONFIG_OVERRIDE.update(ov)
                     try:
-                        return K.sparse_mla_decode(qs[i], attn_sink=sink, head_dim_v=512, softmax_scale=scale,
-                                                   qk_mode=mode, **layers[i][0])[0]
+                        return launch.sparse_mla_decode(qs[i], attn_sink=sink, head_dim_v=512, softmax_scale=scale,
+                                                        qk_mode=mode, **layers[i][0])[0]
                     finally:
-                        K.CONFIG_OVERRIDE.clear()
+                        launch.CONFIG_OVERRIDE.clear()
 
                 calls[(f"ours-{mode}", v or "default")] = (f, True, "")
     pad = max(64, H)
@@ -372,28 +357,24 @@ def run_point(args, torch, K, bl, case, layout, B, H, variants, modes, env):
             return o[:, :, :H]
 
         calls[("flashmla", "default")] = (f, True, f"q padded to {pad} heads")
+    def sglang_call(fn, q, kw, sink_):
+        """SGLang's sparse decode entry points share FlashMLA's positional signature; -> out."""
+        return fn(q, kw["k_cache"], kw["indices"], kw["topk_length"], sink_, 512, scale, kw.get("extra_k_cache"),
+                  kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"))[0]
+
     if "flashinfer" in impls and bl.flashinfer is not None:
         def f(i):
-            kw = layers[i][0]
-            return bl.flashinfer(qs[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink, 512, scale,
-                                 kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                                 kw.get("extra_topk_length"))[0]
+            return sglang_call(bl.flashinfer, qs[i], layers[i][0], sink)
 
         calls[("flashinfer", "default")] = (f, True, "")
     if "upstream" in impls and bl.upstream is not None and B <= args.upstream_max_batch:
         def f(i):
-            kw = layers[i][0]
-            return bl.upstream(q64[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink64, 512, scale,
-                               kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                               kw.get("extra_topk_length"))[0][:, :, :H]
+            return sglang_call(bl.upstream, q64[i], layers[i][0], sink64)[:, :, :H]
 
         calls[("upstream-triton", "default")] = (f, True, f"q padded to {pad} heads")
     if "torch" in impls and bl.torch_fwd is not None and B <= args.torch_max_batch:
         def f(i):
-            kw = layers[i][0]
-            return bl.torch_fwd(qs[i], kw["k_cache"], kw["indices"], kw["topk_length"], sink, 512, scale,
-                                kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-                                kw.get("extra_topk_length"))[0]
+            return sglang_call(bl.torch_fwd, qs[i], layers[i][0], sink)
 
         calls[("torch-eager", "default")] = (f, False, "eager, no graph")
 

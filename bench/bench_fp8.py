@@ -126,15 +126,12 @@ def main(argv=None) -> int:
         print(f"would append one row per (shape, M) and timed impl ({', '.join(IMPLS.values())}) of the shapes "
               f"the tuner measures to {a.results}")
         return rc
-    try:
-        import torch
-    except ImportError:
-        print("bench_fp8: error: torch is not installed; this benchmark needs torch, triton and a CUDA GPU",
-              file=sys.stderr)
+    error = R.missing_gpu("bench_fp8")
+    if error:
+        print(error, file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("bench_fp8: error: no CUDA GPU visible; nothing to measure (--dry-run shows the plan)", file=sys.stderr)
-        return 2
+    import torch
+
     out = _out_dir(tuner_args)
     path = out / (tune_fp8.summary_file_stem(torch.cuda.get_device_name()) + ".json")
     before = json.loads(path.read_text()) if path.is_file() else {}

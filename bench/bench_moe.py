@@ -16,12 +16,14 @@ Each replay runs ``--rotate`` calls with different routings whose expert sets sp
 weights come from HBM and not from L2.
 
 Cases (``--cases``): ``tp4`` (H 4096, I 512 per rank, E 256, top-6; M = 1,4,16,64,128,1024,4096; ``--m``
-overrides M). ``--variants 'deq=3;BN1=64,BK1=128;apre=0'``: launch variants of the default path, each a
-','-list of Config fields (deq, BN1, BK1, BN2, BK2, warps1, warps2, stages, BM), align=inkernel|triton|torch|
-auto, apre=0|1; timed at ``--variant-m`` and recorded with that text as ``variant``.
+overrides M). ``--variants 'BN1=64,BK1=128;align=torch;apre=0'``: launch variants of the default path, each a
+','-list of launch-table fields (BM, BN1, BK1, BN2, BK2, warps1, warps2, stages; align=inkernel|triton|torch, auto =
+the table's) and apre=0|1 (fp4 path: activations quantized in every GEMM program / once per row); fields a
+variant does not set keep the launch table's value. Timed at ``--variant-m`` and recorded with that text as
+``variant``.
 
   python bench/bench_moe.py                      # the tp4 case
-  python bench/bench_moe.py --m 1,64 --variants 'deq=3' --variant-m 1,64
+  python bench/bench_moe.py --m 1,64 --variants 'align=torch;BN1=64' --variant-m 1,64
   python bench/bench_moe.py --dry-run            # the rows it would write; no GPU needed
 """
 
@@ -41,8 +43,12 @@ from dsv4_sm120 import bench_results as R  # noqa: E402
 
 # name -> (hidden, inter per rank, experts, top-k, token counts)
 CASES = {"tp4": (4096, 512, 256, 6, (1, 4, 16, 64, 128, 1024, 4096))}
-CONFIG_FIELDS = ("deq", "BN1", "BK1", "BN2", "BK2", "warps1", "warps2", "stages", "BM")
-ENV_KEYS = {"align": ("DSV4_SM120_MOE_ALIGN", ("inkernel", "triton", "torch", "auto"))}
+CONFIG_FIELDS = ("BM", "BN1", "BK1", "BN2", "BK2", "warps1", "warps2", "stages")  # integer Config fields
+ALIGN_CHOICES = ("inkernel", "triton", "torch", "auto")  # moe.config.ALIGN_MODES + auto (the table's)
+# knobs the kernel no longer has: a variant naming one is refused rather than timed as the default
+REMOVED_KEYS = {"deq": "the weight decode is not a launch choice (3 on NVIDIA GPUs, 0 portable)",
+                "aload": "the activation load is always the contiguous one"}
+VARIANT_KEYS = CONFIG_FIELDS + ("align", "apre")
 
 try:  # the kernels below need triton; --help does not
     import torch
@@ -55,6 +61,23 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
+    def _fp8_rows(a):
+        """bf16 activation tile -> (e4m3 tile, fp32 scale per row): one scale per token and K step (the K step
+        is the 128-column group)."""
+        af = a.to(tl.float32)
+        am = tl.max(tl.abs(af), axis=1)
+        sa = tl.where(am > 0, am / 448.0, 1.0)
+        return (af / sa[:, None]).to(tl.float8e4nv), sa
+
+    @triton.jit
+    def _block_rows(sorted_ptr, pid_m, pid_n, P, BM: tl.constexpr, BN: tl.constexpr):
+        """The rows of row block ``pid_m`` (slots of the sorted order), their pair index, which hold a pair, and
+        the output columns of ``pid_n``."""
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + rows)
+        return rows, pair, pair < P, pid_n * BN + tl.arange(0, BN)
+
+    @triton.jit
     def _base_gemm1(x_ptr, w_ptr, s_ptr, sorted_ptr, be_ptr, h_ptr, P, TOPK, H, I,
                     stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
@@ -63,11 +86,8 @@ if triton is not None:
         e = tl.load(be_ptr + pid_m)
         if e >= 0:
             e64 = e.to(tl.int64)
-            rows = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_ptr + rows)
-            rvalid = pair < P
+            rows, pair, rvalid, offs_n = _block_rows(sorted_ptr, pid_m, pid_n, P, BM, BN)
             tok = tl.where(rvalid, pair // TOPK, 0).to(tl.int64)
-            offs_n = pid_n * BN + tl.arange(0, BN)
             kk = tl.arange(0, BK)
             a_row = x_ptr + tok[:, None] * H
             wg_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None]
@@ -81,10 +101,7 @@ if triton is not None:
                 wg = tl.load(wg_p + k0)
                 wu = tl.load(wu_p + k0)
                 if FP8:
-                    af = a.to(tl.float32)
-                    am = tl.max(tl.abs(af), axis=1)
-                    sa = tl.where(am > 0, am / 448.0, 1.0)
-                    aq = (af / sa[:, None]).to(tl.float8e4nv)
+                    aq, sa = _fp8_rows(a)
                     sg = tl.load(sg_p + k0 // 128)
                     su = tl.load(su_p + k0 // 128)
                     acc_g += tl.dot(aq, wg) * (sa[:, None] * sg[None, :])
@@ -107,10 +124,7 @@ if triton is not None:
         e = tl.load(be_ptr + pid_m)
         if e >= 0:
             e64 = e.to(tl.int64)
-            rows = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_ptr + rows)
-            rvalid = pair < P
-            offs_n = pid_n * BN + tl.arange(0, BN)
+            rows, pair, rvalid, offs_n = _block_rows(sorted_ptr, pid_m, pid_n, P, BM, BN)
             kk = tl.arange(0, BK)
             a_row = h_ptr + rows[:, None].to(tl.int64) * I
             w_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + kk[:, None]
@@ -120,10 +134,7 @@ if triton is not None:
                 a = tl.load(a_row + k0 + kk[None, :], mask=rvalid[:, None], other=0.0)
                 w = tl.load(w_p + k0)
                 if FP8:
-                    af = a.to(tl.float32)
-                    am = tl.max(tl.abs(af), axis=1)
-                    sa = tl.where(am > 0, am / 448.0, 1.0)
-                    aq = (af / sa[:, None]).to(tl.float8e4nv)
+                    aq, sa = _fp8_rows(a)
                     sw = tl.load(s_p + k0 // 128)
                     acc += tl.dot(aq, w) * (sa[:, None] * sw[None, :])
                 else:
@@ -237,19 +248,24 @@ class UsageError(Exception):
 
 
 def parse_variant(spec: str):
-    """'deq=3,align=triton,apre=0' -> (Config field overrides, env overrides, apre or None); bad items raise."""
-    fields, env, apre = {}, {}, None
+    """'BN1=64,align=triton,apre=0' -> (Config field overrides, apre or None); bad items raise. ``align=auto``
+    keeps the table's grouping, like leaving it out."""
+    fields, apre = {}, None
     for item in (x.strip() for x in spec.split(",")):
         if not item:
             continue
         k, sep, v = (x.strip() for x in item.partition("="))
         if not sep or not v:
             raise UsageError(f"--variants item {spec!r}: expected key=value, got {item!r}")
-        if k in ENV_KEYS:
-            name, choices = ENV_KEYS[k]
-            if v not in choices:
-                raise UsageError(f"--variants item {spec!r}: {k} must be one of {', '.join(choices)}, got {v!r}")
-            env[name] = v
+        if k in REMOVED_KEYS:
+            raise UsageError(f"--variants item {spec!r}: {k!r} no longer exists ({REMOVED_KEYS[k]}); "
+                             f"keys: {', '.join(VARIANT_KEYS)}")
+        if k == "align":
+            if v not in ALIGN_CHOICES:
+                raise UsageError(f"--variants item {spec!r}: align must be one of {', '.join(ALIGN_CHOICES)}, "
+                                 f"got {v!r}")
+            if v != "auto":
+                fields["align"] = v
         elif k == "apre":
             if v not in ("0", "1"):
                 raise UsageError(f"--variants item {spec!r}: apre must be 0 or 1, got {v!r}")
@@ -260,9 +276,8 @@ def parse_variant(spec: str):
             except ValueError:
                 raise UsageError(f"--variants item {spec!r}: {k} needs an integer, got {v!r}") from None
         else:
-            raise UsageError(f"--variants item {spec!r}: unknown key {k!r}; keys: "
-                             f"{', '.join(CONFIG_FIELDS + tuple(ENV_KEYS) + ('apre',))}")
-    return fields, env, apre
+            raise UsageError(f"--variants item {spec!r}: unknown key {k!r}; keys: {', '.join(VARIANT_KEYS)}")
+    return fields, apre
 
 
 def plan(args):
@@ -311,6 +326,13 @@ def run(args, shape, ms, vms, variants, command):
     from dsv4_sm120.moe.testing import make_experts
 
     H, I, E, k = shape
+
+    from dsv4_sm120 import settings
+
+    align_env = "DSV4_SM120_MOE_ALIGN"  # overrides the launch table's grouping in every call
+    if settings.get(align_env) not in ("", "auto") and variants:
+        raise UsageError(f"{align_env}={settings.raw(align_env)} would override every variant's grouping; "
+                         "unset it and name the grouping in --variants (align=...)")
     dev = torch.device("cuda")
     limit = 10.0
     env = R.environment(REPO, command)
@@ -386,10 +408,10 @@ def run(args, shape, ms, vms, variants, command):
         active = statistics.mean(float(torch.unique(ids).numel()) for _, ids in routs)
         x0 = (torch.randn((M, H), device=dev) * 2).to(torch.bfloat16)
         for spec in variants:
-            fields, env_over, apre = parse_variant(spec)
-            saved = {n: os.environ.get(n) for n in env_over}
+            fields, apre = parse_variant(spec)
             try:
-                os.environ.update(env_over)
+                # the table's launch for this M with the variant's fields replaced (align included: the
+                # table's grouping unless the variant names one)
                 cfg = dataclasses.replace(choose_config(M, k, E, H, I, dpath), **fields)
                 err = check(x0, *routs[0], path=dpath, config=cfg, apre=apre)
                 fns = [lambda tw=tw, ids=ids, cfg=cfg: nvfp4_fused_moe_impl(
@@ -399,12 +421,6 @@ def run(args, shape, ms, vms, variants, command):
                      extra=[f"config={cfg}".replace(",", "")])
             except Exception as exc:  # noqa: BLE001
                 emit(M, f"nvfp4-{dpath}", spec, None, fp4_bytes, active, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-            finally:
-                for n, v in saved.items():
-                    if v is None:
-                        os.environ.pop(n, None)
-                    else:
-                        os.environ[n] = v
     print(R.render_table("moe", out_rows, env["gpu"], all_variants=True) if out_rows else "no rows measured")
     print(f"appended {len(out_rows)} rows to {args.results}")
     return 0
@@ -439,14 +455,15 @@ def main(argv=None) -> int:
         return 2
     if args.dry_run:
         return dry_run(args, shape, ms, vms, variants, command)
-    if torch is None or triton is None:
-        print("bench_moe: error: torch and triton are needed (not installed); --dry-run lists the rows without them",
-              file=sys.stderr)
+    error = R.missing_gpu("bench_moe")
+    if error:
+        print(error, file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("bench_moe: error: no CUDA GPU visible; nothing to measure (--dry-run lists the rows)", file=sys.stderr)
+    try:
+        return run(args, shape, ms, vms, variants, command)
+    except UsageError as exc:
+        print(f"bench_moe: error: {exc}", file=sys.stderr)
         return 2
-    return run(args, shape, ms, vms, variants, command)
 
 
 if __name__ == "__main__":

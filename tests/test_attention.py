@@ -21,8 +21,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# tests/sass_tools.py (compile sources / disassembly) reaches the compile children through gpu_compile_result's
-# PYTHONPATH (tests/ is on sys.path)
+# the compile children (gpu_compile_result) read the generated code with dsv4_sm120.devtools.sass
 from conftest import gpu_compile_result  # noqa: E402
 from attention_cases import Case, build, lonely_rows  # noqa: E402
 from dsv4_sm120.attention import DecodeInputError, launch, plan_span, plan_splits, sparse_mla_decode  # noqa: E402
@@ -403,40 +402,29 @@ def test_combine_launch_plan():
 
 
 _COMBINE_COMPILE = r"""
-import json, os, re, subprocess, tempfile
-import triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
+import json, re
 from dsv4_sm120.attention.kernels import combine_kernel as fn
 from dsv4_sm120.attention.plan import combine_maxnreg
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+from dsv4_sm120.devtools.sass import compile_inspect, kernel_source
 out = {}
 for cap in (90, 120):
     for bd, bs, w, bf16 in ((512, 3, 4, 0), (128, 10, 1, 0), (512, 6, 4, 1), (256, 5, 2, 0)):
         sig = {"acc_ws": "*bf16" if bf16 else "*fp32", "m_ws": "*fp32", "l_ws": "*fp32", "sink_ptr": "*fp32",
                "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32", "S": "i32", "HP": "i32"}
         cst = dict(HAS_SINK=True, BLOCK_D=bd, BLOCK_S=bs)
-        src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in cst}),
-                        constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()},
-                        attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
+        src = kernel_source(fn, sig, cst, divisible=[n for n, t in sig.items() if t.startswith("*")])
         name = f"sm{cap}_d{bd}_s{bs}_w{w}" + ("_bf16" if bf16 else "")
         opts = {"num_warps": w, "num_stages": 1, "maxnreg": combine_maxnreg(bs, bd // (32 * w))}
         try:
-            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
+            k, sass, res = compile_inspect(src, cap, opts)
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             continue
         ptx = k.asm["ptx"]
         r = {"ld_v4": len(re.findall(r"ld\.global[^;]*\.v4", ptx)), "ld_v2": len(re.findall(r"ld\.global[^;]*\.v2", ptx)),
              "bar": ptx.count("bar.sync") + ptx.count("barrier.sync"), "shared": ptx.count(".shared")}
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        mm = re.search(r"REG:(\d+) STACK:(\d+)", ru)
-        if mm:
-            r["regs"], r["stack"], r["maxnreg"] = int(mm.group(1)), int(mm.group(2)), opts["maxnreg"]
+        if res:
+            r.update(res, maxnreg=opts["maxnreg"])
         # vector loads of partials issued before the first FMA of the (first) chunk
         seq = re.findall(r"(LDG\.E\.(?:128|64)|FFMA)\b", sass)
         if seq:
@@ -479,7 +467,7 @@ def test_rows_split_across_launches_when_workspace_is_capped(monkeypatch):
 _TILED_KCVT_COMPILE = r"""
 import json, re
 from dsv4_sm120.attention.kernels import split_kernel_tiled as fn
-from sass_tools import compile_inspect, split_kernel_source
+from dsv4_sm120.devtools.sass import compile_inspect, split_kernel_source
 out = {}
 for cap in (90, 120):
     for kcvt in (0, 1):
@@ -525,7 +513,7 @@ def test_tiled_kcvt_moves_fp8_conversion_off_the_conversion_pipe():
 _REG_COMPILE = r"""
 import collections, json
 from dsv4_sm120.attention.kernels import split_kernel_reg as fn
-from sass_tools import compile_inspect, hot_loop_ops, split_kernel_source
+from dsv4_sm120.devtools.sass import compile_inspect, hot_loop_ops, split_kernel_source
 out = {}
 for cap in (90, 120):
     # the default launch (32 candidates, 4 warps, decoded late, spanning splits) and the 8-warp 64-candidate one
@@ -616,20 +604,16 @@ def test_env_config_selects_the_launch_and_refuses_bad_values(monkeypatch):
 
 _FP8_COMPILE = r"""
 import json
-import triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
 from dsv4_sm120.attention.kernels import q_fp8_kernel, split_kernel_tiled
-from sass_tools import split_kernel_source
+from dsv4_sm120.devtools.sass import compile_for, kernel_source, split_kernel_source
 out = {}
 for cap in (90, 120):
     fn = q_fp8_kernel
     sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "q8_ptr": "*u8", "qsc_ptr": "*u8", "H": "i32",
-           "HP": "i32", "BLOCK_H": "constexpr", "INTERP": "constexpr"}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index("BLOCK_H"),): 16,
-                                                       (fn.arg_names.index("INTERP"),): False})
+           "HP": "i32"}
+    src = kernel_source(fn, sig, dict(BLOCK_H=16, INTERP=False))
     try:
-        k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+        k = compile_for(src, cap, {"num_warps": 4})
         out[f"sm{cap}_qfp8"] = {"ok": bool(k.asm.get("cubin"))}
     except Exception as e:
         out[f"sm{cap}_qfp8"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -638,8 +622,7 @@ for cap in (90, 120):
                INTERP=False, PREFETCH=False, KCVT=True)
     src = split_kernel_source(fn, cst)
     try:
-        k = triton.compile(src, target=GPUTarget("cuda", cap, 32),
-                           options={"num_warps": 8, "num_stages": 1, "maxnreg": 128})
+        k = compile_for(src, cap, {"num_warps": 8, "num_stages": 1, "maxnreg": 128})
         ptx = k.asm["ptx"]
         out[f"sm{cap}_split"] = {"ok": bool(k.asm.get("cubin")), "block_scale_mma": "block_scale" in ptx,
                                  "smem": k.metadata.shared}

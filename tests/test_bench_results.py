@@ -199,7 +199,7 @@ def test_committed_tables_are_generated_from_the_results_files(tmp_path):
 
 @pytest.mark.parametrize("script,args", [
     ("bench_attention.py", ["--cases", "tp4_decode,h32", "--variants", "SPAN=0", "--batches", "1,64"]),
-    ("bench_moe.py", ["--m", "1,64", "--variants", "deq=3", "--variant-m", "64"]),
+    ("bench_moe.py", ["--m", "1,64", "--variants", "align=torch", "--variant-m", "64"]),
 ])
 def test_drivers_dry_run_and_no_gpu(script, args, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
@@ -214,7 +214,7 @@ def test_drivers_dry_run_and_no_gpu(script, args, tmp_path):
         assert sum(",SPAN=0,ours-bf16," in ln for ln in rows) == 2
         assert sum(",h32,default,ours-bf16," in ln for ln in rows) == 2
     else:
-        assert sum(",deq=3," in ln for ln in rows) == 1 and len(rows) == 2 * 3 + 1
+        assert sum(",align=torch," in ln for ln in rows) == 1 and len(rows) == 2 * 3 + 1
     assert not res.exists()  # a dry run writes nothing
     r = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--results", str(res)],
                        capture_output=True, text=True, env=env, timeout=300)
@@ -223,6 +223,18 @@ def test_drivers_dry_run_and_no_gpu(script, args, tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "bench" / script), "--dry-run", "--variants", "NOPE=1"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "NOPE" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("variant,needle", [("deq=3", "'deq' no longer exists"),
+                                             ("BN1=64,aload=strided", "'aload' no longer exists"),
+                                             ("align=sorted", "align must be one of"),
+                                             ("BN1=wide", "BN1 needs an integer")])
+def test_moe_driver_refuses_removed_and_bad_variant_keys(variant, needle):
+    """A variant naming a knob the kernel no longer has is an error, not a run timed as the default."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_moe.py"), "--dry-run", "--variants", variant],
+                       capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=300)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not r.stdout.strip()
 
 
 def test_fp8_driver_dry_run_and_no_gpu(tmp_path):

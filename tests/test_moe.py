@@ -304,25 +304,15 @@ def _run_ptx(asm, regs):
 
 
 _COMPILE = r"""
-import json, sys
-import triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
+import json
 from dsv4_sm120.moe import kernels as K
-fn = K._gemm1_kernel
-sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
-       "block_expert_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "TOPK": "i32", "H": "i32", "I": "i32",
-       "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
-       "swiglu_limit": "fp32", "E": "i32"}
+from dsv4_sm120.devtools.sass import compile_for, moe_gemm_source
 out = {}
 for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq3", 90, False, False, 3)):
     cst = dict(HAS_LIMIT=True, BM=16, BN=32, BK=256, PATH_FP4=fp4, NATIVE=native, INTERP=False, DEQ=deq,
-               GROUPED=True, P_PAD=512, E_PAD=256, APRE=False, xq_ptr=None, xs_ptr=None,
-               xgs_ptr=None)
-    s = dict(sig, **{k: "constexpr" for k in cst})
-    src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
+               GROUPED=True, P_PAD=512, E_PAD=256, APRE=False)
     try:
-        k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4, "num_stages": 3})
+        k = compile_for(moe_gemm_source(K._gemm1_kernel, 1, cst), cap, {"num_warps": 4, "num_stages": 3})
         ptx = k.asm["ptx"]
         out[name] = {"cubin": bool(k.asm.get("cubin")), "fp4_mma": ptx.count("kind::mxf4nvf4.block_scale"),
                      "ue4m3": ptx.count(".ue4m3"), "bf16x2_fma": ptx.count("fma.rn.bf16x2")}
@@ -446,29 +436,15 @@ def test_slot_expert_and_pairs_kernel_helpers():
 _SM120_CONFIGS = r"""
 import json
 import triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
 from dsv4_sm120.moe import kernels as K
 from dsv4_sm120.moe.config import choose_config
-sig1 = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
-        "block_expert_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "TOPK": "i32", "H": "i32", "I": "i32",
-        "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
-        "swiglu_limit": "fp32", "E": "i32"}
-sig2 = {"h_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
-        "block_expert_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": "*fp32", "P": "i32", "H": "i32", "I": "i32",
-        "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "E": "i32"}
-pre1 = {"xq_ptr": "*u8", "xs_ptr": "*fp8e4nv", "xgs_ptr": "*fp32"}
-pre2 = {"hq_ptr": "*u8", "hs_ptr": "*fp8e4nv", "hgs_ptr": "*fp32"}
-sigq = {"a_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "R": "i32", "K": "i32",
-        "stride_a": "i32", "sel_ptr": "*i32", "SEL_HI": "i32"}
+from dsv4_sm120.devtools.sass import MOE_QUANT_SIG, compile_for, kernel_source, moe_gemm_source
 out = {}
 
 
-def build(key, fn, sig, cst, w, stages):
-    s = dict(sig, **{k: "constexpr" for k in cst})
-    src = ASTSource(fn=fn, signature=s, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()})
+def build(key, src, w, stages):
     try:
-        k = triton.compile(src, target=GPUTarget("cuda", 120, 32), options={"num_warps": w, "num_stages": stages})
+        k = compile_for(src, 120, {"num_warps": w, "num_stages": stages})
         out[key] = {"smem": k.metadata.shared, "cubin": bool(k.asm.get("cubin")),
                     "setp": k.asm["ptx"].count("setp.")}
     except Exception as e:
@@ -479,21 +455,18 @@ for M in (1, 16, 4096):
     cfg = choose_config(M, 6, 256, 4096, 512, "fp4", device_name="NVIDIA RTX PRO 6000 Blackwell Server Edition",
                         capability=(12, 0))
     P = M * 6
-    for name, fn, sig, pre, bn, bk, w in (("g1", K._gemm1_kernel, sig1, pre1, cfg.BN1, cfg.BK1, cfg.warps1),
-                                          ("g2", K._gemm2_kernel, sig2, pre2, cfg.BN2, cfg.BK2, cfg.warps2)):
+    for which, fn, bn, bk, w in ((1, K._gemm1_kernel, cfg.BN1, cfg.BK1, cfg.warps1),
+                                 (2, K._gemm2_kernel, cfg.BN2, cfg.BK2, cfg.warps2)):
         for apre in (False, True):  # True: the default (DSV4_SM120_MOE_APRE=1)
             cst = dict(BM=cfg.BM, BN=bn, BK=bk, PATH_FP4=True, NATIVE=True, INTERP=False, DEQ=0,
                        GROUPED=cfg.align == "inkernel", P_PAD=max(16, triton.next_power_of_2(P)), E_PAD=256,
                        APRE=apre)
-            if name == "g1":
+            if which == 1:
                 cst["HAS_LIMIT"] = True
-            if not apre:
-                cst.update({k: None for k in pre})
-            build(f"M{M}_{name}" + ("_apre" if apre else ""), fn, dict(sig, **(pre if apre else {})), cst, w,
-                  cfg.stages)
-    for name, kd, bk in (("qx", 4096, cfg.BK1), ("qh", 512, cfg.BK2)):
-        build(f"M{M}_{name}", K._quant_rows_kernel, sigq, dict(BR=16, BK=bk, HAS_SEL=name == "qh"),
-              4, 1)
+            build(f"M{M}_g{which}" + ("_apre" if apre else ""), moe_gemm_source(fn, which, cst), w, cfg.stages)
+    for name, bk in (("qx", cfg.BK1), ("qh", cfg.BK2)):
+        src = kernel_source(K._quant_rows_kernel, MOE_QUANT_SIG, dict(BR=16, BK=bk, HAS_SEL=name == "qh"))
+        build(f"M{M}_{name}", src, 4, 1)
 print("RESULT" + json.dumps(out))
 """
 

@@ -24,6 +24,12 @@ NAMES = {
     "_dsv4_split_kernel_tiled": "sparse attention",
     "_q_fp8_kernel": "sparse attention",
     "_dsv4_split_kernel_reg": "sparse attention",
+    # dsv4_sm120.attention.kernels as Triton names them
+    "split_kernel_reg": "sparse attention",
+    "split_kernel_tiled": "sparse attention",
+    "split_kernel_flat": "sparse attention",
+    "combine_kernel": "sparse attention",
+    "q_fp8_kernel": "sparse attention",
     "_gemm2_kernel": "MoE",
     "_reduce_kernel": "MoE",
     "_tiled_sparse_decode_kernel": "sparse attention",

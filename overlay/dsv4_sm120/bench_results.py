@@ -393,6 +393,24 @@ def environment(repo, command: str) -> Dict[str, str]:
     return env
 
 
+def missing_gpu(prog: str, modules: Sequence[str] = ("torch", "triton")) -> Optional[str]:
+    """The one-line error a driver stops with when it cannot measure here (a module of ``modules`` not
+    installed, or no CUDA GPU visible to torch); ``None`` when it can."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return (f"{prog}: error: {name} is not installed; this benchmark needs {', '.join(modules)} and a CUDA "
+                    "GPU (--dry-run lists the rows without them)")
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"{prog}: error: no CUDA GPU visible; nothing to measure (--dry-run lists the rows without one)"
+    return None
+
+
 def gpu_slug(gpu: str) -> str:
     """``NVIDIA H200`` -> ``h200`` (the committed tables' file-name part)."""
     s = re.sub(r"^nvidia\s+", "", gpu.strip().replace("_", " "), flags=re.I)

@@ -34,7 +34,7 @@ TOL_BF16 = 1.5e-2
 # quantization itself is ~0.17). CPU tests (K = 64) hold 5e-2. Because that comparison is dominated by
 # boundary flips, the fp4 path is also held to what matters: its total error against float64 stays within
 # 10% of the error of activation quantization alone (measured ratio 0.99-1.05 over 31 H200 cases,
-# bench/results/moe_gpu_matrix_h200.csv and moe_h200_call3.md); a wrong scale, expert or weight would
+# the correctness_matrix case of bench/results/moe.csv); a wrong scale, expert or weight would
 # put it far above (a wrong expert gives ~1.4).
 TOL_FP4_KERNEL = 1.2e-1
 TOL_FP4_TOTAL_OVER_ACT = 1.10

@@ -42,7 +42,7 @@ RULES: List[Tuple[str, "re.Pattern[str]"]] = [
         r"deep_?ep|one_?shot_?(all)?reduce|two_?shot|mscclpp|quick_?ar|symm_?mem", re.I)),
     ("sparse attention", re.compile(
         r"flash_?mla|flash_fwd|splitkv|mla_kernel|sparse_?mla|sparse.?decode|sparse_?attn|mla_?decode|"
-        r"_dsv4_(split|combine)_kernel|_q_fp8_kernel|"
+        r"_dsv4_(split|combine)_kernel|^(split_kernel_(flat|tiled|reg)|combine_kernel|_?q_fp8_kernel)$|"
         r"tiled_sparse|sm120.*(attn|mla)|indexer|mqa_logits|lightning|flash_?attn|fmha|paged_?attention|"
         r"batch_?(decode|prefill)|single_?(decode|prefill)|merge_?state|attention", re.I)),
     ("MoE", re.compile(

@@ -1,0 +1,156 @@
+"""Compile a Triton kernel for a GPU target on a CPU box and read its SASS (no GPU, no torch).
+
+Used by ``bench/attn_sass_count.py``, ``bench/moe_sass_count.py`` and the compile tests of
+``tests/test_attention.py`` / ``tests/test_moe.py``:
+
+* :func:`kernel_source`: an ``ASTSource`` from a signature and constexprs, with the launch's 16-byte
+  alignment facts (they decide the vector widths of loads); :func:`split_kernel_source` and
+  :func:`moe_gemm_source` build the signatures of the attention split kernels and the MoE GEMMs as
+  their launches pass them.
+* :func:`compile_inspect`: compile for ``sm_<cap>`` with Triton's own ptxas, disassemble with the nvdisasm /
+  cuobjdump its wheel carries; registers and stack per thread.
+* :func:`hot_loop_ops`: the opcodes of the longest loop of the SASS.
+
+Needs a Triton with the ``ASTSource`` / ``GPUTarget`` compile API (3.x); imported lazily, so importing this
+module costs nothing.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, List, Tuple
+
+# one SASS instruction line of nvdisasm -c: optional predicate, opcode, optional .SUFFIXES
+OP = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+ )?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?")
+
+# MoE GEMM arguments (dsv4_sm120.moe.kernels), as fused_moe launches them
+MOE_GEMM1_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
+                 "block_expert_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "TOPK": "i32", "H": "i32", "I": "i32",
+                 "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
+                 "swiglu_limit": "fp32", "E": "i32"}
+MOE_GEMM2_SIG = {"h_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp8e4nv", "wg_ptr": "*fp32", "sorted_ptr": "*i32",
+                 "block_expert_ptr": "*i32", "tw_ptr": "*fp32", "y_ptr": "*fp32", "P": "i32", "H": "i32", "I": "i32",
+                 "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "E": "i32"}
+# the pre-quantized activations of each GEMM (APRE)
+MOE_APRE_SIG = {1: {"xq_ptr": "*u8", "xs_ptr": "*fp8e4nv", "xgs_ptr": "*fp32"},
+                2: {"hq_ptr": "*u8", "hs_ptr": "*fp8e4nv", "hgs_ptr": "*fp32"}}
+MOE_QUANT_SIG = {"a_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "R": "i32", "K": "i32",
+                 "stride_a": "i32", "sel_ptr": "*i32", "SEL_HI": "i32"}
+
+
+def with_defaults(fn, cst: Dict[str, object]) -> Dict[str, object]:
+    """``cst`` plus the declared defaults of the constexprs it leaves out (a newer flag must not turn into an
+    i32 argument)."""
+    out = dict(cst)
+    for p in fn.params:
+        if p.is_constexpr and p.name not in out and p.default is not inspect.Parameter.empty:
+            out[p.name] = p.default
+    return out
+
+
+def kernel_source(fn, sig: Dict[str, str], cst: Dict[str, object], divisible: Iterable[str] = ()):
+    """``ASTSource`` of ``fn``: arguments typed by ``sig``, constexprs ``cst`` (``None`` for an absent optional
+    pointer), and ``tt.divisibility 16`` on the arguments named in ``divisible``."""
+    from triton.compiler import ASTSource
+
+    typed = dict(sig, **{k: "constexpr" for k in cst})
+    unknown = sorted(set(typed) - set(fn.arg_names))
+    if unknown:
+        raise ValueError(f"{getattr(fn, '__name__', fn)} has no argument(s) {', '.join(unknown)}")
+    full = {n: typed[n] for n in fn.arg_names if n in typed}  # in argument order
+    return ASTSource(fn=fn, signature=full, constexprs={(fn.arg_names.index(k),): v for k, v in cst.items()},
+                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+
+
+def split_kernel_signature(fn, cst: Dict[str, object]) -> Dict[str, str]:
+    """Triton signature of an attention ``split_kernel_*`` given its constexprs ``cst`` (pointer and scalar
+    types of the real launch)."""
+    sig = {}
+    for n in fn.arg_names:
+        if n in cst:
+            sig[n] = "constexpr"
+        elif n in ("q_ptr", "acc_ws"):
+            sig[n] = "*bf16"
+        elif n in ("m_ws", "l_ws"):
+            sig[n] = "*fp32"
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32" if ("idx" in n or "len" in n) else "*u8"
+        else:
+            sig[n] = "fp32" if n == "sm_scale_log2" else "i32"
+    return sig
+
+
+def split_kernel_source(fn, cst: Dict[str, object]):
+    """``ASTSource`` of an attention ``split_kernel_*`` with constexprs ``cst`` (left-out ones take their declared
+    defaults) and the launch's 16-byte alignment facts (pointers, strides, page bytes), which decide the gathers'
+    vector widths."""
+    cst = with_defaults(fn, cst)
+    sig = {n: t for n, t in split_kernel_signature(fn, cst).items() if t != "constexpr"}
+    div = [n for n, v in sig.items() if v.startswith("*") or n.startswith("stride") or n.endswith(("_PB", "_PB2"))]
+    return kernel_source(fn, sig, cst, div)
+
+
+def moe_gemm_source(fn, which: int, cst: Dict[str, object]):
+    """``ASTSource`` of the MoE GEMM ``fn`` (``which`` 1: ``_gemm1_kernel``, 2: ``_gemm2_kernel``) with
+    constexprs ``cst``. ``APRE`` true types the pre-quantized activation pointers; false passes them as ``None``.
+    Pointers, strides, ``H`` and ``I`` are 16-divisible, as in every launch."""
+    sig = dict(MOE_GEMM1_SIG if which == 1 else MOE_GEMM2_SIG)
+    cst = dict(cst)
+    if cst.get("APRE"):
+        sig.update(MOE_APRE_SIG[which])
+    else:
+        cst.update({k: None for k in MOE_APRE_SIG[which]})
+    div = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride") or k in ("H", "I")]
+    return kernel_source(fn, sig, cst, div)
+
+
+def disassemble(cubin: bytes) -> Tuple[str, str]:
+    """(``cuobjdump -res-usage`` text, ``nvdisasm -c`` SASS) of a cubin, with the binaries of the installed
+    Triton wheel."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    return res, sass
+
+
+def compile_for(src, cap: int, options: Dict[str, int]):
+    """``triton.compile`` of ``src`` for ``sm_<cap>`` (no GPU needed). Compile errors propagate."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    return triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options)
+
+
+def compile_inspect(src, cap: int, options: Dict[str, int]):
+    """Compile ``src`` for ``sm_<cap>`` and disassemble it: (kernel, ``nvdisasm -c`` SASS, resources), resources
+    being ``{"regs": ..., "stack": ...}`` per thread when cuobjdump reports them (else empty). Compile errors
+    propagate."""
+    k = compile_for(src, cap, options)
+    usage, sass = disassemble(k.asm["cubin"])
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return k, sass, ({"regs": int(m.group(1)), "stack": int(m.group(2))} if m else {})
+
+
+def hot_loop_ops(sass: str) -> List[Tuple[str, str]]:
+    """(opcode, opcode with suffixes) of every instruction of the longest loop: from the label a backward branch
+    jumps to, to that branch. Empty when the kernel has no loop."""
+    lines = sass.splitlines()
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\b[^`]*`\(\.(L_x_\d+)\)", line)
+        if m:
+            start = next((j for j, x in enumerate(lines) if x.strip().startswith(f".{m.group(1)}:")), None)
+            if start is not None and start < i and (best is None or i - start > best[1] - best[0]):
+                best = (start, i)
+    if best is None:
+        return []
+    return [(m.group(2), m.group(2) + (m.group(3) or "")) for x in lines[best[0]:best[1] + 1] if (m := OP.match(x))]
