@@ -8,12 +8,14 @@ against it in a subprocess with `run_patched` (PYTHONPATH=<site>:overlay).
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,14 +46,46 @@ def sglang_pkg_dir() -> Path:
     return Path(spec.origin).parent
 
 
-@pytest.fixture(scope="session")
-def patched_sglang_site(tmp_path_factory, sglang_pkg_dir) -> Path:
-    site = tmp_path_factory.mktemp("patched_site")
+def shared_tmp_dir(tmp_path_factory) -> Path:
+    """A temporary directory shared by every worker of this pytest run: under pytest-xdist each worker's
+    base temp dir is a child of the controller's, so their parent is common; without xdist it is the base."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on ``path`` (created if missing) held for the with-block, across processes."""
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def build_patched_site(sglang_pkg_dir: Path, site: Path, series) -> None:
     link_tree(sglang_pkg_dir, site / "sglang")
     for di in sglang_pkg_dir.parent.glob("sglang-*.dist-info"):
         shutil.copytree(di, site / di.name)
-    series = patching.load_series()
     patching.apply(site / "sglang", series, install=False, say=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def patched_sglang_site(tmp_path_factory, sglang_pkg_dir) -> Path:
+    # Built once per run, under a lock, in the run's shared temp dir keyed by the series hash, so the
+    # pytest-xdist workers share one tree (it is only read by the tests).
+    series = patching.load_series()
+    shared = shared_tmp_dir(tmp_path_factory)
+    site = shared / f"patched_site_{series.hash[:16]}"
+    with file_lock(shared / f"{site.name}.lock"):
+        if not (site / ".complete").is_file():
+            partial = shared / f"{site.name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            build_patched_site(sglang_pkg_dir, partial, series)
+            shutil.rmtree(site, ignore_errors=True)
+            partial.rename(site)
+            (site / ".complete").write_text(series.hash + "\n")
     return site
 
 
