@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -139,3 +140,55 @@ def gpu_compile_result(code: str, timeout: float = 300) -> dict:
     if any("ptxas" in v.get("error", "").lower() for v in out.values()):
         pytest.skip(f"no usable ptxas here: {out}")
     return out
+
+
+# --------------------------------------------------------------------------- Triton interpreter speed
+
+def _skip_repeated_interpreter_lang_patching() -> None:
+    """Make Triton's interpreter stop re-patching ``triton.language`` on every nested ``@triton.jit`` call.
+
+    The interpreter patches the language modules a kernel sees (``tl``, ``tl.core``) once per launch and
+    restores them when the launch ends; each call of a jitted helper inside the kernel patches them again and
+    drops the result, which repeats the same assignments (it re-walks every module member) and costs about a
+    quarter of the CPU time of helper-heavy kernels such as the MoE GEMMs.  The wrapper below skips the
+    repeat when every language module the helper sees is already patched, and otherwise does what Triton does,
+    so kernels compute exactly what they did.  Only this pytest process (and its xdist workers) is affected;
+    if this Triton lacks the function it wraps, nothing is changed."""
+    interp = sys.modules.get("triton.runtime.interpreter")
+    if interp is None or getattr(interp, "_dsv4_lang_patch_once", False):
+        return
+    orig = getattr(interp, "_patch_lang", None)
+    scope_cls = getattr(interp, "_LangPatchScope", None)
+    tl = sys.modules.get("triton.language")
+    if orig is None or scope_cls is None or tl is None or not hasattr(tl.core, "is_builtin"):
+        return
+
+    def patched_already(lang) -> bool:
+        # every builtin (tl.arange among them) is replaced by a plain function while a launch is patched
+        member = getattr(lang, "arange", None)
+        return member is not None and not tl.core.is_builtin(member)
+
+    def patch_lang(fn):
+        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)]
+        if langs and all(patched_already(v) for v in langs):
+            return scope_cls()  # nothing to undo: the launch's own scope restores everything
+        return orig(fn)
+
+    interp._patch_lang = patch_lang
+    interp._dsv4_lang_patch_once = True
+
+
+def pytest_runtest_setup(item):
+    _skip_repeated_interpreter_lang_patching()
+
+
+# --------------------------------------------------------------------------- pytest-xdist distribution
+
+def pytest_collection_modifyitems(config, items):
+    """Keep on one xdist worker (``--dist loadgroup``, as ``make test`` runs) the tests of a file that share one
+    of that file's module-scoped fixtures (a converted checkpoint, one SGLang probe for several tests), so it is
+    built once; every other test goes to whichever worker is free.  No effect without xdist."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(fd and fd[-1].scope == "module" for fd in defs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
