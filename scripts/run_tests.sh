@@ -9,14 +9,14 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${DSV4_CACHE:-$HOME/.cache/dsv4_sm120}
 venv=${TEST_VENV:-$cache/test-venv}
 t0=$(date +%s)
+workers=${TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+case $workers in ''|*[!0-9]*) echo "[test] error: TEST_WORKERS must be a number of workers (0 for none), got '$workers'"; exit 2;; esac
+[ "$workers" -le 8 ] || workers=8
 "$here/scripts/setup_env.sh" "$venv" || { echo "[test] could not set up the test environment"; exit 2; }
 cd "$here"
 export PYTHONPATH="$here/overlay${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 [ $# -gt 0 ] || set -- tests -q
-workers=${TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
-case $workers in ''|*[!0-9]*) echo "[test] error: TEST_WORKERS must be a number of workers (0 for none), got '$workers'"; exit 2;; esac
-[ "$workers" -le 8 ] || workers=8
 # loadgroup: tests marked xdist_group (tests/conftest.py groups the files that build an expensive module fixture)
 # stay on one worker; the rest go to whichever worker is free
 xdist=()
