@@ -8,12 +8,15 @@ against it in a subprocess with `run_patched` (PYTHONPATH=<site>:overlay).
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,14 +47,46 @@ def sglang_pkg_dir() -> Path:
     return Path(spec.origin).parent
 
 
-@pytest.fixture(scope="session")
-def patched_sglang_site(tmp_path_factory, sglang_pkg_dir) -> Path:
-    site = tmp_path_factory.mktemp("patched_site")
+def shared_tmp_dir(tmp_path_factory) -> Path:
+    """A temporary directory shared by every worker of this pytest run: under pytest-xdist each worker's
+    base temp dir is a child of the controller's, so their parent is common; without xdist it is the base."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on ``path`` (created if missing) held for the with-block, across processes."""
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def build_patched_site(sglang_pkg_dir: Path, site: Path, series) -> None:
     link_tree(sglang_pkg_dir, site / "sglang")
     for di in sglang_pkg_dir.parent.glob("sglang-*.dist-info"):
         shutil.copytree(di, site / di.name)
-    series = patching.load_series()
     patching.apply(site / "sglang", series, install=False, say=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def patched_sglang_site(tmp_path_factory, sglang_pkg_dir) -> Path:
+    # Built once per run, under a lock, in the run's shared temp dir keyed by the series hash, so the
+    # pytest-xdist workers share one tree (it is only read by the tests).
+    series = patching.load_series()
+    shared = shared_tmp_dir(tmp_path_factory)
+    site = shared / f"patched_site_{series.hash[:16]}"
+    with file_lock(shared / f"{site.name}.lock"):
+        if not (site / ".complete").is_file():
+            partial = shared / f"{site.name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            build_patched_site(sglang_pkg_dir, partial, series)
+            shutil.rmtree(site, ignore_errors=True)
+            partial.rename(site)
+            (site / ".complete").write_text(series.hash + "\n")
     return site
 
 
@@ -105,3 +140,55 @@ def gpu_compile_result(code: str, timeout: float = 300) -> dict:
     if any("ptxas" in v.get("error", "").lower() for v in out.values()):
         pytest.skip(f"no usable ptxas here: {out}")
     return out
+
+
+# --------------------------------------------------------------------------- Triton interpreter speed
+
+def _skip_repeated_interpreter_lang_patching() -> None:
+    """Make Triton's interpreter stop re-patching ``triton.language`` on every nested ``@triton.jit`` call.
+
+    The interpreter patches the language modules a kernel sees (``tl``, ``tl.core``) once per launch and
+    restores them when the launch ends; each call of a jitted helper inside the kernel patches them again and
+    drops the result, which repeats the same assignments (it re-walks every module member) and costs about a
+    quarter of the CPU time of helper-heavy kernels such as the MoE GEMMs.  The wrapper below skips the
+    repeat when every language module the helper sees is already patched, and otherwise does what Triton does,
+    so kernels compute exactly what they did.  Only this pytest process (and its xdist workers) is affected;
+    if this Triton lacks the function it wraps, nothing is changed."""
+    interp = sys.modules.get("triton.runtime.interpreter")
+    if interp is None or getattr(interp, "_dsv4_lang_patch_once", False):
+        return
+    orig = getattr(interp, "_patch_lang", None)
+    scope_cls = getattr(interp, "_LangPatchScope", None)
+    tl = sys.modules.get("triton.language")
+    if orig is None or scope_cls is None or tl is None or not hasattr(tl.core, "is_builtin"):
+        return
+
+    def patched_already(lang) -> bool:
+        # every builtin (tl.arange among them) is replaced by a plain function while a launch is patched
+        member = getattr(lang, "arange", None)
+        return member is not None and not tl.core.is_builtin(member)
+
+    def patch_lang(fn):
+        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)]
+        if langs and all(patched_already(v) for v in langs):
+            return scope_cls()  # nothing to undo: the launch's own scope restores everything
+        return orig(fn)
+
+    interp._patch_lang = patch_lang
+    interp._dsv4_lang_patch_once = True
+
+
+def pytest_runtest_setup(item):
+    _skip_repeated_interpreter_lang_patching()
+
+
+# --------------------------------------------------------------------------- pytest-xdist distribution
+
+def pytest_collection_modifyitems(config, items):
+    """Keep on one xdist worker (``--dist loadgroup``, as ``make test`` runs) the tests of a file that share one
+    of that file's module-scoped fixtures (a converted checkpoint, one SGLang probe for several tests), so it is
+    built once; every other test goes to whichever worker is free.  No effect without xdist."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(fd and fd[-1].scope == "module" for fd in defs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
