@@ -191,10 +191,15 @@ def test_committed_tables_are_generated_from_the_results_files(tmp_path):
         assert R.main(["table", subject, "--gpu", "NVIDIA H200", "--out", str(out)],
                       results_dir=REPO / "bench" / "results") == 0
         assert out.read_text() == committed.read_text(), f"regenerate {committed.name}: make bench-tables"
-    # today's headline numbers (README) are rows of the results file
-    t = (REPO / "bench" / "results" / "attention_h200.md").read_text()
-    row = next(ln for ln in t.splitlines() if ln.startswith("| ours-bf16 | default |"))
-    assert all(f" {v} (" in row for v in ("7.6", "7.9", "12.4", "25.1", "42.8"))
+    # the README's headline numbers are the table's (tp4_decode, B = 1/4/16/64/128, ours and FlashMLA)
+    lines = (REPO / "bench" / "results" / "attention_h200.md").read_text().split("## tp4_decode")[1].splitlines()
+    head = next(ln for ln in lines if ln.startswith("| impl |")).split("|")
+    cols = [head.index(f" B={b} ") for b in (1, 4, 16, 64, 128)]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    for impl, before in (("ours-bf16", "(H=16, SWA128+c4) "), ("flashmla", "against FlashMLA's ")):
+        cells = next(ln for ln in lines if ln.startswith(f"| {impl} | default |")).split("|")
+        quoted = " / ".join(cells[c].split()[0] for c in cols)
+        assert before + quoted in readme, (impl, quoted)
 
 
 @pytest.mark.parametrize("script,args", [

@@ -142,17 +142,22 @@ class Ours(Candidate):
     def build(self, case: AttnCase):
         from dsv4_sm120.attention import sparse_mla_decode
 
+        from dsv4_sm120.attention import launch
+        from dsv4_sm120.attention.config import parse_config
+
+        variant = parse_config(self.variant, "variant") if self.variant else {}
+
         def fn():
-            old = os.environ.get("DSV4_SM120_ATTN_CONFIG")
-            os.environ["DSV4_SM120_ATTN_CONFIG"] = self.variant
+            # the variant's launch keys for this call only (the benchmarks' override hook)
+            saved = dict(launch.CONFIG_OVERRIDE)
+            launch.CONFIG_OVERRIDE.clear()
+            launch.CONFIG_OVERRIDE.update(variant)
             try:
                 return sparse_mla_decode(case.q, attn_sink=case.sink, head_dim_v=512, softmax_scale=case.scale,
                                          qk_mode=self.qk or "bf16", **case.kw)[0]
             finally:
-                if old is None:
-                    os.environ.pop("DSV4_SM120_ATTN_CONFIG", None)
-                else:
-                    os.environ["DSV4_SM120_ATTN_CONFIG"] = old
+                launch.CONFIG_OVERRIDE.clear()
+                launch.CONFIG_OVERRIDE.update(saved)
         return fn
 
 
