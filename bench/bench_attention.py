@@ -251,14 +251,14 @@ def make_layer(torch, layout, B, context, gen, device):
     span = 512 if swa else max(1024, context)
     pages_per_row = span // 256
     main = random_cache_device(B * pages_per_row + 1, 256, device, generator=gen)
+    # the request of each row: the rows of one DSpark draft block share their request's window
+    req = torch.arange(B, device=device) // (DSPARK_BLOCK if layout == "dspark192" else 1)
     if swa:
-        start = torch.randint(0, 256, (B, 1), device=device, generator=gen)
-        if layout == "dspark192":  # the rows of one draft block share their request's window
-            start = start[torch.arange(B, device=device) // DSPARK_BLOCK]
+        start = torch.randint(0, 256, (B, 1), device=device, generator=gen)[req]
         slots = start + torch.arange(K, device=device)[None, :]
     else:
         slots = torch.rand(B, span, device=device, generator=gen).argsort(1)[:, :K]
-    base = (torch.arange(B, device=device) * span)[:, None]
+    base = (req * span)[:, None]
     idx = (base + slots).to(torch.int32).view(B, 1, K)
     valid = K
     if layout == "dspark192":  # window + block slots, -1 padded to 192 (SGLang's BuildDsparkSwaPageIndices)
