@@ -12,6 +12,13 @@ Cases (``--cases``, comma list; ``default`` = tp4_decode,single512,h64,h64_singl
   h64            SWA128 + c4-512, H=64          h64_single512   single-512, H=64
   h32, h128      SWA128 + c4-512, H=32 / H=128 (B = 1, 16, 64, 128)
 B = 1, 4, 16, 64, 128 unless noted (``--batches`` overrides).
+Speculative decoding (group ``speculative``; ``batch`` = query rows = requests x rows per request, for
+1, 2, 4, 8, 16, 32, 64 requests; docs/speculative.md):
+  dspark_draft   DSpark draft block: SWA only, 192 candidates (128 window + 5 block slots, 133 valid), the 5 rows
+                 of a request share them, H=16; rows = B x 5
+  dspark_verify  DSpark verify: SWA128 + c4-512, H=16; rows = B x 6
+  eagle_verify   EAGLE verify: SWA128 + c4-512, H=16; rows = B x 4
+  eagle_draft    EAGLE draft decode step (MTP layer): SWA128 only, H=16; rows = B
 
 Impls (rows' ``impl``): ``ours-bf16`` / ``ours-fp8`` (``--qk-modes``), and each baseline present:
 ``flashmla`` (sgl-flash-mla, ``use_legacy=True``, q padded to 64 heads; sm_90 / sm_100), ``flashinfer``
@@ -47,7 +54,14 @@ B_ALL = (1, 4, 16, 64, 128)
 CASES = {"tp4_decode": ("swa128+c4", 16, B_ALL), "single512": ("single512", 16, B_ALL),
          "h64": ("swa128+c4", 64, B_ALL), "h64_single512": ("single512", 64, B_ALL),
          "h32": ("swa128+c4", 32, (1, 16, 64, 128)), "h128": ("swa128+c4", 128, (1, 16, 64, 128))}
-GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"), "all": tuple(CASES)}
+SPEC_B = (1, 2, 4, 8, 16, 32, 64)  # requests; the cases list query rows
+CASES.update({"dspark_draft": ("dspark192", 16, tuple(5 * b for b in SPEC_B)),
+              "dspark_verify": ("swa128+c4", 16, tuple(6 * b for b in SPEC_B)),
+              "eagle_verify": ("swa128+c4", 16, tuple(4 * b for b in SPEC_B)),
+              "eagle_draft": ("swa128", 16, SPEC_B)})
+DSPARK_BLOCK, DSPARK_VALID = 5, 133  # draft rows per request; valid candidates = window 128 + block 5
+GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"), "all": tuple(CASES),
+          "speculative": ("dspark_draft", "dspark_verify", "eagle_verify", "eagle_draft")}
 BASELINES = ("flashmla", "flashinfer", "upstream-triton", "torch-eager")
 
 
@@ -229,22 +243,28 @@ class Baselines:
 def make_layer(torch, layout, B, context, gen, device):
     from dsv4_sm120.attention.cache import random_cache_device
 
-    swa = layout.startswith("swa")
-    K = 128 if swa else 512
+    swa = layout.startswith(("swa", "dspark"))
+    K = 192 if layout == "dspark192" else 128 if swa else 512
     # main: page 256; each row owns two pages, its window starts at a random offset
     span = 512 if swa else max(1024, context)
     pages_per_row = span // 256
     main = random_cache_device(B * pages_per_row + 1, 256, device, generator=gen)
+    # the request of each row: the rows of one DSpark draft block share their request's window
+    req = torch.arange(B, device=device) // (DSPARK_BLOCK if layout == "dspark192" else 1)
     if swa:
-        start = torch.randint(0, 256, (B, 1), device=device, generator=gen)
+        start = torch.randint(0, 256, (B, 1), device=device, generator=gen)[req]
         slots = start + torch.arange(K, device=device)[None, :]
     else:
         slots = torch.rand(B, span, device=device, generator=gen).argsort(1)[:, :K]
-    base = (torch.arange(B, device=device) * span)[:, None]
+    base = (req * span)[:, None]
     idx = (base + slots).to(torch.int32).view(B, 1, K)
-    kw = dict(k_cache=main.view, indices=idx, topk_length=torch.full((B,), K, dtype=torch.int32, device=device))
+    valid = K
+    if layout == "dspark192":  # window + block slots, -1 padded to 192 (SGLang's BuildDsparkSwaPageIndices)
+        valid = DSPARK_VALID
+        idx[:, :, valid:] = -1
+    kw = dict(k_cache=main.view, indices=idx, topk_length=torch.full((B,), valid, dtype=torch.int32, device=device))
     raws = [main.raw]
-    if swa:
+    if layout.endswith("+c4"):
         c = max(1024, context // 4)
         extra = random_cache_device(B * (c // 64), 64, device, generator=gen)
         e = torch.rand(B, c, device=device, generator=gen).argsort(1)[:, :512]
@@ -256,9 +276,9 @@ def make_layer(torch, layout, B, context, gen, device):
 
 
 def valid_tokens(kw):
-    n = int(kw["indices"].shape[0] * kw["indices"].shape[-1])
+    n = int(kw["topk_length"].sum())
     if "extra_indices_in_kvcache" in kw:
-        n += int(kw["extra_indices_in_kvcache"].shape[0] * kw["extra_indices_in_kvcache"].shape[-1])
+        n += int(kw["extra_topk_length"].sum())
     return n
 
 

@@ -1,6 +1,7 @@
 """GPU tests of dsv4_sm120.attention.sparse_mla_decode: the issue's full matrix, covered factor by
 factor (every value of every factor appears, with the others rotated), both QK paths, plus CUDA-graph
-capture/replay with changing indices. Tolerances as in tests/test_attention.py (the fp8 path is
+capture/replay with changing indices, and the draft / verify shapes of speculative decoding (docs/speculative.md)
+for 1..64 requests. Tolerances as in tests/test_attention.py (the fp8 path is
 checked against the float64 reference fed the same MX-quantized Q)."""
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def matrix():
     return cases
 
 
-def check(kw, mode, max_rows=8):
+def check(kw, mode, max_rows=8, ref_kw=None):
     from dsv4_sm120.attention import launch, sparse_mla_decode
     from dsv4_sm120.attention.reference import quantize_q_mx, rel_fro, sparse_mla_decode_ref
 
@@ -85,7 +86,7 @@ def check(kw, mode, max_rows=8):
     if rows.numel() == 0:
         return
     rows = rows[torch.linspace(0, rows.numel() - 1, min(max_rows, rows.numel())).round().long()].unique()
-    sub = {k: (v[rows.to(v.device)] if k in ROW_KEYS else v) for k, v in kw.items() if k != "q"}
+    sub = {k: (v[rows.to(v.device)] if k in ROW_KEYS else v) for k, v in dict(kw, **(ref_kw or {})).items() if k != "q"}
     q = kw["q"][rows.to(kw["q"].device)]
     ro, rl = sparse_mla_decode_ref(q=quantize_q_mx(q) if mode == "fp8" else q, **sub)
     err = rel_fro(out[rows.to(out.device)], ro)
@@ -170,3 +171,57 @@ def test_variants(mode, variant, monkeypatch):
 @pytest.mark.parametrize("case", matrix())
 def test_matrix(case, mode):
     check(build(case, device="cuda"), mode)
+
+
+# speculative decoding: rows per request, SWA candidates, extra cache, its candidates (docs/speculative.md)
+SPEC = {"dspark_draft": (5, 192, None, 0), "dspark_verify": (6, 128, "c4", 512),
+        "eagle_verify": (4, 128, "c4", 512), "eagle_draft": (1, 128, None, 0)}
+SPEC_B = (1, 2, 4, 8, 16, 32, 64)
+
+
+def spec_inputs(kind, B, seed):
+    """The call's shapes on the GPU: DSpark draft blocks share their request's 192 candidates (window then
+    block, context + 5 valid, at most 133), q a 16-head view of a 64-head tensor whose padded rows (and
+    sink entries) are NaN; verify / draft rows get causal lengths. Candidates past a length are poisoned."""
+    n, K, extra, eK = SPEC[kind]
+    T = B * n
+    case = Case(T=T, H=16, main_page=256, main_pages=4, K=K, extra=extra, extra_page=64, extra_pages=12,
+                extra_K=eK or 32, neg_frac=0.02, seed=seed)
+    kw = build(case, device="cuda")
+    g = torch.Generator().manual_seed(seed)
+    n_main = kw["k_cache"].shape[0] * kw["k_cache"].shape[1]
+    good = n_main - n_main // 8
+    prefix = torch.randint(0, 160, (B,), generator=g)
+    prefix[0] = 400
+    if kind == "dspark_draft":
+        lengths = (prefix.clamp(max=128) + 5).repeat_interleave(n)
+        first = (torch.arange(T) // n) * n
+        kw["indices"] = kw["indices"][first.cuda()].contiguous()
+    else:
+        lengths = (prefix.repeat_interleave(n) + 1 + torch.arange(T) % n).clamp(max=K)
+    idx = kw["indices"]
+    past = torch.arange(K)[None, :] >= lengths[:, None]
+    idx[:, 0][past.cuda()] = torch.randint(good, n_main, (int(past.sum()),), generator=g, dtype=torch.int32).cuda()
+    kw["topk_length"] = lengths.to(torch.int32).cuda()
+    ref_kw = None
+    if kind == "dspark_draft":
+        full = torch.randn(T, 1, 64, 512, generator=g).to(torch.bfloat16)
+        full[:, :, 16:] = float("nan")
+        sink = torch.randn(64, generator=g) * 2
+        sink[16:] = float("nan")
+        kw["q"] = full.cuda()[:, :, :16]
+        kw["attn_sink"] = sink.cuda()
+        ref_kw = {"attn_sink": kw["attn_sink"][:16]}
+    if extra is not None:  # c4: the indexer's top-k, up to 512 of the position's compressed tokens
+        el = ((prefix.repeat_interleave(n) + 1 + torch.arange(T) % n) // 4).clamp(max=eK)
+        kw["extra_topk_length"] = el.to(torch.int32).cuda()
+    return kw, ref_kw
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+@pytest.mark.parametrize("B", SPEC_B)
+@pytest.mark.parametrize("kind", list(SPEC))
+def test_speculative_shapes(kind, B, mode):
+    kw, ref_kw = spec_inputs(kind, B, seed=1300 + 10 * B + list(SPEC).index(kind))
+    assert kw["q"].shape[0] == B * SPEC[kind][0]
+    check(kw, mode, max_rows=12, ref_kw=ref_kw)
