@@ -183,7 +183,7 @@ print("RESULT" + json.dumps(res))
 '''
 
 # forcing SGLang's own FlashInfer path (both spellings of the switch, before and after the env rename)
-FORCE_FLASHINFER = {"SGLANG_DSV4_SM120_ATTN_BACKEND": "flashinfer", "DSV4_SM120_ATTN_BACKEND": "flashinfer"}
+FORCE_FLASHINFER = {"DSV4_SM120_ATTN_BACKEND": "flashinfer"}
 
 
 def _cases(rng: random.Random) -> list:
