@@ -185,7 +185,7 @@ def test_results_table_command(tmp_path):
 
 def test_committed_tables_are_generated_from_the_results_files(tmp_path):
     """The committed tables are exactly what the generator makes from the committed results files."""
-    for subject in ("attention", "moe", "fp8"):
+    for subject in ("attention", "moe", "fp8", "kv"):
         committed = REPO / "bench" / "results" / f"{subject}_h200.md"
         out = tmp_path / f"{subject}.md"
         assert R.main(["table", subject, "--gpu", "NVIDIA H200", "--out", str(out)],

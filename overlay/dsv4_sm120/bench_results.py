@@ -40,6 +40,9 @@ SHAPE_FIELDS = {
 TAIL = ("gpu", "torch", "triton", "cuda", "driver", "commit", "date", "command", "us", "gbps", "rel_err", "notes")
 NUMERIC = ("us", "gbps", "rel_err")
 # the shape field that becomes the table's columns
+# shape fields that follow from the others (the kv bytes and descriptors of a prompt length): recorded, not
+# a table of their own
+DERIVED = {"kv": ("bytes", "descs")}
 X_FIELD = {"attention": "batch", "moe": "tokens", "fp8": "m", "kv": "prompt"}
 X_LABEL = {"attention": "B", "moe": "M", "fp8": "M", "kv": "N"}
 # (numerator impl, denominator impl, label) of the ratio row printed under each table
@@ -240,7 +243,7 @@ def _cell(r: Optional[Dict[str, str]], newest=None) -> str:
         if "error=" in r["notes"]:
             return "failed"
         return f"err {err:.1e}" if err is not None else "-"
-    extra = [f"{gbps:.0f} GB/s" if gbps is not None else "", f"{err:.1e}" if err is not None else ""]
+    extra = [(f"{gbps:.0f} GB/s" if gbps >= 10 else f"{gbps:.2g} GB/s") if gbps is not None else "", f"{err:.1e}" if err is not None else ""]
     extra = [e for e in extra if e]
     return f"{us:.1f}" + (f" ({', '.join(extra)})" if extra else "")
 
@@ -260,7 +263,7 @@ def render_table(subject: str, rows: List[Dict[str, str]], gpu: str, all_variant
     if not sel:
         raise ResultsError(f"no {subject} rows for GPU {gpu!r}; GPUs in the file: {', '.join(gpus(rows)) or 'none'}")
     x = X_FIELD[subject]
-    others = [f for f in SHAPE_FIELDS[subject] if f != x]
+    others = [f for f in SHAPE_FIELDS[subject] if f != x and f not in DERIVED.get(subject, ())]
     case_order = list(dict.fromkeys(r["case"] for r in sorted(sel, key=lambda r: r.get("_line", 0))))
     out = [f"# {TITLE[subject]}: {sel[0]['gpu']}", "",
            f"Generated{f' by `{command}`' if command else ''} from `bench/results/{subject}.csv`: the latest row per "
