@@ -85,11 +85,28 @@ def read_model_config(model_path: str) -> tuple:
     return cfg, f"MODEL_PATH={model_path} is not a local directory: released DeepSeek-V4-Flash shapes (MXFP4 experts)"
 
 
+def _draft_tokens(s: Dict[str, str]) -> int:
+    """Tokens a verify pass checks per request, as the MTP serve script would run it (SPEC_NUM_DRAFT_TOKENS, else
+    what ``serving.speculative`` derives for MODEL_PATH's draft: EAGLE steps + 1, DSpark block + 1); SGLang's
+    EAGLE default (4) when the checkpoint's draft cannot be told here (verify rows are then B x 4)."""
+    from dsv4_sm120.serving.speculative import SpecError, spec_flags
+
+    if (s.get("SPEC_NUM_DRAFT_TOKENS") or "").strip():
+        return int(s["SPEC_NUM_DRAFT_TOKENS"])
+    try:
+        flags, _ = spec_flags(s)
+    except SpecError:
+        return 4
+    if "--speculative-dspark-block-size" in flags:
+        return int(flags[flags.index("--speculative-dspark-block-size") + 1]) + 1
+    return int(flags[flags.index("--speculative-num-draft-tokens") + 1])
+
+
 def from_env(environ: Mapping[str, str]) -> Deployment:
     s = settings_from_env(environ)
     try:
         gpus = parse_gpus("DECODE_GPUS", s["DECODE_GPUS"])
-        draft = int(s["SPEC_NUM_DRAFT_TOKENS"])
+        draft = _draft_tokens(s)
         ctx = int(s["CONTEXT_LEN"])
     except ConfigError as e:
         raise DeploymentError(str(e)) from None
