@@ -32,6 +32,47 @@ PROMPTS = json.loads((Path(__file__).resolve().parents[1] / "overlay" / "dsv4_sm
 PROGRESS = re.compile(r"^\[verify \+\s*\d+\.\d+s\] ", re.M)
 
 
+# A quick stand-in for ``python -m sglang.benchmark.serving`` (make measure's and make profile's load generator;
+# the real one, 10-20 s of imports per run, is exercised by tests/test_serve_measure.py): real streamed requests
+# through the router, one at a time, and a result line with the fields measure reads.
+FAKE_LOADGEN = r'''
+import json, sys, time, urllib.request
+argv = sys.argv[1:]
+if argv[:1] == ["-c"]:
+    print("{}")
+    sys.exit(0)
+assert argv[:2] == ["-m", "sglang.benchmark.serving"], argv
+opt = lambda k: argv[argv.index(k) + 1]
+n, out_len = int(opt("--num-prompts")), int(opt("--random-output-len"))
+t0, tpots, ttfts, toks = time.time(), [], [], 0
+for i in range(n):
+    body = {"text": f"load {i}", "stream": True, "sampling_params": {"max_new_tokens": out_len, "temperature": 0}}
+    req = urllib.request.Request(opt("--base-url") + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    s, first, got = time.time(), None, 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                got += 1
+                first = first or time.time()
+    toks += got
+    ttfts.append(1000 * (first - s))
+    tpots.append(1000 * (time.time() - first) / max(got - 1, 1))
+dur = time.time() - t0
+res = {"completed": n, "duration": dur, "total_output_tokens": toks, "output_throughput": toks / dur,
+       "median_tpot_ms": sorted(tpots)[n // 2], "median_ttft_ms": sorted(ttfts)[n // 2], "p99_ttft_ms": max(ttfts),
+       "p99_tpot_ms": max(tpots), "concurrency": int(opt("--max-concurrency"))}
+open(opt("--output-file"), "w").write(json.dumps(res) + "\n")
+'''
+
+
+def fake_loadgen(tmp_path):
+    p = tmp_path / "loadgen-python"
+    p.write_text(f"#!{sys.executable}\n" + FAKE_LOADGEN)
+    p.chmod(0o755)
+    return str(p)
+
+
 def model_dir(tmp_path, mtp=False):
     tok = make_tokenizer(tmp_path / "model")
     cfg = {"model_type": "deepseek_v4"}
@@ -177,9 +218,9 @@ def test_full_run_ours_vs_stock_reports_first_divergence(venv, tmp_path):
         assert len(a["output_ids"]) == len(b["output_ids"]) == n_tok
         assert a["output_ids"][:k] == b["output_ids"][:k] and a["output_ids"][k] != b["output_ids"][k]
     rec = [json.loads(x) for x in Path(venv["DSV4_SM120_STANDIN_RECORD"]).read_text().splitlines()]
-    greedy_posts = [x for x in rec if x["role"] == "decode" and x["path"] == "/generate"
-                    and (x["body"].get("sampling_params") or {}).get("temperature") == 0]
-    assert sorted(x["body"]["text"] for x in greedy_posts) == sorted(p["text"] for p in PROMPTS[:n_prompts]) * 2
+    greedy_posts = [x for x in rec if x["role"] == "decode" and x["path"] == "/generate" and not x["body"].get("stream")]
+    assert sorted(x["body"]["text"] for x in greedy_posts) == sorted([p["text"] for p in PROMPTS[:n_prompts]] * 2)
+    assert all(x["body"]["sampling_params"] == {"temperature": 0, "max_new_tokens": n_tok} for x in greedy_posts)
 
     rep = json.loads((out / "report.json").read_text())
     assert rep["ok"] and rep["standin"] and list(rep["variants"]) == ["ours", "stock"]
@@ -228,7 +269,7 @@ def test_a_stage_that_kills_the_deployment_is_reported_and_everything_torn_down(
     out = tmp_path / "verify"
     r = verify(venv, "--variants", "ours,stock", "--stages", "greedy,measure,profile", "--out-dir", str(out),
                "--greedy-tokens", "4", "--prompts", "1", "--concurrency", "1", "--input-len", "8",
-               "--output-len", "4", "--min-prompts", "1", "--prompts-per-level", "1")
+               "--output-len", "4", "--min-prompts", "1", "--prompts-per-level", "1", "--python", fake_loadgen(tmp_path))
     assert r.returncode == 1, r.stdout + r.stderr
     assert_all_gone(venv, out)
     rep = json.loads((out / "report.json").read_text())
@@ -258,7 +299,8 @@ def test_sigint_tears_everything_down(venv, tmp_path, when):
     log = open(tmp_path / "out.txt", "w")
     p = subprocess.Popen([sys.executable, "-m", "dsv4_sm120.serving.verify", "--variants", "ours,stock",
                           "--stages", "greedy,measure", "--out-dir", str(out), "--greedy-tokens", "4", "--prompts", "1",
-                          "--concurrency", "1", "--input-len", "8", "--output-len", "200", "--min-prompts", "2"],
+                          "--concurrency", "1", "--input-len", "8", "--output-len", "200", "--min-prompts", "2",
+                          "--python", fake_loadgen(tmp_path)],
                          stdout=log, stderr=subprocess.STDOUT, env=venv)
     try:
         t0 = time.monotonic()
@@ -288,3 +330,34 @@ def test_sigint_tears_everything_down(venv, tmp_path, when):
     assert_all_gone(venv, out)
     rep = json.loads((out / "report.json").read_text())
     assert rep["interrupted"] == 2 and not rep["ok"]
+
+
+def test_accuracy_through_sglangs_gsm8k_helper(venv, tmp_path):
+    """SGLang's own few_shot_gsm8k against the router: a 1-shot set whose labels are chosen from the stand-in's
+    greedy answers (the last number of the answer is what the helper grades), so one of the two graded
+    questions is right and one wrong, plus the shot itself (its label is not the stand-in's answer)."""
+    from dsv4_sm120.serving.standin import greedy_ids
+
+    n_tok = 8
+    q = [f"What is {random.randint(10, 99)} plus {random.randint(10, 99)}?" for _ in range(3)]
+    label = 7
+    while True:                 # a shot label the stand-in does not happen to answer for question 0 itself
+        shot = f"Question: {q[0]}\nAnswer: It is {label}.\n#### {label}\n\n"
+        if greedy_ids(shot + f"Question: {q[0]}\nAnswer:", n_tok)[-1] != label:
+            break
+        label += 1
+    last = [greedy_ids(shot + f"Question: {q[i]}\nAnswer:", n_tok)[-1] for i in (1, 2)]
+    answers = [f"It is {label}.\n#### {label}", f"#### {last[0]}", f"#### {last[1] + 1}"]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": x, "answer": y}) + "\n" for x, y in zip(q, answers)))
+    venv.update(MODEL_PATH=str(model_dir(tmp_path)))
+    out = tmp_path / "verify"
+    r = verify(venv, "--variants", "ours", "--stages", "accuracy", "--out-dir", str(out), "--gsm8k-data", str(data),
+               "--gsm8k-questions", "3", "--gsm8k-shots", "1", "--gsm8k-max-new-tokens", str(n_tok))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert_all_gone(venv, out)
+    acc = json.loads((out / "report.json").read_text())["variants"]["ours"]["stages"]["accuracy"]
+    assert acc["status"] == "ok" and acc["questions"] == 3
+    assert acc["accuracy"] == pytest.approx(1 / 3, abs=1e-3), acc
+    md = (out / "report.md").read_text()
+    assert "| ours | 33.3% |" in md

@@ -295,7 +295,7 @@ class Verify:
 
     def stage_accuracy(self, v: str) -> dict:
         if self.gsm8k is None:
-            return {"skipped": f"accuracy: {self.accuracy_note}"}
+            return {"skipped": self.accuracy_note}
         log = self.run_dir / v / "accuracy.log"
         rc = self.run_cmd(self.accuracy_cmd(v), log, self.client_env(), self.a.stage_timeout, self.run_dir / v,
                           echo=lambda line: line.startswith(("Accuracy", "Invalid", "Latency")))
