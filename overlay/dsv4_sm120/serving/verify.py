@@ -535,7 +535,7 @@ def parse_list(text: str, known, what: str) -> List[str]:
 def default_variants(environ: Dict[str, str]) -> Tuple[List[str], str]:
     """ours, stock, and mtp when MODEL_PATH carries a draft (speculative.detect_draft)."""
     from .speculative import SpecError, detect_draft
-    model = environ.get("MODEL_PATH") or VARIABLES["MODEL_PATH"][0]
+    model = settings.get("MODEL_PATH", environ) or VARIABLES["MODEL_PATH"][0]
     try:
         kind = detect_draft(model).kind
     except SpecError as e:
@@ -603,7 +603,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UsageError("--greedy-tokens, --first-tokens and --gsm8k-questions must be >= 1, --prompts >= 0")
         if "greedy" in stages:
             load_prompts(a.prompt_file)
-        log_dir = Path(os.path.expanduser(env.get("LOG_DIR") or VARIABLES["LOG_DIR"][0]))
+        log_dir = Path(os.path.expanduser(settings.get("LOG_DIR", env) or VARIABLES["LOG_DIR"][0]))
         log_dir = log_dir if log_dir.is_absolute() else repo_root() / log_dir
         run_dir = (a.out_dir or log_dir / time.strftime(f"verify-%Y%m%d-%H%M%S-{os.getpid()}", time.gmtime())).resolve()
         plans = {}
