@@ -16,7 +16,7 @@ PATCHING := DSV4_SM120_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe bench-fp8 bench-kv bench-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary settings freeze
+        bench-attention bench-moe bench-fp8 bench-kv bench-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze
 
 # `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
 # them in two sections, each in file order.
@@ -125,6 +125,10 @@ profile: ## torch-profiler trace of the decode server under load, summarised by 
 profile-summary: ## summarise a trace file offline: make profile-summary TRACE=path
 	@if [ -z "$(TRACE)" ]; then echo "usage: make profile-summary TRACE=<trace.json[.gz]>"; exit 2; fi
 	python3 bench/profile_summary.py $(TRACE)
+
+verify: ## the whole deployment, ours vs stock SGLang (+ MTP when the checkpoint has a draft): greedy tokens, GSM8K, measure, profile; one report (ARGS=--dry-run, --stages, --variants)
+	DSV4_SM120_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay VENV=$(VENV) \
+		$(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.serving.verify $(ARGS)
 
 settings: ## list every environment variable the product reads (name, values, default, who reads it, meaning)
 	@PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.settings

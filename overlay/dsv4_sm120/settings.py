@@ -236,6 +236,11 @@ _OURS: Tuple[Setting, ...] = (
             minimum=0),
     Setting("DSV4_SM120_STANDIN_FAIL_GENERATE", "bool", "0",
             "1: the stand-in answers generation requests with HTTP 500 (a broken KV transfer)", "test"),
+    Setting("DSV4_SM120_STANDIN_EXIT_ON_STREAM", "bool", "0",
+            "1: the stand-in exits on its first streamed generation request (a server dying under load)", "test"),
+    Setting("DSV4_SM120_STANDIN_DIVERGE_AT", "int", "-1",
+            "with the overlay on (DSV4_SM120_DISABLE off), the decode stand-in's greedy tokens differ from the "
+            "stock ones from this position on (-1: never; make verify's tests)", "test", minimum=-1),
     Setting("DSV4_SM120_SERVE_SYSFS_ROOT", "path", "/sys",
             "root of the sysfs tree the NUMA placement and the PCIe preflight read (tests point it at a fake box)",
             "test"),

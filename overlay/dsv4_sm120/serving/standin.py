@@ -22,11 +22,20 @@ Failure injection (for orchestration tests), each applying to the role named in
   DSV4_SM120_STANDIN_FIRST_GENERATE_S=<s> the first generation request waits s seconds (a transport cold start,
                                     what the supervisor's warm-up absorbs before READY)
   DSV4_SM120_STANDIN_FAIL_GENERATE=1      answer generation requests with HTTP 500 (a broken KV transfer)
+  DSV4_SM120_STANDIN_EXIT_ON_STREAM=1     exit 4 on the first streamed generation request (a server dying
+                                    under load, e.g. during `make measure`)
+
+Greedy requests (``/generate``, not streamed, ``sampling_params.temperature`` 0) get a deterministic
+token stream on the decode side: ``max_new_tokens`` ids derived from the prompt (``greedy_ids``), text
+``w<id>`` words, so two deployments answer the same prompt identically. For ``make verify``'s tests:
+  DSV4_SM120_STANDIN_DIVERGE_AT=<k>       when the overlay is on (DSV4_SM120_DISABLE unset or 0, i.e. "our"
+                                    paths), the greedy stream differs from the stock one from token k on
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -78,6 +87,34 @@ def _write_synthetic_traces(body: dict, tp: int) -> None:
         with open(tmp, "wb") as f:
             f.write(gzip.compress(json.dumps({"traceEvents": ev}).encode()))
         os.replace(tmp, final)
+
+
+def greedy_ids(prompt: str, n: int, diverge_at: int = -1) -> List[int]:
+    """The stand-in's greedy answer to ``prompt``: ``n`` ids in [0, 2000), each a hash of the prompt and its
+    position; from position ``diverge_at`` on (when >= 0) the hash also takes a salt, so the stream differs."""
+    out = []
+    for i in range(n):
+        salt = "ours" if 0 <= diverge_at <= i else ""
+        h = hashlib.sha256(f"{prompt}\x00{i}\x00{salt}".encode()).digest()
+        out.append(int.from_bytes(h[:4], "big") % 2000)
+    return out
+
+
+def _greedy_answer(body: dict) -> Optional[dict]:
+    """Decode side of a greedy /generate (module doc), or None when the request is not greedy."""
+    sp = body.get("sampling_params") or {}
+    if body.get("stream") or sp.get("temperature") is None or float(sp.get("temperature")) != 0.0:
+        return None
+    prompt = body.get("text") if body.get("text") is not None else json.dumps(body.get("input_ids"))
+    if isinstance(prompt, list):        # a batch: not used by the callers of this hook
+        return None
+    n = max(1, min(int(sp.get("max_new_tokens") or 16), 4096))
+    diverge = settings.get("DSV4_SM120_STANDIN_DIVERGE_AT") if not settings.get("DSV4_SM120_DISABLE") else -1
+    ids = greedy_ids(str(prompt), n, diverge)
+    meta = {"id": str(body.get("bootstrap_room", "")), "finish_reason": {"type": "length", "length": n},
+            "prompt_tokens": len(str(prompt).split()), "completion_tokens": n, "cached_tokens": 0,
+            "e2e_latency": 0.001}
+    return {"text": "".join(f" w{i}" for i in ids), "output_ids": ids, "meta_info": meta}
 
 
 def make_handler(role: str, model: str, served: str, ready_at: float, args: argparse.Namespace,
@@ -149,6 +186,13 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
                 first, _first_generate["pending"] = _first_generate["pending"], False
             if first and first_wait:
                 time.sleep(first_wait)
+            if body.get("stream") and mine and role == "decode" and settings.get("DSV4_SM120_STANDIN_EXIT_ON_STREAM"):
+                print(f"[standin {role}] exiting with code 4 on a streamed request as asked", file=sys.stderr, flush=True)
+                os._exit(4)
+            if path == "/generate" and role == "decode":
+                greedy = _greedy_answer(body)
+                if greedy is not None:
+                    return self._send(200, greedy)
             text = "" if role == "prefill" else "standin decode output"
             meta = {"id": str(body.get("bootstrap_room", "")), "finish_reason": {"type": "length", "length": 4},
                     "prompt_tokens": 4, "completion_tokens": 0 if role == "prefill" else 4, "cached_tokens": 0,
