@@ -101,8 +101,16 @@ def _decide(T: int, layout: str) -> Route:
     if qk and (settings.raw("DSV4_SM120_ATTN_QK") or "").strip():
         qk = None
     if source == "default":
-        source = "default: no matching profile for this GPU; make calibrate picks by measurement"
+        source = default_reason(f"attention.{layout}")
     return Route(b, launch, qk, source)
+
+
+def default_reason(name: str) -> str:
+    """Why decision ``name`` runs its default: no matching profile, or a profile without a winner for it."""
+    prof, path, _ = _profile().active_profile(gpu_name())
+    if prof is not None:
+        return f"default: profile {path} has no winner for {name} here"
+    return "default: no matching profile for this GPU; make calibrate picks by measurement"
 
 
 def attention_route(T: int, layout: str) -> Route:
@@ -191,7 +199,7 @@ def describe_attention(layout: str) -> str:
         else:
             rng = f"{lo}<T<={hi}"
         parts.append(f"{_describe_route(r)} for {rng}")
-    sources = list(dict.fromkeys(r.source for r in routes))
+    sources = list(dict.fromkeys(part for r in routes for part in r.source.split("; ")))
     return f"{', '.join(parts)} ({'; '.join(sources)})"
 
 

@@ -113,14 +113,14 @@ def profile_choice():
     ``flashinfer_cutlass``); never raises."""
     from dsv4_sm120.calibrate import profile
 
-    from .decisions import gpu_name
+    from .decisions import default_reason, gpu_name
 
     try:
         choice, source, detail = profile.overall("moe.nvfp4", SM120_NVFP4_BACKEND, gpu=gpu_name())
     except Exception as e:  # noqa: BLE001 - a broken profile must not stop the server
         return SM120_NVFP4_BACKEND, f"default: profile unreadable ({type(e).__name__}: {e})", ""
     if source == "default":
-        source = "default: no matching profile for this GPU; make calibrate picks by measurement"
+        source = default_reason("moe.nvfp4")
     return choice, source, detail
 
 
