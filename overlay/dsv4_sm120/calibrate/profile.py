@@ -225,6 +225,16 @@ def running_versions() -> Dict[str, Optional[str]]:
             "driver": _driver(), "dsv4_sm120": f"{__version__}+{commit}" if commit else __version__}
 
 
+_VERSIONS: Dict[str, Optional[str]] = {}
+
+
+def _process_versions() -> Dict[str, Optional[str]]:
+    """:func:`running_versions`, found once per process (they do not change while a server runs)."""
+    if not _VERSIONS:
+        _VERSIONS.update(running_versions())
+    return dict(_VERSIONS)
+
+
 def match(profile: dict, gpu: str, versions: Dict[str, Optional[str]]) -> Tuple[bool, list]:
     """(usable, reasons): reasons name every mismatch; a MUST_MATCH or GPU mismatch makes it unusable,
     WARN_ONLY mismatches are returned as warnings with usable True."""
@@ -286,7 +296,7 @@ def active_profile(gpu: Optional[str] = None, versions: Optional[dict] = None,
     else:
         try:
             prof = load(path)
-            ok, reasons = match(prof, gpu, versions if versions is not None else running_versions())
+            ok, reasons = match(prof, gpu, versions if versions is not None else _process_versions())
             res = (prof if ok else None, path, reasons)
         except ProfileError as e:
             res = (None, path, [str(e)])
