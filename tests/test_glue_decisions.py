@@ -1,4 +1,4 @@
-"""How the SGLang glue decides from the machine profile (dsv4_sm120.sglang_glue.decisions, .attention, .moe, and
+"""How the SGLang glue decides from the machine profile (dsv4_sm120.sglang_glue.attention, .moe, and
 dsv4_sm120.fp8_configs): precedence explicit setting > profile > default, per-bucket attention routing by rows and
 layout, the one log line per decision, the head count the model asks for, server-wide choices (MoE runner, FP8
 backend) from the profile's votes, and what a self-check disable does to the routes.
@@ -17,7 +17,6 @@ import pytest
 from dsv4_sm120 import fp8_configs as FC
 from dsv4_sm120.calibrate import profile as P
 from dsv4_sm120.sglang_glue import attention as A
-from dsv4_sm120.sglang_glue import decisions as D
 from dsv4_sm120.sglang_glue import moe as M
 
 GPU = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
@@ -57,9 +56,9 @@ def env(tmp_path, monkeypatch):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("DSV4_SM120_PROFILE_DIR", str(tmp_path))
     monkeypatch.setenv("DSV4_SM120_TEST_GPU_NAME", GPU)
-    D.reset()
+    A.reset()
     yield monkeypatch
-    D.reset()
+    A.reset()
 
 
 def kv(extra_page=None):
@@ -70,9 +69,9 @@ def kv(extra_page=None):
 
 
 def test_layouts_from_the_extra_cache():
-    assert D.layout_of(kv()) == "swa"
-    assert D.layout_of(kv(64)) == "swa_c4"
-    assert D.layout_of(kv(2)) == "swa_c128"
+    assert A.layout_of(kv()) == "swa"
+    assert A.layout_of(kv(64)) == "swa_c4"
+    assert A.layout_of(kv(2)) == "swa_c128"
 
 
 def test_profile_routes_each_bucket(tmp_path, env, versions):
@@ -81,7 +80,7 @@ def test_profile_routes_each_bucket(tmp_path, env, versions):
         "attention.swa": decision({8: "torch", 64: "dsv4+fp8qk"}),
         "attention.swa_c128": decision({16: "flashmla", 64: None}),
     }, versions)
-    r = D.attention_route
+    r = A.attention_route
     assert r(1, "swa_c4")[:3] == ("dsv4", "impl=tiled", None)
     assert r(4, "swa_c4").backend == "dsv4" and r(5, "swa_c4").backend == "triton"
     assert r(16, "swa_c4").backend == "triton" and r(17, "swa_c4").backend == "flashinfer"
@@ -93,37 +92,37 @@ def test_profile_routes_each_bucket(tmp_path, env, versions):
     assert r(40, "swa_c128") == ("dsv4", None, None, f"default: profile {path} has no winner for attention.swa_c128 "
                                                      "here")
     # the log line: ranges per bucket, and why
-    assert D.describe_attention("swa_c4") == (f"dsv4:impl=tiled for T<=4, triton for 4<T<=16, flashinfer for T>16 "
+    assert A.describe_attention("swa_c4") == (f"dsv4:impl=tiled for T<=4, triton for 4<T<=16, flashinfer for T>16 "
                                               f"(profile {path})")
-    assert D.describe_attention("swa").startswith("torch for T<=8, dsv4+fp8qk for T>8 (profile ")
+    assert A.describe_attention("swa").startswith("torch for T<=8, dsv4+fp8qk for T>8 (profile ")
     # the user's own launch keys and QK mode win over the profile's
     env.setenv("DSV4_SM120_ATTN_CONFIG", "KCVT=0")
     env.setenv("DSV4_SM120_ATTN_QK", "bf16")
-    D.reset()
+    A.reset()
     assert r(1, "swa_c4")[:3] == ("dsv4", None, None) and r(9, "swa")[:3] == ("dsv4", None, None)
 
 
 def test_explicit_env_wins_and_default_without_a_matching_profile(tmp_path, env, versions, caplog):
     write(tmp_path, {"attention.swa_c4": decision({4: "triton", 64: "flashinfer"})}, versions)
     env.setenv("DSV4_SM120_ATTN_BACKEND", "torch")
-    assert {D.attention_route(t, lay) for t in (1, 7, 300) for lay in D.LAYOUTS} == {
+    assert {A.attention_route(t, lay) for t in (1, 7, 300) for lay in A.LAYOUTS} == {
         ("torch", None, None, "env DSV4_SM120_ATTN_BACKEND")}
     with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
-        D.log_decisions()
-        D.log_decisions()                                       # once per process
+        A.log_decisions()
+        A.log_decisions()                                       # once per process
     lines = [x for x in caplog.messages if x.startswith("dsv4_sm120 decision attention.")]
     assert len(lines) == 3 and all("torch for every T (env DSV4_SM120_ATTN_BACKEND)" in x for x in lines), lines
     # other versions: the profile does not apply, the default runs and the log says why
     env.delenv("DSV4_SM120_ATTN_BACKEND")
     write(tmp_path, {"attention.swa_c4": decision({4: "triton", 64: "flashinfer"})}, dict(versions, triton="0.0.1"))
-    D.reset()
-    assert D.attention_route(2, "swa_c4").backend == "dsv4"
-    assert D.describe_attention("swa_c4") == ("dsv4 for every T (default: no matching profile for this GPU; "
+    A.reset()
+    assert A.attention_route(2, "swa_c4").backend == "dsv4"
+    assert A.describe_attention("swa_c4") == ("dsv4 for every T (default: no matching profile for this GPU; "
                                               "make calibrate picks by measurement)")
     # another GPU: no file for it
     env.setenv("DSV4_SM120_TEST_GPU_NAME", "NVIDIA H200")
-    D.reset()
-    assert D.attention_route(2, "swa_c4").source.startswith("default")
+    A.reset()
+    assert A.attention_route(2, "swa_c4").source.startswith("default")
 
 
 def test_head_count_follows_the_routes_of_the_three_layouts(tmp_path, env, versions):
@@ -136,12 +135,12 @@ def test_head_count_follows_the_routes_of_the_three_layouts(tmp_path, env, versi
 
 def test_self_check_disable_sends_our_routes_to_stock(tmp_path, env, versions):
     write(tmp_path, {"attention.swa_c4": decision({4: "dsv4", 64: "triton"})}, versions)
-    assert D.attention_route(2, "swa").backend == "dsv4"
-    assert D.uses_ours() and D.our_launches("swa_c4") == [(None, None)]
-    D.disable("attention", "swa_c4 T=2 H=16: relative error 1 > tolerance 0.02")
-    r = D.attention_route(2, "swa")
-    assert r.backend == D.STOCK and "disabled by the self-check" in r.source and "relative error 1" in r.source
-    assert D.attention_route(8, "swa_c4").backend == "triton"   # not ours: unchanged
+    assert A.attention_route(2, "swa").backend == "dsv4"
+    assert A.uses_ours() and A.our_launches("swa_c4") == [(None, None)]
+    A.disable("attention", "swa_c4 T=2 H=16: relative error 1 > tolerance 0.02")
+    r = A.attention_route(2, "swa")
+    assert r.backend == A.STOCK and "disabled by the self-check" in r.source and "relative error 1" in r.source
+    assert A.attention_route(8, "swa_c4").backend == "triton"   # not ours: unchanged
     assert A.kernel_num_heads(16, 64, 2) is None               # the stock dispatcher: SGLang's own head count
 
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from dsv4_sm120.moe.reference import moe_reference, rel_err  # noqa: E402
 from dsv4_sm120.moe.testing import make_experts, random_routing  # noqa: E402
-from dsv4_sm120.sglang_glue import decisions as D  # noqa: E402
+from dsv4_sm120.sglang_glue import attention as D  # noqa: E402
 from dsv4_sm120.sglang_glue import moe as M  # noqa: E402
 from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
 

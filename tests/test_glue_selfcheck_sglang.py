@@ -44,7 +44,7 @@ PROBE = textwrap.dedent(r'''
     from sglang.kernels.ops.attention import flash_mla_sm120 as fm
     import dsv4_sm120.attention.launch as launch
     from dsv4_sm120.attention.reference import rel_fro
-    from dsv4_sm120.sglang_glue import decisions, selfcheck
+    from dsv4_sm120.sglang_glue import attention as decisions, selfcheck
     from attention_cases import Case, build
 
     calls = {"ours": 0, "torch": 0}

@@ -301,6 +301,13 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None):
     return setting(name).parse(raw(name, environ))
 
 
+def put(name: str, value: str) -> None:
+    """Set setting ``name`` for this process and the processes it starts, validated first (SettingsError): how
+    our own code changes a setting at run time (the startup self-check's fallbacks)."""
+    setting(name).parse(value)
+    os.environ[name] = value
+
+
 # ---- validation
 
 

@@ -269,6 +269,10 @@ _CACHE: Dict[str, object] = {}
 
 
 def _current_gpu() -> Optional[str]:
+    """The current CUDA device's name (``DSV4_SM120_TEST_GPU_NAME`` when set: CPU tests of the glue)."""
+    forced = settings.get("DSV4_SM120_TEST_GPU_NAME")
+    if forced:
+        return forced
     try:
         import torch
 
@@ -364,6 +368,15 @@ def overall(name: str, default: Optional[str] = None, *, gpu: Optional[str] = No
     detail = "; ".join(f"{w} won {'M' if d.get('bucket_kind') == 'tokens' else 'T'}="
                        f"{','.join(map(str, bs))}" for w, bs in sorted(votes.items()))
     return pick, f"profile {path}", detail
+
+
+def default_reason(name: str, gpu: Optional[str] = None) -> str:
+    """Why decision ``name`` runs its default, for the glue's log line: no matching profile, or a profile without a
+    winner for it."""
+    prof, path, _ = active_profile(gpu)
+    if prof is not None:
+        return f"default: profile {path} has no winner for {name} here"
+    return "default: no matching profile for this GPU; make calibrate picks by measurement"
 
 
 def status(gpu: str, versions: Optional[dict] = None, directory: Optional[Path] = None) -> dict:

@@ -2,12 +2,21 @@
 the self-check before CUDA-graph capture.
 
 The patched backend hands its sm_120 sparse-attention call (V4 cache layout, 584 bytes per token) to
-:func:`sparse_attention`; the patched model's ``_kernel_num_heads`` asks :func:`kernel_num_heads`; the
-backend's ``init_cuda_graph_state`` (before any capture) calls :func:`before_graph_capture`.
+:func:`sparse_attention`; the patched model's ``_kernel_num_heads`` asks :func:`kernel_num_heads`.
 
-Who runs a call is decided from its rows T and layout (SWA only / + c4 / + c128) by :mod:`.decisions`:
-``DSV4_SM120_ATTN_BACKEND`` set by the user, else the machine profile's winner for that bucket, else
-``dsv4``; static per captured graph. The backends:
+Who runs a call is decided from its rows T and layout (SWA only / + c4 / + c128), i.e. from shapes only, so
+each captured CUDA graph routes statically (:func:`attention_route`, cached per ``(T, layout)``):
+
+1. ``DSV4_SM120_ATTN_BACKEND`` set by the user (non-empty): that backend for every call (``env``);
+2. else the machine profile's winner of ``attention.<layout>`` for the bucket of ``T``
+   (:func:`dsv4_sm120.calibrate.profile.decision`: the first measured bucket ``>= T``; ``profile``);
+3. else ``dsv4``, our kernel (``default``; ``make calibrate`` would pick by measurement).
+
+A profile winner is ``dsv4``, ``dsv4:<launch keys>`` (ours with a launch variant, passed to the kernel per
+call unless ``DSV4_SM120_ATTN_CONFIG`` is set), ``dsv4+fp8qk`` (block-scaled QK unless ``DSV4_SM120_ATTN_QK``
+is set), ``flashinfer``, ``triton`` or ``torch``; any other name (e.g. the reference point ``flashmla``) is
+not routable and leaves the default. :func:`log_decisions` writes one line per decision, once per process.
+The backends:
 
 * ``dsv4``: the overlay's tensor-core Triton kernel (:func:`dsv4_sm120.attention.sparse_mla_decode`) with the
   real per-rank heads, for decode-like rows (decode, target-verify, draft-extend; any T); prefill rows
@@ -17,15 +26,206 @@ Who runs a call is decided from its rows T and layout (SWA only / + c4 / + c128)
 * ``stock``: SGLang's own dispatcher ``flash_mla_with_kvcache_sm120``, unchanged; where a ``dsv4`` decision
   goes when the startup self-check (:mod:`.selfcheck`) disabled our kernel in this process.
 
-The first call outside graph capture on a CUDA device runs the self-check too when
-:func:`before_graph_capture` did not (``--disable-cuda-graph``).
+The self-check (:mod:`.selfcheck`, called by the patched backend before CUDA-graph capture; without graphs
+by the first call outside capture on a CUDA device) may :func:`disable` our kernel in this process.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
 from dsv4_sm120 import settings
 
-from . import decisions, selfcheck
+from . import selfcheck
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------- decisions (who runs a call)
+
+ENV_ATTN = "DSV4_SM120_ATTN_BACKEND"
+LAYOUTS = ("swa", "swa_c4", "swa_c128")
+ROUTABLE = ("dsv4", "flashinfer", "triton", "torch")
+STOCK = "stock"
+DEFAULT_ATTN = "dsv4"
+C128_PAGE = 2   # page size of the c128 pool (dsv4_sm120.calibrate.deployment); the c4 pool has 64
+
+_lock = threading.Lock()
+_ROUTES: Dict[Tuple[int, str], "Route"] = {}
+_DISABLED: Dict[str, str] = {}
+_LOGGED: Dict[str, bool] = {}
+
+
+class Route(NamedTuple):
+    backend: str                  # dsv4 | flashinfer | triton | torch | stock
+    launch: Optional[str] = None  # dsv4: launch keys for this call (None: the launch tables / the env's)
+    qk: Optional[str] = None      # dsv4: "fp8" for block-scaled QK (None: DSV4_SM120_ATTN_QK)
+    source: str = "default"
+
+
+def layout_of(extra_k_cache) -> str:
+    """``swa`` (no extra cache), ``swa_c128`` (extra pages of 2 tokens) or ``swa_c4`` (any other extra cache)."""
+    if extra_k_cache is None:
+        return "swa"
+    return "swa_c128" if int(extra_k_cache.shape[1]) == C128_PAGE else "swa_c4"
+
+
+def parse_choice(choice: str) -> Optional[Tuple[str, Optional[str], Optional[str]]]:
+    """``(backend, launch, qk)`` of a profile winner name, or None when the glue cannot route to it."""
+    c = str(choice).strip()
+    qk = None
+    if c.endswith("+fp8qk"):
+        c, qk = c[: -len("+fp8qk")], "fp8"
+    name, sep, launch = c.partition(":")
+    if name not in ROUTABLE or (name != "dsv4" and (sep or qk)):
+        return None
+    if sep:
+        from dsv4_sm120.attention.config import DecodeInputError, parse_config
+
+        try:
+            parse_config(launch, "profile launch")
+        except DecodeInputError:
+            return None
+    return name, (launch or None), qk
+
+
+def _profile():
+    from dsv4_sm120.calibrate import profile
+
+    return profile
+
+
+def _decide(T: int, layout: str) -> Route:
+    env = (settings.raw(ENV_ATTN) or "").strip()
+    if env:
+        return Route(settings.get(ENV_ATTN), source=f"env {ENV_ATTN}")
+    choice, source = _profile().decision(f"attention.{layout}", T, DEFAULT_ATTN)
+    parsed = parse_choice(choice)
+    if parsed is None:
+        return Route(DEFAULT_ATTN, source=f"default: profile winner {choice!r} is not routable")
+    b, launch, qk = parsed
+    if launch and (settings.raw("DSV4_SM120_ATTN_CONFIG") or "").strip():
+        launch = None   # the user's launch keys win over the profile's
+    if qk and (settings.raw("DSV4_SM120_ATTN_QK") or "").strip():
+        qk = None
+    if source == "default":
+        source = _profile().default_reason(f"attention.{layout}")
+    return Route(b, launch, qk, source)
+
+
+
+def attention_route(T: int, layout: str) -> Route:
+    """The route of an attention call of ``T`` rows with ``layout`` (module doc), cached."""
+    key = (int(T), layout)
+    r = _ROUTES.get(key)
+    if r is None:
+        r = _decide(int(T), layout)
+        if r.backend == "dsv4" and "attention" in _DISABLED:
+            r = Route(STOCK, source=f"{r.source}; our kernel disabled by the self-check: {_DISABLED['attention']}")
+        _ROUTES[key] = r
+    return r
+
+
+def uses_ours(layout: Optional[str] = None) -> bool:
+    """Whether some call (of ``layout``, or any) would run our attention kernel: at one row, the env's choice,
+    or any bucket of the profile."""
+    for lay in ([layout] if layout else LAYOUTS):
+        rows, _ = _profile().bucket_winners(f"attention.{lay}")
+        for T in [1] + [b for b, _ in rows]:
+            if _decide(T, lay).backend == "dsv4":
+                return True
+    return False
+
+
+def our_launches(layout: str) -> List[Tuple[Optional[str], Optional[str]]]:
+    """The distinct ``(launch, qk)`` of our kernel among the decisions of ``layout`` (what the self-check runs)."""
+    rows, _ = _profile().bucket_winners(f"attention.{layout}")
+    seen = []
+    for T in [1] + [b for b, _ in rows]:
+        r = _decide(T, layout)
+        if r.backend == "dsv4" and (r.launch, r.qk) not in seen:
+            seen.append((r.launch, r.qk))
+    return seen
+
+
+def disable(kernel: str, reason: str) -> None:
+    """Take our ``kernel`` (``attention`` / ``moe``) out of this process: later decisions route to the stock
+    path (the route cache is cleared)."""
+    with _lock:
+        _DISABLED[kernel] = reason
+        _ROUTES.clear()
+
+
+def disabled(kernel: str) -> Optional[str]:
+    """Why our ``kernel`` is disabled in this process, or None."""
+    return _DISABLED.get(kernel)
+
+
+def reset() -> None:
+    """Forget every cached decision, disable and log mark (tests; a changed environment)."""
+    with _lock:
+        _ROUTES.clear()
+        _DISABLED.clear()
+        _LOGGED.clear()
+        _profile().clear_cache()
+
+
+# ---- the startup log
+
+
+def _describe_route(r: Route) -> str:
+    name = r.backend + (f":{r.launch}" if r.launch else "") + ("+fp8qk" if r.qk == "fp8" else "")
+    return name
+
+
+def describe_attention(layout: str) -> str:
+    """One line: what runs for each row bucket of ``layout``, and why (profile / env / default)."""
+    rows, _ = _profile().bucket_winners(f"attention.{layout}")
+    buckets = [b for b, _ in rows] or [1]
+    routes = [attention_route(b, layout) for b in buckets]
+    groups: List[list] = []
+    for b, r in zip(buckets, routes):
+        if groups and _describe_route(groups[-1][1]) == _describe_route(r):
+            groups[-1][2] = b
+        else:
+            groups.append([groups[-1][2] if groups else None, r, b])
+    parts = []
+    for i, (lo, r, hi) in enumerate(groups):
+        if len(groups) == 1:
+            rng = "every T"
+        elif i == 0:
+            rng = f"T<={hi}"
+        elif i == len(groups) - 1:
+            rng = f"T>{lo}"
+        else:
+            rng = f"{lo}<T<={hi}"
+        parts.append(f"{_describe_route(r)} for {rng}")
+    sources = list(dict.fromkeys(part for r in routes for part in r.source.split("; ")))
+    return f"{', '.join(parts)} ({'; '.join(sources)})"
+
+
+def log_decisions() -> None:
+    """Log one line per attention decision (once per process; again after a self-check disable)."""
+    with _lock:
+        if _LOGGED.get("attention"):
+            return
+        _LOGGED["attention"] = True
+    for layout in LAYOUTS:
+        try:
+            logger.info("dsv4_sm120 decision attention.%s: %s", layout, describe_attention(layout))
+        except Exception as e:  # noqa: BLE001 - a log line must never stop the server
+            logger.warning("dsv4_sm120 decision attention.%s: could not describe (%s: %s)", layout,
+                           type(e).__name__, e)
+
+
+def relog() -> None:
+    with _lock:
+        _LOGGED.pop("attention", None)
+    log_decisions()
+
+
+# ---------------------------------------------------------------------------- the calls SGLang makes
 
 
 def backend() -> str:
@@ -47,8 +247,8 @@ def kernel_num_heads(n_local_heads: int, n_heads: int, num_tokens: int):
     it knows the layout): all ``dsv4`` -> the real per-rank heads (our kernel and FlashInfer's prefill kernel
     take any H); any ``triton`` / ``torch`` -> the stock padded shape (64, or all heads above 64; our kernel
     and FlashInfer read only the real heads of it); else SGLang decides."""
-    decisions.log_decisions()
-    routes = {decisions.attention_route(num_tokens, lay).backend for lay in decisions.LAYOUTS}
+    log_decisions()
+    routes = {attention_route(num_tokens, lay).backend for lay in LAYOUTS}
     if routes == {"dsv4"}:
         return n_local_heads
     if routes & set(_PADDED):
@@ -135,13 +335,6 @@ def _maybe_self_check(q, num_heads: int) -> None:
     selfcheck.run(heads=[num_heads], device=q.device)
 
 
-def before_graph_capture(model_runner=None) -> None:
-    """Called by the patched backend before CUDA-graph capture: log the decisions and run the self-check with
-    the model's per-rank head counts on the runner's device."""
-    decisions.log_decisions()
-    selfcheck.run_for_runner(model_runner)
-
-
 def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
     """Drop-in for ``flash_mla_with_kvcache_sm120(**kw)[0]`` in the DSv4 backend's sm_120 branch.
 
@@ -150,12 +343,12 @@ def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
     if kw.get("softmax_scale") is None:
         kw["softmax_scale"] = q.shape[-1] ** (-0.5)
     _maybe_self_check(q, num_heads)
-    decisions.log_decisions()
-    r = decisions.attention_route(q.shape[0], decisions.layout_of(kw.get("extra_k_cache")))
+    log_decisions()
+    r = attention_route(q.shape[0], layout_of(kw.get("extra_k_cache")))
     b = r.backend
     if b == "dsv4" and (is_decode_like(forward_mode) or prefill_backend() == "dsv4"):
         return ours(q, num_heads, kw, r.launch, r.qk)
-    if b == decisions.STOCK:
+    if b == STOCK:
         return stock_dispatch(q, kw)
     m = _stock()
     if b == "triton":

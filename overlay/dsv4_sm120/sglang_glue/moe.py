@@ -113,14 +113,12 @@ def profile_choice():
     ``flashinfer_cutlass``); never raises."""
     from dsv4_sm120.calibrate import profile
 
-    from .decisions import default_reason, gpu_name
-
     try:
-        choice, source, detail = profile.overall("moe.nvfp4", SM120_NVFP4_BACKEND, gpu=gpu_name())
+        choice, source, detail = profile.overall("moe.nvfp4", SM120_NVFP4_BACKEND)
     except Exception as e:  # noqa: BLE001 - a broken profile must not stop the server
         return SM120_NVFP4_BACKEND, f"default: profile unreadable ({type(e).__name__}: {e})", ""
     if source == "default":
-        source = default_reason("moe.nvfp4")
+        source = profile.default_reason("moe.nvfp4")
     return choice, source, detail
 
 

@@ -2,15 +2,15 @@
 stock implementation; one that raises or misses the tolerance is disabled in this process and the stock path
 serves instead. The log names the kernel, the shape and the error. ``DSV4_SM120_SELFCHECK=0`` skips it.
 
-* Attention (:func:`run`, once per process): when some decision routes to our kernel (:mod:`.decisions`), for
-  each layout that does (SWA only / + c4 / + c128) and each distinct launch the decisions give it, our kernel
+* Attention (:func:`run`, once per process): when some decision routes to our kernel (:mod:`.attention`), for
+  each layout that does (SWA only / + c4 / + c128) and each distinct launch the routing gives it, our kernel
   (the exact function serving calls, :func:`.attention.ours`) runs ``T = 2`` rows with the layer's per-rank
   head count over small random caches in the real page layout (SWA pages of 256 tokens, c4 pages of 64, c128
   pages of 2; :mod:`dsv4_sm120.attention.cache`), against SGLang's torch path ``_sm120_sparse_decode_fwd``
   (exact, cheap at this size; the float64 reference where SGLang is absent). Tolerance: relative Frobenius
   error 2e-2 (5e-2 for block-scaled QK), as ``make calibrate``'s gate. On failure
-  :func:`.decisions.disable` sends every ``dsv4`` decision to SGLang's own dispatcher.
-  When: the patched backend's ``init_cuda_graph_state`` calls :func:`.attention.before_graph_capture` (before
+  :func:`.attention.disable` sends every ``dsv4`` decision to SGLang's own dispatcher.
+  When: the patched backend's ``init_cuda_graph_state`` calls :func:`before_graph_capture` (patch 0002, before
   any capture); without CUDA graphs, the first attention call.
 * MoE (:func:`check_moe`, at the first ``dsv4_triton_nvfp4`` layer's ``prepare_layer``, i.e. after its weights
   loaded and before capture): our NVFP4 runner on that layer's own weights, two tokens routed to random
@@ -32,8 +32,6 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from dsv4_sm120 import settings
-
-from . import decisions
 
 logger = logging.getLogger(__name__)
 
@@ -154,16 +152,17 @@ def run(heads: Sequence[int], device, force: bool = False) -> List[dict]:
             return []
         if _state["attention"] is not None and not force:
             return _state["attention"]
+        from . import attention as A
         t0 = time.monotonic()
         cases: List[dict] = []
         heads = sorted({int(h) for h in heads if h})
-        layouts = [lay for lay in decisions.LAYOUTS if decisions.uses_ours(lay)] if heads else []
+        layouts = [lay for lay in A.LAYOUTS if A.uses_ours(lay)] if heads else []
         if not layouts:
             logger.info("dsv4_sm120 self-check: our attention kernel does not serve here; nothing to check")
         failed = None
         for H in heads:
             for i, lay in enumerate(layouts):
-                for launch, qk in decisions.our_launches(lay):
+                for launch, qk in A.our_launches(lay):
                     r = _check_one(lay, H, launch, qk, device, seed=1000 * H + i)
                     cases.append(r)
                     if not r["ok"]:
@@ -178,8 +177,8 @@ def run(heads: Sequence[int], device, force: bool = False) -> List[dict]:
         if failed:
             logger.error("dsv4_sm120 self-check: our attention kernel FAILED at %s: %s; disabled in this process, "
                          "SGLang's stock path serves instead", failed["shape"], failed["error"])
-            decisions.disable("attention", f"{failed['shape']}: {failed['error']}")
-            decisions.relog()
+            A.disable("attention", f"{failed['shape']}: {failed['error']}")
+            A.relog()
         elif cases:
             logger.info("dsv4_sm120 self-check: attention ok (%d shapes, max error %.2g) in %.2f s", len(cases),
                         max(c["err"] for c in cases), dt)
@@ -192,6 +191,15 @@ def model_heads(model) -> List[int]:
         return []
     return sorted({int(m.n_local_heads) for m in model.modules()
                    if hasattr(m, "n_local_heads") and hasattr(m, "compress_ratio")})
+
+
+def before_graph_capture(model_runner=None) -> List[dict]:
+    """Called by the patched backend before CUDA-graph capture: log the attention decisions and run the self-check
+    with the model's per-rank head counts on the runner's device."""
+    from . import attention
+
+    attention.log_decisions()
+    return run_for_runner(model_runner)
 
 
 def run_for_runner(model_runner) -> List[dict]:
@@ -260,7 +268,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
             other = "bf16" if first == "fp4" else "fp4"
             logger.error("dsv4_sm120 self-check: our MoE kernel (path %s) FAILED at %s: %s; trying its %s path",
                          first, shape, res["error"], other)
-            os.environ["DSV4_SM120_MOE_PATH"] = other    # this process only: every later call takes that path
+            settings.put("DSV4_SM120_MOE_PATH", other)    # this process: every later call takes that path
             _state["moe_fallback"] = other
             err2, why2 = attempt(other)
             res.update(fallback=other, fallback_err=err2, fallback_error=why2)
