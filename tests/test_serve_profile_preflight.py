@@ -65,7 +65,8 @@ def test_profile_check_warns_per_gpu_model_and_never_fails(tmp_path, monkeypatch
     assert pf.check_profile(plan_for()) == ([], ["WARNING: could not check the machine profile (nvidia-smi "
                                                  "(/nonexistent/nvidia-smi) did not run: [Errno 2] No such file or "
                                                  "directory: '/nonexistent/nvidia-smi')"])
-    assert "profile" in pf.CHECKS and "profile" in pf.STANDIN_DEFAULT_SKIP
+    assert "profile" in pf.CHECKS
+    assert pf.check_profile(plan_for(DSV4_SM120_SERVE_STANDIN="1")) == ([], [])   # stand-ins read no profile
 
 
 def test_calibrate_in_the_plan_the_dry_run_and_before_the_checks(tmp_path):

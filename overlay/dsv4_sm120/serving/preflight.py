@@ -42,7 +42,7 @@ from .config import Plan
 from .pcie_checks import check_numa, check_p2p, check_ucx
 
 CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router", "profile")
-STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx", "profile")
+STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx")
 MODEL_PROBLEMS_SHOWN = 5
 HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -316,7 +316,10 @@ def interpret_profile_status(rows: List[dict], where: Dict[str, str]) -> List[st
 
 
 def check_profile(plan: Plan) -> Tuple[List[str], List[str]]:
-    """Warnings only (module doc): the status runs in the serving python, whose versions the servers have."""
+    """Warnings only (module doc): the status runs in the serving python, whose versions the servers have.
+    Stand-in servers read no profile: nothing to check."""
+    if plan.standin:
+        return [], []
     where, why = server_gpu_names(plan)
     if why:
         return [], [f"WARNING: could not check the machine profile ({why})"]
