@@ -51,8 +51,9 @@ STOCK = "stock"
 DEFAULT_ATTN = "dsv4"
 C128_PAGE = 2   # page size of the c128 pool (dsv4_sm120.calibrate.deployment); the c4 pool has 64
 
+_ROUTE_ENV = (ENV_ATTN, "DSV4_SM120_ATTN_CONFIG", "DSV4_SM120_ATTN_QK")
 _lock = threading.Lock()
-_ROUTES: Dict[Tuple[int, str], "Route"] = {}
+_ROUTES: Dict[tuple, "Route"] = {}
 _DISABLED: Dict[str, str] = {}
 _LOGGED: Dict[str, bool] = {}
 
@@ -117,7 +118,7 @@ def _decide(T: int, layout: str) -> Route:
 
 def attention_route(T: int, layout: str) -> Route:
     """The route of an attention call of ``T`` rows with ``layout`` (module doc), cached."""
-    key = (int(T), layout)
+    key = (int(T), layout) + tuple(settings.raw(n) for n in _ROUTE_ENV)   # a changed setting decides anew
     r = _ROUTES.get(key)
     if r is None:
         r = _decide(int(T), layout)
