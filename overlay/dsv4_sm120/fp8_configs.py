@@ -19,9 +19,10 @@ The project directory is, in this order:
 3. ``configs/fp8`` next to this overlay's source tree (a checkout used through
    ``PYTHONPATH=overlay`` or an editable install).
 
-:func:`recommended_fp8_gemm_backend` reads the tuner's summary for a device and
-says whether ``--fp8-gemm-backend triton`` beats SGLang's default there; the serve
-scripts call ``python -m dsv4_sm120.fp8_configs backend-args``.
+:func:`recommended_fp8_gemm_backend` says whether ``--fp8-gemm-backend triton`` beats SGLang's
+default on a device: the machine profile's ``fp8_gemm`` decision when a profile matches the GPU and
+this environment's versions (``make calibrate``; :mod:`dsv4_sm120.calibrate.profile`), else the
+tuner's summary; the serve scripts call ``python -m dsv4_sm120.fp8_configs backend-args``.
 
 This module imports neither torch nor SGLang at import time.
 """
@@ -143,10 +144,32 @@ def detect_device_name() -> Optional[str]:
     return None
 
 
+def profile_fp8_backend(device_name: str, profile_dir: Optional[Path] = None) -> Optional[Tuple[Optional[str], str]]:
+    """(backend or None for SGLang's default, reason) from the machine profile's ``fp8_gemm`` decision for
+    ``device_name`` with this environment's versions, or None when no profile applies or it has no such decision.
+    One flag per server: the decision's ``overall`` recommendation, else the winner of the most token buckets."""
+    from dsv4_sm120.calibrate import profile as P
+
+    try:
+        prof, path, _ = P.active_profile(device_name, directory=profile_dir)
+        if prof is None or "fp8_gemm" not in prof.get("decisions", {}):
+            return None
+        choice, source, detail = P.overall("fp8_gemm", "default", gpu=device_name, directory=profile_dir)
+    except Exception:  # noqa: BLE001 - an unreadable profile leaves the tuner's summary in charge
+        return None
+    if source == "default":
+        return None
+    why = f"{source}" + (f": {detail}" if detail else "")
+    return (None, why) if choice in ("default", "auto", "none") else (choice, why)
+
+
 def recommended_fp8_gemm_backend(device_name: Optional[str] = None,
-                                 config_dir: Optional[Path] = None) -> Tuple[Optional[str], str]:
-    """(backend, reason): ``"triton"`` when the tuner's summary for this device says Triton wins, else None
-    (keep SGLang's default).  ``$DSV4_SM120_FP8_GEMM_BACKEND`` overrides (``auto`` / ``default`` mean None)."""
+                                 config_dir: Optional[Path] = None,
+                                 profile_dir: Optional[Path] = None) -> Tuple[Optional[str], str]:
+    """(backend, reason): the machine profile's ``fp8_gemm`` choice when a profile applies
+    (:func:`profile_fp8_backend`; ``profile_dir`` default: the profile module's directory), else ``"triton"``
+    when the tuner's summary for this device says Triton wins, else None (keep SGLang's default).
+    ``$DSV4_SM120_FP8_GEMM_BACKEND`` overrides both (``auto`` / ``default`` mean None)."""
     env = settings.get(ENV_BACKEND).strip()  # validated: SettingsError (a ValueError) names the variable
     if env:
         if env.lower() in ("auto", "default", "none"):
@@ -156,6 +179,9 @@ def recommended_fp8_gemm_backend(device_name: Optional[str] = None,
         device_name = detect_device_name()
         if device_name is None:
             return None, "no GPU found: SGLang's default backend"
+    prof = profile_fp8_backend(device_name, profile_dir)
+    if prof is not None:
+        return prof
     summary = load_summary(device_name, config_dir)
     if summary is None:
         return None, f"no FP8 tuning summary for {sglang_device_name(device_name)} (run `make tune-fp8`)"

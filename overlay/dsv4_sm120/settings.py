@@ -142,7 +142,8 @@ _OURS: Tuple[Setting, ...] = (
             "runtime"),
     Setting("DSV4_SM120_ATTN_BACKEND", "choice", "dsv4",
             "who runs sparse-MLA decode / verify / draft rows on sm_120: `dsv4` = our tensor-core kernel; the "
-            "others are SGLang 0.5.23's own sm_120 paths", "runtime",
+            "others are SGLang 0.5.23's own sm_120 paths. Unset: the machine profile's winner per row bucket "
+            "(`make calibrate`), else `dsv4`; set, it wins over the profile", "runtime",
             choices=("dsv4", "flashinfer", "triton", "torch")),
     Setting("DSV4_SM120_ATTN_PREFILL", "choice", "flashinfer",
             "who runs prefill (extend / mixed) rows when the backend is `dsv4`", "runtime",
@@ -157,8 +158,9 @@ _OURS: Tuple[Setting, ...] = (
             "workspace bound of one decode launch in MiB (longer calls are cut into row chunks)", "runtime",
             minimum=0, above=True),
     Setting("DSV4_SM120_MOE_BACKEND", "choice", "auto",
-            "MoE runner of NVFP4 checkpoints on sm_120 when `--moe-runner-backend` is auto: `auto` = "
-            "`flashinfer_cutlass`; `dsv4_triton_nvfp4` = our Triton MoE (opt-in); `stock` = SGLang's choice",
+            "MoE runner of NVFP4 checkpoints on sm_120 when `--moe-runner-backend` is auto: `auto` = the machine "
+            "profile's runner, else `flashinfer_cutlass`; `dsv4_triton_nvfp4` = our Triton MoE; `stock` = "
+            "SGLang's choice",
             "runtime", choices=("auto", "flashinfer_cutlass", "dsv4_triton_nvfp4", "stock")),
     Setting("DSV4_SM120_MOE_PATH", "choice", "auto",
             "compute path of our NVFP4 MoE: `auto` = `fp4` on GPUs with FP4 MMA (sm_100, sm_120), else `bf16`",
@@ -172,6 +174,10 @@ _OURS: Tuple[Setting, ...] = (
     Setting("DSV4_SM120_MOE_ALIGN", "choice", "auto",
             "token grouping of our MoE: `auto` = the launch table's choice (all give the same bits)", "runtime",
             choices=("auto", "inkernel", "triton", "torch")),
+    Setting("DSV4_SM120_SELFCHECK", "bool", "1",
+            "1: before serving, each of our kernels that will run is checked once on the GPU against the stock "
+            "path at a live shape; a failing one is disabled in that process (docs/calibrate.md); 0: no check",
+            "runtime"),
     Setting("DSV4_SM120_FP8_CONFIG_DIR", "path", None,
             "where the patched SGLang looks up tuned FP8 block-GEMM configs first: unset = configs/fp8 of the "
             "checkout the patches were applied from; empty = SGLang's own configs only", "runtime",
@@ -246,6 +252,12 @@ _OURS: Tuple[Setting, ...] = (
             "test"),
     Setting("DSV4_SM120_TEST_PATCHING_FAIL_AFTER", "int", "-1",
             "the patch tool fails after writing this many files (-1: never)", "test", minimum=-1),
+    Setting("DSV4_SM120_TEST_SELFCHECK_FAULT", "choice", "",
+            "makes our `attention` or `moe` kernel return a wrong result (scaled by 2), so the startup self-check "
+            "must catch it and fall back", "test", choices=("", "attention", "moe")),
+    Setting("DSV4_SM120_TEST_GPU_NAME", "text", "",
+            "GPU name the SGLang glue looks the machine profile up for (CPU tests; empty: the current CUDA GPU)",
+            "test"),
     Setting("DSV4_SM120_TEST_ATTN_CONFIG", "text", "",
             "launch keys the GPU attention tests (tests/gpu) run every case with", "test",
             check=_attention_launch, values=_ATTN_CONFIG_VALUES),
@@ -292,6 +304,13 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None):
     str for choice / text / path, bool, int or float; unset or empty gives the default's value (None where
     the default is unset). Raises SettingsError for an invalid value."""
     return setting(name).parse(raw(name, environ))
+
+
+def put(name: str, value: str) -> None:
+    """Set setting ``name`` for this process and the processes it starts, validated first (SettingsError): how
+    our own code changes a setting at run time (the startup self-check's fallbacks)."""
+    setting(name).parse(value)
+    os.environ[name] = value
 
 
 # ---- validation

@@ -132,6 +132,17 @@ def _env_overrides(text: str) -> Tuple[Tuple[str, object], ...]:
     return tuple(parse_config(text, "DSV4_SM120_ATTN_CONFIG").items())
 
 
+def launch_overrides(text: Optional[str]) -> Dict[str, object]:
+    """The launch keys of a per-call ``launch`` text (``sparse_mla_decode(..., launch="impl=tiled")``; same keys
+    and validation as ``DSV4_SM120_ATTN_CONFIG``; cached)."""
+    return dict(_launch_overrides(text or ""))
+
+
+@lru_cache(maxsize=64)
+def _launch_overrides(text: str) -> Tuple[Tuple[str, object], ...]:
+    return tuple(parse_config(text, "launch").items())
+
+
 def env_overrides(env: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
     """The launch keys of ``DSV4_SM120_ATTN_CONFIG`` (validated; empty when unset)."""
     return dict(_env_overrides(settings.raw("DSV4_SM120_ATTN_CONFIG", env) or ""))

@@ -224,8 +224,12 @@ def sparse_mla_decode(
     extra_topk_length=None,
     *,
     qk_mode=None,
+    launch=None,
 ):
-    """Sparse MLA decode over DeepSeek-V4 FP8 paged caches; see the package docstring."""
+    """Sparse MLA decode over DeepSeek-V4 FP8 paged caches; see the package docstring.
+
+    ``launch``: launch keys for this call only (text as in ``DSV4_SM120_ATTN_CONFIG``, e.g. ``"impl=tiled"``),
+    applied over the environment's; the SGLang glue passes a machine profile's launch variant this way."""
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[1] != 1 or q.shape[3] != 512:
         raise DecodeInputError(f"q must be [T, 1, H, 512], got {getattr(q, 'shape', type(q))}")
     if q.dtype != torch.bfloat16:
@@ -266,6 +270,8 @@ def sparse_mla_decode(
 
     qk = config.qk_mode(qk_mode)
     overrides = dict(config.env_overrides(), **CONFIG_OVERRIDE)
+    if launch:
+        overrides.update(config.launch_overrides(launch))
     interp = interpreting()
     # rows per launch: bounded so the workspace stays under DSV4_SM120_ATTN_WS_MB (default 256); only huge T
     # (prefill through this kernel) is cut, decode / verify batches run in one launch

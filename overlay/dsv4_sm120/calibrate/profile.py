@@ -225,6 +225,16 @@ def running_versions() -> Dict[str, Optional[str]]:
             "driver": _driver(), "dsv4_sm120": f"{__version__}+{commit}" if commit else __version__}
 
 
+_VERSIONS: Dict[str, Optional[str]] = {}
+
+
+def _process_versions() -> Dict[str, Optional[str]]:
+    """:func:`running_versions`, found once per process (they do not change while a server runs)."""
+    if not _VERSIONS:
+        _VERSIONS.update(running_versions())
+    return dict(_VERSIONS)
+
+
 def match(profile: dict, gpu: str, versions: Dict[str, Optional[str]]) -> Tuple[bool, list]:
     """(usable, reasons): reasons name every mismatch; a MUST_MATCH or GPU mismatch makes it unusable,
     WARN_ONLY mismatches are returned as warnings with usable True."""
@@ -259,6 +269,10 @@ _CACHE: Dict[str, object] = {}
 
 
 def _current_gpu() -> Optional[str]:
+    """The current CUDA device's name (``DSV4_SM120_TEST_GPU_NAME`` when set: CPU tests of the glue)."""
+    forced = settings.get("DSV4_SM120_TEST_GPU_NAME")
+    if forced:
+        return forced
     try:
         import torch
 
@@ -286,7 +300,7 @@ def active_profile(gpu: Optional[str] = None, versions: Optional[dict] = None,
     else:
         try:
             prof = load(path)
-            ok, reasons = match(prof, gpu, versions if versions is not None else running_versions())
+            ok, reasons = match(prof, gpu, versions if versions is not None else _process_versions())
             res = (prof if ok else None, path, reasons)
         except ProfileError as e:
             res = (None, path, [str(e)])
@@ -311,9 +325,101 @@ def decision(name: str, bucket: int, default: Optional[str] = None, *, gpu: Opti
     return fallback, "default"
 
 
+def bucket_winners(name: str, *, gpu: Optional[str] = None, versions: Optional[dict] = None,
+                   directory: Optional[Path] = None) -> Tuple[list, str]:
+    """``([(bucket, winner or None), ...] sorted by bucket, source)`` of decision ``name`` in the active
+    profile; ``([], "default")`` without one. A call of ``n`` rows/tokens uses the first bucket ``>= n``
+    (the last beyond them): :func:`winner`."""
+    prof, path, _ = active_profile(gpu, versions, directory)
+    d = (prof or {}).get("decisions", {}).get(name)
+    if not d or not d.get("buckets"):
+        return [], "default"
+    rows = sorted((int(b), r.get("winner")) for b, r in d["buckets"].items())
+    return rows, f"profile {path}"
+
+
+def overall(name: str, default: Optional[str] = None, *, gpu: Optional[str] = None,
+            versions: Optional[dict] = None, directory: Optional[Path] = None) -> Tuple[str, str, str]:
+    """``(choice, source, detail)`` for a decision made once per server (the MoE runner, the FP8 GEMM
+    backend): the profile's ``overall.recommended_backend`` when it records one (the FP8 tuner's
+    server-wide recommendation), else the winner of the most buckets (a tie keeps ``default`` when it is
+    among the tied, else the winner of the larger buckets); ``default`` / :data:`DEFAULTS` without a profile
+    or winners. ``detail`` says how the buckets voted, for the log line."""
+    fallback = default if default is not None else DEFAULTS.get(name)
+    if fallback is None:
+        raise KeyError(f"unknown decision {name!r}; known: {', '.join(sorted(DEFAULTS))}")
+    prof, path, _ = active_profile(gpu, versions, directory)
+    d = (prof or {}).get("decisions", {}).get(name)
+    if not d:
+        return fallback, "default", ""
+    rec = (d.get("overall") or {}).get("recommended_backend")
+    if isinstance(rec, str) and rec:
+        return rec, f"profile {path}", str((d.get("overall") or {}).get("reason") or "")
+    rows, _ = bucket_winners(name, gpu=gpu, versions=versions, directory=directory)
+    votes: Dict[str, list] = {}
+    for b, w in rows:
+        if w is not None:
+            votes.setdefault(w, []).append(b)
+    if not votes:
+        return fallback, "default", "no bucket has a winner"
+    top = max(len(v) for v in votes.values())
+    tied = [w for w, v in votes.items() if len(v) == top]
+    pick = fallback if fallback in tied else max(tied, key=lambda w: max(votes[w]))
+    detail = "; ".join(f"{w} won {'M' if d.get('bucket_kind') == 'tokens' else 'T'}="
+                       f"{','.join(map(str, bs))}" for w, bs in sorted(votes.items()))
+    return pick, f"profile {path}", detail
+
+
+def default_reason(name: str, gpu: Optional[str] = None) -> str:
+    """Why decision ``name`` runs its default, for the glue's log line: no matching profile, or a profile without a
+    winner for it."""
+    prof, path, _ = active_profile(gpu)
+    if prof is not None:
+        return f"default: profile {path} has no winner for {name} here"
+    return "default: no matching profile for this GPU; make calibrate picks by measurement"
+
+
+def status(gpu: str, versions: Optional[dict] = None, directory: Optional[Path] = None) -> dict:
+    """``{"usable", "path", "reasons"}`` for ``gpu`` with ``versions`` (default: this process's): what the
+    serve preflight reports (``python -m dsv4_sm120.calibrate.profile status``)."""
+    prof, path, reasons = active_profile(gpu, versions, directory)
+    return {"gpu": gpu, "usable": prof is not None, "path": str(path) if path else None,
+            "reasons": list(reasons)}
+
+
 def clear_cache() -> None:
     _CACHE.clear()
 
 
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.calibrate.profile",
+                                 description="Whether a machine profile applies to a GPU with this environment's "
+                                             "versions (the serve preflight's profile check).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("status", help="print whether a profile matches GPU (JSON with --json)")
+    st.add_argument("--gpu", action="append", required=True, help="GPU name as nvidia-smi prints it (repeatable)")
+    st.add_argument("--dir", type=Path, help="profile directory (default: the one the patched SGLang reads)")
+    st.add_argument("--json", action="store_true", help="one JSON object per GPU name, one per line")
+    a = ap.parse_args(argv)
+    logging.getLogger(__name__).setLevel(logging.ERROR)   # the reasons are printed, not logged
+    versions = running_versions()
+    for g in dict.fromkeys(a.gpu):
+        res = status(g, versions, a.dir)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            print(f"{g}: {'profile ' + str(res['path']) if res['usable'] else 'no usable profile'}"
+                  + "".join(f"\n  {r}" for r in res["reasons"]))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

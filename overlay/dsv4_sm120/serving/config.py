@@ -66,7 +66,8 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "STOP_GRACE_S": ("30", "seconds between SIGTERM and SIGKILL at teardown"),
     "SUPERVISE_HEALTH_FAILS": ("0", "tear down after this many consecutive failed health checks (0 = only on exit)"),
     "SUPERVISE_HEALTH_EVERY_S": ("30", "seconds between supervision health checks"),
-    "PREFLIGHT_SKIP": ("", "comma list of checks to skip: gpu,model,patches,nixl,ports,router"),
+    "PREFLIGHT_SKIP": ("", "comma list of checks to skip: gpu,model,patches,nixl,ports,router,profile"),
+    "CALIBRATE": ("0", "1 = measure this box first (`make calibrate`: python -m dsv4_sm120.calibrate with the plan's TP and MODEL_PATH, on the first decode GPU; minutes) and write the machine profile the servers then read; 0 = use the profile there is"),
     "DETACH": ("0", "1 = return once everything is healthy, supervision continues in the background"),
     "DRY_RUN": ("0", "1 = print the commands and environment, start nothing"),
     "DSV4_SM120_SERVE_STANDIN": ("0", "1 = stand-in HTTP servers instead of SGLang (rehearsal and tests; no GPU)"),
@@ -114,6 +115,8 @@ class Plan:
     urls: Dict[str, str]
     fp8_reason: str = ""
     spec_reason: str = ""
+    calibrate_argv: List[str] = field(default_factory=list)   # CALIBRATE=1: run before the preflight's checks
+    calibrate_env: Dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -265,6 +268,7 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     if s["FP8_GEMM_BACKEND"].strip() in ("auto", "") and ("decode" in roles or "prefill" in roles):
         dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0])
     fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo, dev)
+    cal_argv, cal_env = calibrate_command(s, python, roles, pg, dg)
 
     # Run directory (not created here).
     log_dir = Path(os.path.expanduser(s["LOG_DIR"]))
@@ -373,7 +377,24 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     return Plan(variant=variant, repo=str(repo), python=python, run_dir=str(run_dir), roles=roles, standin=standin,
                 settings=s, common_env=common_env, procs=procs, remote_health=remote,
                 urls={"prefill": prefill_url, "decode": decode_url, "router": router_url}, fp8_reason=fp8_reason,
-                spec_reason=spec_reason)
+                spec_reason=spec_reason, calibrate_argv=cal_argv, calibrate_env=cal_env)
+
+
+def calibrate_command(s: Dict[str, str], python: str, roles: List[str], pg: List[int],
+                      dg: List[int]) -> Tuple[List[str], Dict[str, str]]:
+    """``CALIBRATE=1``: the ``make calibrate`` equivalent (argv, extra environment) run before the preflight's
+    profile check: the serving python on the first GPU of the decode server (of the prefill server when this
+    host runs no decode), with that server's GPUs as ``DECODE_GPUS`` (the TP the shapes follow) and
+    ``MODEL_PATH``. ``([], {})`` when ``CALIBRATE`` is 0 or this host runs no server."""
+    v = s.get("CALIBRATE", "0").strip()
+    if v not in ("0", "1", ""):
+        raise ConfigError(f"CALIBRATE={v!r}: expected 1 (measure this box first) or 0")
+    gpus = dg if "decode" in roles else (pg if "prefill" in roles else [])
+    if v != "1" or not gpus:
+        return [], {}
+    env = {"CUDA_VISIBLE_DEVICES": str(gpus[0]), "DECODE_GPUS": ",".join(map(str, gpus)),
+           "MODEL_PATH": s["MODEL_PATH"]}
+    return [python, "-m", "dsv4_sm120.calibrate"], env
 
 
 def _bind_numa(procs: List[Proc], s: Dict[str, str], environ: Mapping[str, str]) -> None:
@@ -412,6 +433,9 @@ def render_dry_run(plan: Plan) -> str:
     their defaults, and where health checks, logs and the router are."""
     out = [f"# dsv4_sm120 serve plan: variant={plan.variant} roles={','.join(plan.roles)}"
            f"{' STANDIN' if plan.standin else ''} (dry run: nothing started, no preflight)"]
+    if plan.calibrate_argv:
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.calibrate_env.items())
+        out.append(f"cmd calibrate: {prefix} {shlex.join(plan.calibrate_argv)}")   # CALIBRATE=1: before preflight
     for p in plan.procs:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items())
         out.append(f"cmd {p.role}: {prefix + ' ' if prefix else ''}{shlex.join(p.argv)}")

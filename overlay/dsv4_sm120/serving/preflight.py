@@ -19,6 +19,10 @@ Checks (names usable in ``PREFLIGHT_SKIP``):
            when it is not cuda_ipc zero-copy or the UCX predates the RTX PRO 6000 bandwidth fix, and tries
            the override that restores the direct path
   router   ``sglang_router`` is installed (when the router runs on this host)
+  profile  a machine profile (``make calibrate``) matches each server GPU model and the serving environment's
+           versions; warns (never fails) naming why not (no file / which versions differ): the servers then
+           run the default choices. With ``CALIBRATE=1`` the calibration runs first (``calibrate_first``);
+           its failure stops the start
 
 A check may also print notes (``preflight NAME: ...``) that do not stop the start.
 """
@@ -37,7 +41,7 @@ from ..safetensors_index import INDEX_FILE, scan_checkpoint
 from .config import Plan
 from .pcie_checks import check_numa, check_p2p, check_ucx
 
-CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router")
+CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router", "profile")
 STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx")
 MODEL_PROBLEMS_SHOWN = 5
 HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -268,10 +272,102 @@ def check_overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> List
     return settings.validate(env)
 
 
+# ---------------------------------------------------------------------------- machine profile
+
+def server_gpu_names(plan: Plan) -> Tuple[Dict[str, str], Optional[str]]:
+    """({gpu name: "role GPU i,j"} of the servers' GPUs, or {} and why nvidia-smi could not say)."""
+    idx = {}
+    for p in plan.procs:
+        if p.role in ("prefill", "decode"):
+            for i in p.gpus:
+                idx.setdefault(i, []).append(p.role)
+    if not idx:
+        return {}, None
+    smi = plan.settings.get("NVIDIA_SMI") or "nvidia-smi"
+    try:
+        r = subprocess.run([smi, "--query-gpu=index,name", "--format=csv,noheader"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return {}, f"nvidia-smi ({smi}) did not run: {e}"
+    if r.returncode != 0:
+        return {}, f"nvidia-smi failed (exit {r.returncode})"
+    names: Dict[str, List[str]] = {}
+    for line in r.stdout.strip().splitlines():
+        i, _, name = (x.strip() for x in line.partition(","))
+        if i.isdigit() and int(i) in idx and name:
+            names.setdefault(name, []).append(f"{'/'.join(idx[int(i)])} GPU {i}")
+    return {n: ", ".join(w) for n, w in names.items()}, None
+
+
+def interpret_profile_status(rows: List[dict], where: Dict[str, str]) -> List[str]:
+    """Notes (never failures) from ``python -m dsv4_sm120.calibrate.profile status --json`` rows."""
+    notes = []
+    for row in rows:
+        gpu = row.get("gpu", "?")
+        warn = [r for r in row.get("reasons", []) if r.startswith("warning:")]
+        if row.get("usable"):
+            notes.append(f"machine profile {row.get('path')} applies to {gpu} ({where.get(gpu, '')})"
+                         + (f"; {'; '.join(w[len('warning: '):] for w in warn)}" if warn else ""))
+            continue
+        why = [r for r in row.get("reasons", []) if not r.startswith("warning:")] or ["no reason given"]
+        notes.append(f"WARNING: no matching machine profile for {gpu} ({where.get(gpu, '')}): {'; '.join(why)}; "
+                     f"the servers use the default choices (`make calibrate`, or CALIBRATE=1, picks by measurement)")
+    return notes
+
+
+def check_profile(plan: Plan) -> Tuple[List[str], List[str]]:
+    """Warnings only (module doc): the status runs in the serving python, whose versions the servers have.
+    Stand-in servers read no profile: nothing to check."""
+    if plan.standin:
+        return [], []
+    where, why = server_gpu_names(plan)
+    if why:
+        return [], [f"WARNING: could not check the machine profile ({why})"]
+    if not where:
+        return [], []
+    env = overlay_env(plan)
+    for k, v, _ in plan.common_env:
+        env.setdefault(k, v)
+    cmd = [plan.python, "-m", "dsv4_sm120.calibrate.profile", "status", "--json"]
+    for n in where:
+        cmd += ["--gpu", n]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=plan.repo)
+        rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return [], [f"WARNING: could not check the machine profile ({type(e).__name__}: {e})"]
+    if r.returncode != 0 or not rows:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"]
+        return [], [f"WARNING: could not check the machine profile: {tail[0]}"]
+    return [], interpret_profile_status(rows, where)
+
+
+def calibrate_first(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
+    """``CALIBRATE=1``: run the plan's calibration command (output streamed); a failure line, or []."""
+    if not plan.calibrate_argv:
+        return []
+    if plan.standin:
+        say("calibrate: skipped (stand-in servers need no profile)")
+        return []
+    env = overlay_env(plan)
+    for k, v, _ in plan.common_env:
+        env.setdefault(k, v)
+    env.update(plan.calibrate_env)
+    say("calibrate: measuring this box first (CALIBRATE=1): " + " ".join(plan.calibrate_argv[1:]))
+    try:
+        rc = subprocess.run(plan.calibrate_argv, env=env, cwd=plan.repo).returncode
+    except OSError as e:
+        return [f"CALIBRATE=1: the calibration did not start ({e})"]
+    if rc != 0:
+        return [f"CALIBRATE=1: `python -m dsv4_sm120.calibrate` failed (exit {rc}); its output is above "
+                f"(CALIBRATE=0 starts with the profile there is)"]
+    return []
+
+
 RUNNERS: Dict[str, Callable] = {
     "ports": check_ports, "gpu": check_gpu, "model": check_model,
     "patches": check_patches, "nixl": check_nixl, "router": check_router,
-    "numa": check_numa, "p2p": check_p2p, "ucx": check_ucx,
+    "numa": check_numa, "p2p": check_p2p, "ucx": check_ucx, "profile": check_profile,
 }
 
 
@@ -283,6 +379,10 @@ def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
         return failures  # nothing else can run without the environment
     failures = check_overlay_env(plan)
     say(f"preflight env: {'ok' if not failures else 'FAILED'}")
+    if not failures:
+        failures = calibrate_first(plan, say)
+        if failures:
+            return failures
     for name in CHECKS:
         if name in skip:
             say(f"preflight {name}: skipped")

@@ -9,7 +9,11 @@ and are called from here.
   validates every dsv4_sm120 setting (an invalid one stops the server with one line per problem) and logs
   the active overlay version and patch series.
 * :mod:`.attention` (patch 0002): the DeepSeek-V4 backend's sm_120 sparse-attention call and the model's
-  head count.
+  head count, routed per row bucket and layout from the machine profile (``make calibrate``), an explicit
+  setting, or the default.
+* :mod:`.selfcheck` (patch 0002, before CUDA-graph capture; :mod:`.moe` at its first layer): each of our
+  kernels that will serve is run once against the stock implementation; a failing one is disabled in the
+  process and the stock path serves.
 * :mod:`.moe` (patches 0003, 0005): the MoE runner for hybrid FP8 + NVFP4 checkpoints, the MTP draft
   experts' MXFP4 method, and the ``dsv4_triton_nvfp4`` runner backend.
 * :mod:`.fp8` (patch 0004): where SGLang's FP8 block-GEMM config lookup finds the project's tuned configs.

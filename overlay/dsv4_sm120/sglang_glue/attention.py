@@ -1,25 +1,236 @@
-"""Patch 0002: the DeepSeek-V4 attention backend's sm_120 sparse-attention call and the model's head count.
+"""Patch 0002: the DeepSeek-V4 attention backend's sm_120 sparse-attention call, the model's head count, and
+the self-check before CUDA-graph capture.
 
 The patched backend hands its sm_120 sparse-attention call (V4 cache layout, 584 bytes per token) to
 :func:`sparse_attention`; the patched model's ``_kernel_num_heads`` asks :func:`kernel_num_heads`.
-Settings (``dsv4_sm120.settings``, read on every call, cheap):
 
-* ``DSV4_SM120_ATTN_BACKEND`` = ``dsv4`` (default) | ``flashinfer`` | ``triton`` | ``torch``:
-  who runs the decode-like rows (decode, target-verify, draft-extend; any number of rows T).
-  ``dsv4`` is the overlay's tensor-core Triton kernel (:func:`dsv4_sm120.attention.sparse_mla_decode`) with
-  the real per-rank heads; ``flashinfer`` / ``triton`` / ``torch`` are SGLang 0.5.23's own sm_120 paths,
-  called as stock SGLang calls them (``triton`` / ``torch`` with the stock 64-head padding), for A/B runs.
-* ``DSV4_SM120_ATTN_PREFILL`` = ``flashinfer`` (default) | ``dsv4``: who runs prefill
-  (extend / mixed) rows when the backend is ``dsv4``. ``flashinfer`` keeps FlashInfer's kernels
-  (its prefill kernel, or its decode kernel for <= 64 rows when it supports the head count).
+Who runs a call is decided from its rows T and layout (SWA only / + c4 / + c128), i.e. from shapes only, so
+each captured CUDA graph routes statically (:func:`attention_route`, cached per ``(T, layout)``):
+
+1. ``DSV4_SM120_ATTN_BACKEND`` set by the user (non-empty): that backend for every call (``env``);
+2. else the machine profile's winner of ``attention.<layout>`` for the bucket of ``T``
+   (:func:`dsv4_sm120.calibrate.profile.decision`: the first measured bucket ``>= T``; ``profile``);
+3. else ``dsv4``, our kernel (``default``; ``make calibrate`` would pick by measurement).
+
+A profile winner is ``dsv4``, ``dsv4:<launch keys>`` (ours with a launch variant, passed to the kernel per
+call unless ``DSV4_SM120_ATTN_CONFIG`` is set), ``dsv4+fp8qk`` (block-scaled QK unless ``DSV4_SM120_ATTN_QK``
+is set), ``flashinfer``, ``triton`` or ``torch``; any other name (e.g. the reference point ``flashmla``) is
+not routable and leaves the default. :func:`log_decisions` writes one line per decision, once per process.
+The backends:
+
+* ``dsv4``: the overlay's tensor-core Triton kernel (:func:`dsv4_sm120.attention.sparse_mla_decode`) with the
+  real per-rank heads, for decode-like rows (decode, target-verify, draft-extend; any T); prefill rows
+  (extend / mixed) keep FlashInfer unless ``DSV4_SM120_ATTN_PREFILL=dsv4``;
+* ``flashinfer`` / ``triton`` / ``torch``: SGLang 0.5.23's own sm_120 paths, called as stock SGLang calls
+  them (``triton`` / ``torch`` with the stock 64-head padding);
+* ``stock``: SGLang's own dispatcher ``flash_mla_with_kvcache_sm120``, unchanged; where a ``dsv4`` decision
+  goes when the startup self-check (:mod:`.selfcheck`) disabled our kernel in this process.
+
+The self-check (:mod:`.selfcheck`, called by the patched backend before CUDA-graph capture; without graphs
+by the first call outside capture on a CUDA device) may :func:`disable` our kernel in this process.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
 from dsv4_sm120 import settings
+
+from . import selfcheck
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------- decisions (who runs a call)
+
+ENV_ATTN = "DSV4_SM120_ATTN_BACKEND"
+LAYOUTS = ("swa", "swa_c4", "swa_c128")
+ROUTABLE = ("dsv4", "flashinfer", "triton", "torch")
+STOCK = "stock"
+DEFAULT_ATTN = "dsv4"
+C128_PAGE = 2   # page size of the c128 pool (dsv4_sm120.calibrate.deployment); the c4 pool has 64
+
+_ROUTE_ENV = (ENV_ATTN, "DSV4_SM120_ATTN_CONFIG", "DSV4_SM120_ATTN_QK")
+_lock = threading.Lock()
+_ROUTES: Dict[tuple, "Route"] = {}
+_DISABLED: Dict[str, str] = {}
+_LOGGED: Dict[str, bool] = {}
+
+
+class Route(NamedTuple):
+    backend: str                  # dsv4 | flashinfer | triton | torch | stock
+    launch: Optional[str] = None  # dsv4: launch keys for this call (None: the launch tables / the env's)
+    qk: Optional[str] = None      # dsv4: "fp8" for block-scaled QK (None: DSV4_SM120_ATTN_QK)
+    source: str = "default"
+
+
+def layout_of(extra_k_cache) -> str:
+    """``swa`` (no extra cache), ``swa_c128`` (extra pages of 2 tokens) or ``swa_c4`` (any other extra cache)."""
+    if extra_k_cache is None:
+        return "swa"
+    return "swa_c128" if int(extra_k_cache.shape[1]) == C128_PAGE else "swa_c4"
+
+
+def parse_choice(choice: str) -> Optional[Tuple[str, Optional[str], Optional[str]]]:
+    """``(backend, launch, qk)`` of a profile winner name, or None when the glue cannot route to it."""
+    c = str(choice).strip()
+    qk = None
+    if c.endswith("+fp8qk"):
+        c, qk = c[: -len("+fp8qk")], "fp8"
+    name, sep, launch = c.partition(":")
+    if name not in ROUTABLE or (name != "dsv4" and (sep or qk)):
+        return None
+    if sep:
+        from dsv4_sm120.attention.config import DecodeInputError, parse_config
+
+        try:
+            parse_config(launch, "profile launch")
+        except DecodeInputError:
+            return None
+    return name, (launch or None), qk
+
+
+def _profile():
+    from dsv4_sm120.calibrate import profile
+
+    return profile
+
+
+def _decide(T: int, layout: str) -> Route:
+    env = (settings.raw(ENV_ATTN) or "").strip()
+    if env:
+        return Route(settings.get(ENV_ATTN), source=f"env {ENV_ATTN}")
+    choice, source = _profile().decision(f"attention.{layout}", T, DEFAULT_ATTN)
+    parsed = parse_choice(choice)
+    if parsed is None:
+        return Route(DEFAULT_ATTN, source=f"default: profile winner {choice!r} is not routable")
+    b, launch, qk = parsed
+    if launch and (settings.raw("DSV4_SM120_ATTN_CONFIG") or "").strip():
+        launch = None   # the user's launch keys win over the profile's
+    if qk and (settings.raw("DSV4_SM120_ATTN_QK") or "").strip():
+        qk = None
+    if source == "default":
+        source = _profile().default_reason(f"attention.{layout}")
+    return Route(b, launch, qk, source)
+
+
+
+def attention_route(T: int, layout: str) -> Route:
+    """The route of an attention call of ``T`` rows with ``layout`` (module doc), cached."""
+    key = (int(T), layout) + tuple(settings.raw(n) for n in _ROUTE_ENV)   # a changed setting decides anew
+    r = _ROUTES.get(key)
+    if r is None:
+        r = _decide(int(T), layout)
+        if r.backend == "dsv4" and "attention" in _DISABLED:
+            r = Route(STOCK, source=f"{r.source}; our kernel disabled by the self-check: {_DISABLED['attention']}")
+        _ROUTES[key] = r
+    return r
+
+
+def uses_ours(layout: Optional[str] = None) -> bool:
+    """Whether some call (of ``layout``, or any) would run our attention kernel: at one row, the env's choice,
+    or any bucket of the profile."""
+    for lay in ([layout] if layout else LAYOUTS):
+        rows, _ = _profile().bucket_winners(f"attention.{lay}")
+        for T in [1] + [b for b, _ in rows]:
+            if _decide(T, lay).backend == "dsv4":
+                return True
+    return False
+
+
+def our_launches(layout: str) -> List[Tuple[Optional[str], Optional[str]]]:
+    """The distinct ``(launch, qk)`` of our kernel among the decisions of ``layout`` (what the self-check runs)."""
+    rows, _ = _profile().bucket_winners(f"attention.{layout}")
+    seen = []
+    for T in [1] + [b for b, _ in rows]:
+        r = _decide(T, layout)
+        if r.backend == "dsv4" and (r.launch, r.qk) not in seen:
+            seen.append((r.launch, r.qk))
+    return seen
+
+
+def disable(kernel: str, reason: str) -> None:
+    """Take our ``kernel`` (``attention`` / ``moe``) out of this process: later decisions route to the stock
+    path (the route cache is cleared)."""
+    with _lock:
+        _DISABLED[kernel] = reason
+        _ROUTES.clear()
+
+
+def disabled(kernel: str) -> Optional[str]:
+    """Why our ``kernel`` is disabled in this process, or None."""
+    return _DISABLED.get(kernel)
+
+
+def reset() -> None:
+    """Forget every cached decision, disable and log mark (tests; a changed environment)."""
+    with _lock:
+        _ROUTES.clear()
+        _DISABLED.clear()
+        _LOGGED.clear()
+        _profile().clear_cache()
+
+
+# ---- the startup log
+
+
+def _describe_route(r: Route) -> str:
+    name = r.backend + (f":{r.launch}" if r.launch else "") + ("+fp8qk" if r.qk == "fp8" else "")
+    return name
+
+
+def describe_attention(layout: str) -> str:
+    """One line: what runs for each row bucket of ``layout``, and why (profile / env / default)."""
+    rows, _ = _profile().bucket_winners(f"attention.{layout}")
+    buckets = [b for b, _ in rows] or [1]
+    routes = [attention_route(b, layout) for b in buckets]
+    groups: List[list] = []
+    for b, r in zip(buckets, routes):
+        if groups and _describe_route(groups[-1][1]) == _describe_route(r):
+            groups[-1][2] = b
+        else:
+            groups.append([groups[-1][2] if groups else None, r, b])
+    parts = []
+    for i, (lo, r, hi) in enumerate(groups):
+        if len(groups) == 1:
+            rng = "every T"
+        elif i == 0:
+            rng = f"T<={hi}"
+        elif i == len(groups) - 1:
+            rng = f"T>{lo}"
+        else:
+            rng = f"{lo}<T<={hi}"
+        parts.append(f"{_describe_route(r)} for {rng}")
+    sources = list(dict.fromkeys(part for r in routes for part in r.source.split("; ")))
+    return f"{', '.join(parts)} ({'; '.join(sources)})"
+
+
+def log_decisions() -> None:
+    """Log one line per attention decision (once per process; again after a self-check disable)."""
+    with _lock:
+        if _LOGGED.get("attention"):
+            return
+        _LOGGED["attention"] = True
+    for layout in LAYOUTS:
+        try:
+            logger.info("dsv4_sm120 decision attention.%s: %s", layout, describe_attention(layout))
+        except Exception as e:  # noqa: BLE001 - a log line must never stop the server
+            logger.warning("dsv4_sm120 decision attention.%s: could not describe (%s: %s)", layout,
+                           type(e).__name__, e)
+
+
+def relog() -> None:
+    with _lock:
+        _LOGGED.pop("attention", None)
+    log_decisions()
+
+
+# ---------------------------------------------------------------------------- the calls SGLang makes
 
 
 def backend() -> str:
+    """``DSV4_SM120_ATTN_BACKEND``'s value (its default when unset; the profile may still decide: decisions)."""
     return settings.get("DSV4_SM120_ATTN_BACKEND")
 
 
@@ -27,16 +238,21 @@ def prefill_backend() -> str:
     return settings.get("DSV4_SM120_ATTN_PREFILL")
 
 
+_PADDED = ("triton", "torch")
+
+
 def kernel_num_heads(n_local_heads: int, n_heads: int, num_tokens: int):
     """Heads the attention kernel gets on sm_120, or None to keep SGLang's own choice.
 
-    ``dsv4``: the real per-rank heads, for every row count (our kernel takes any H; FlashInfer's
-    prefill kernel, which keeps the prefill rows, takes any H too). ``triton`` / ``torch``: the
-    stock padded shape (64, or all heads above 64). ``flashinfer``: SGLang decides."""
-    b = backend()
-    if b == "dsv4":
+    From the decisions of the three layouts at ``num_tokens`` rows (the model asks once per layer call, before
+    it knows the layout): all ``dsv4`` -> the real per-rank heads (our kernel and FlashInfer's prefill kernel
+    take any H); any ``triton`` / ``torch`` -> the stock padded shape (64, or all heads above 64; our kernel
+    and FlashInfer read only the real heads of it); else SGLang decides."""
+    log_decisions()
+    routes = {attention_route(num_tokens, lay).backend for lay in LAYOUTS}
+    if routes == {"dsv4"}:
         return n_local_heads
-    if b in ("triton", "torch"):
+    if routes & set(_PADDED):
         return 64 if n_local_heads <= 64 else n_heads
     return None
 
@@ -56,14 +272,68 @@ def _stock():
     return m
 
 
-def _flashinfer(m, q, kw):
-    args = (q, kw["k_cache"], kw["indices"], kw.get("topk_length"), kw.get("attn_sink"), kw["head_dim_v"],
+def _args(q, kw):
+    return (q, kw["k_cache"], kw["indices"], kw.get("topk_length"), kw.get("attn_sink"), kw["head_dim_v"],
             kw["softmax_scale"], kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
             kw.get("extra_topk_length"))
+
+
+def _pad_heads(q, kw, heads: int):
+    """``q`` (and the sink) zero-padded to ``heads`` heads, for a stock path that needs more heads than given."""
+    import torch
+
+    qp = torch.zeros(*q.shape[:-2], heads, q.shape[-1], dtype=q.dtype, device=q.device)
+    qp[..., : q.shape[-2], :] = q
+    kw = dict(kw)
+    if kw.get("attn_sink") is not None:
+        s = torch.zeros(heads, dtype=kw["attn_sink"].dtype, device=q.device)
+        s[: q.shape[-2]] = kw["attn_sink"].reshape(-1)[: q.shape[-2]]
+        kw["attn_sink"] = s
+    return qp, kw
+
+
+def _flashinfer(m, q, kw):
     T, H = q.shape[0], q.shape[-2]
-    if T <= m.SM120_DECODE_MAX_TOKENS and m.flashinfer_dsv4_decode_supports_num_heads(H, T):
-        return m._flash_mla_flashinfer(*args)[0]
-    return m._flash_mla_sm120_prefill(*args)[0]
+    if T <= m.SM120_DECODE_MAX_TOKENS:
+        if not m.flashinfer_dsv4_decode_supports_num_heads(H, T) and H < 64:
+            q, kw = _pad_heads(q, kw, 64)   # FlashInfer's decode kernel takes the stock 64-head shape
+        return m._flash_mla_flashinfer(*_args(q, kw))[0]
+    return m._flash_mla_sm120_prefill(*_args(q, kw))[0]
+
+
+def ours(q, num_heads: int, kw: dict, launch=None, qk=None):
+    """Our kernel on the real heads of ``q`` -> ``[T, 1, num_heads, 512]`` (what serving and the self-check
+    call). ``DSV4_SM120_TEST_SELFCHECK_FAULT=attention`` makes it wrong on purpose (tests of the self-check)."""
+    from dsv4_sm120.attention import sparse_mla_decode
+
+    kw = dict(kw)
+    sink = kw.pop("attn_sink", None)
+    if sink is not None:
+        sink = sink[:num_heads]
+    out = sparse_mla_decode(q[..., :num_heads, :], attn_sink=sink, launch=launch, qk_mode=qk, **kw)[0]
+    if settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") == "attention":
+        out = out * 2
+    return out
+
+
+def stock_dispatch(q, kw):
+    """SGLang's own sm_120 dispatcher, as unpatched SGLang calls it (``SGLANG_SM120_FLASHMLA_BACKEND`` picks)."""
+    m = _stock()
+    if (getattr(m, "_sm120_default_backend", "flashinfer") == "flashinfer" and q.shape[0] <= m.SM120_DECODE_MAX_TOKENS
+            and not m.flashinfer_dsv4_decode_supports_num_heads(q.shape[-2], q.shape[0]) and q.shape[-2] < 64):
+        q, kw = _pad_heads(q, kw, 64)
+    return m.flash_mla_with_kvcache_sm120(q=q, **kw)[0]
+
+
+def _maybe_self_check(q, num_heads: int) -> None:
+    if q.device.type != "cuda" or selfcheck.done():
+        return
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        selfcheck.skipped("the first attention call is inside CUDA-graph capture")
+        return
+    selfcheck.run(heads=[num_heads], device=q.device)
 
 
 def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
@@ -73,28 +343,21 @@ def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
     for the stock paths and ``num_heads`` for ours (the model reads only the real heads)."""
     if kw.get("softmax_scale") is None:
         kw["softmax_scale"] = q.shape[-1] ** (-0.5)
-    b = backend()
-    decode_like = is_decode_like(forward_mode)
-    if b == "dsv4" and (decode_like or prefill_backend() == "dsv4"):
-        from dsv4_sm120.attention import sparse_mla_decode
-
-        sink = kw.pop("attn_sink", None)
-        if sink is not None:
-            sink = sink[:num_heads]
-        return sparse_mla_decode(q[..., :num_heads, :], attn_sink=sink, **kw)[0]
+    _maybe_self_check(q, num_heads)
+    log_decisions()
+    r = attention_route(q.shape[0], layout_of(kw.get("extra_k_cache")))
+    b = r.backend
+    if b == "dsv4" and (is_decode_like(forward_mode) or prefill_backend() == "dsv4"):
+        return ours(q, num_heads, kw, r.launch, r.qk)
+    if b == STOCK:
+        return stock_dispatch(q, kw)
     m = _stock()
     if b == "triton":
         from sglang.kernels.ops.attention.flash_mla_sm120_triton import flash_mla_sparse_decode_triton
 
-        return flash_mla_sparse_decode_triton(
-            q, kw["k_cache"], kw["indices"], kw.get("topk_length"), kw.get("attn_sink"), kw["head_dim_v"],
-            kw["softmax_scale"], kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-            kw.get("extra_topk_length"))[0]
+        return flash_mla_sparse_decode_triton(*_args(q, kw))[0]
     if b == "torch":
-        return m._sm120_sparse_decode_fwd(
-            q, kw["k_cache"], kw["indices"], kw.get("topk_length"), kw.get("attn_sink"), kw["head_dim_v"],
-            kw["softmax_scale"], kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"),
-            kw.get("extra_topk_length"))[0]
+        return m._sm120_sparse_decode_fwd(*_args(q, kw))[0]
     # FlashInfer (prefill rows under dsv4, or the flashinfer backend): real heads if it can
     if q.shape[-2] > num_heads and (q.shape[0] > m.SM120_DECODE_MAX_TOKENS
                                     or m.flashinfer_dsv4_decode_supports_num_heads(num_heads, q.shape[0])):

@@ -20,9 +20,11 @@ Patch 0003 calls two functions, through ``sglang.srt.dsv4_sm120_hook.import_glue
   uses for MXFP4 experts there (MXFP8 activations x MXFP4 weights).
 
 Both take plain values (no SGLang import), so they are testable on their own; on doubt they return the stock
-choice. ``DSV4_SM120_MOE_BACKEND`` = ``auto`` (default) | ``flashinfer_cutlass`` | ``dsv4_triton_nvfp4`` |
-``stock`` (keep SGLang's own choice) forces the hybrid-NVFP4 runner on sm_120; an explicit
-``--moe-runner-backend`` always wins over all of this.
+choice. ``DSV4_SM120_MOE_BACKEND`` = ``flashinfer_cutlass`` | ``dsv4_triton_nvfp4`` | ``stock`` (keep SGLang's
+own choice) forces the hybrid-NVFP4 runner on sm_120; ``auto`` (default) takes the machine profile's choice
+for decision ``moe.nvfp4`` (one runner per server: :func:`dsv4_sm120.calibrate.profile.overall`, the winner of
+the most token buckets), else ``flashinfer_cutlass``. An explicit ``--moe-runner-backend`` always wins over all
+of this. The choice is logged once, with its source.
 
 Patch 0005 registers :data:`BACKEND_NAME` with SGLang (choices and runner backend names) and, in
 ``ModelOptNvFp4FusedMoEMethod`` when the layer's runner backend is ours, calls:
@@ -82,17 +84,51 @@ def hybrid_nvfp4_moe_runner_backend(
     if not is_sm120 or is_hip:
         return stock
     choice = settings.get(ENV_BACKEND)
+    source = f"env {ENV_BACKEND}"
+    if choice == "auto":
+        # the machine profile's runner, else the path with measured sm_120 results (dsv4_triton_nvfp4 was slower
+        # than an FP8 MoE on the H200: bench/results/moe.csv)
+        choice, source, detail = profile_choice()
+        if choice not in (SM120_NVFP4_BACKEND, TRITON_NVFP4_BACKEND):
+            source = f"default: profile winner {choice!r} is not an NVFP4 runner on sm_120"
+            choice = SM120_NVFP4_BACKEND
+        elif detail:
+            source = f"{source}; {detail}"
     if choice == "stock":
+        _log_decision(stock, source)
         return stock
     if choice == TRITON_NVFP4_BACKEND:
         if backend_available():
+            _log_decision(TRITON_NVFP4_BACKEND, source)
             return TRITON_NVFP4_BACKEND
         logger.warning("%s=%s but that backend is not available; using %s",
                        ENV_BACKEND, TRITON_NVFP4_BACKEND, SM120_NVFP4_BACKEND)
-        return SM120_NVFP4_BACKEND
-    # auto: the path with measured sm_120 results. Flip this default only with an sm_120 `make bench-moe`
-    # showing dsv4_triton_nvfp4 ahead (it was slower than an FP8 MoE on the H200: bench/results/moe.csv).
+        choice, source = SM120_NVFP4_BACKEND, f"{source}; {TRITON_NVFP4_BACKEND} not available"
+    _log_decision(SM120_NVFP4_BACKEND, source)
     return SM120_NVFP4_BACKEND
+
+
+def profile_choice():
+    """``(runner, source, detail)`` of decision ``moe.nvfp4`` from the machine profile (default
+    ``flashinfer_cutlass``); never raises."""
+    from dsv4_sm120.calibrate import profile
+
+    try:
+        choice, source, detail = profile.overall("moe.nvfp4", SM120_NVFP4_BACKEND)
+    except Exception as e:  # noqa: BLE001 - a broken profile must not stop the server
+        return SM120_NVFP4_BACKEND, f"default: profile unreadable ({type(e).__name__}: {e})", ""
+    if source == "default":
+        source = profile.default_reason("moe.nvfp4")
+    return choice, source, detail
+
+
+_logged: set = set()
+
+
+def _log_decision(choice: str, source: str) -> None:
+    if (choice, source) not in _logged:
+        _logged.add((choice, source))
+        logger.info("dsv4_sm120 decision moe.nvfp4: %s (%s)", choice, source)
 
 
 def draft_mxfp4_expert_method(*, is_sm120: bool, is_hip: bool = False) -> str:
@@ -173,12 +209,39 @@ def prepare_layer(layer) -> None:
     if dispatcher is not None and hasattr(dispatcher, "set_quant_config"):
         dispatcher.set_quant_config({"input_global_scale": None})  # bf16 activations in
     logger.info("%s: MoE layer with %d local experts, H=%d, I=%d", BACKEND_NAME, E, h2 * 2, two_i // 2)
+    # the self-check on the first layer with loaded weights (once per process, before CUDA-graph capture)
+    from . import selfcheck
+
+    selfcheck.check_moe(layer, lambda x, tw, ids: run_experts(layer, x, tw, ids), layer.w13_weight.device)
+
+
+def run_experts(layer, x, topk_weights, topk_ids):
+    """Our NVFP4 fused MoE on ``layer``'s routed experts -> ``[M, H]`` bf16 (serving and the self-check).
+    ``DSV4_SM120_TEST_SELFCHECK_FAULT=moe`` makes it wrong on its first path (tests of the self-check)."""
+    from dsv4_sm120.moe import nvfp4_fused_moe
+
+    from . import selfcheck
+
+    cfg = layer.moe_runner_config
+    out = nvfp4_fused_moe(
+        x,
+        layer.w13_weight.data,
+        layer.w13_weight_scale.data,
+        layer._dsv4_w13_scale_2,
+        layer.w2_weight.data,
+        layer.w2_weight_scale.data,
+        layer._dsv4_w2_scale_2,
+        topk_weights,
+        topk_ids,
+        swiglu_limit=getattr(cfg, "swiglu_limit", None),
+    )
+    if settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") == "moe" and not selfcheck.moe_fallback_active():
+        out = out * 2
+    return out
 
 
 def apply(layer, dispatch_output):
     """Run the routed experts: ``[M, H]`` bf16."""
-    from dsv4_sm120.moe import nvfp4_fused_moe
-
     if not hasattr(dispatch_output, "topk_output") or getattr(dispatch_output, "hidden_states_scale", None) is not None:
         raise NotImplementedError(
             f"{BACKEND_NAME} runs on the standard (no all-to-all) MoE dispatcher with bf16 hidden states; got "
@@ -187,19 +250,6 @@ def apply(layer, dispatch_output):
     to_std = getattr(topk_output, "to_standard", None)
     if not hasattr(topk_output, "topk_ids") and to_std is not None:
         topk_output = to_std()
-    x = dispatch_output.hidden_states
-    cfg = layer.moe_runner_config
     if not hasattr(layer, "_dsv4_w13_scale_2"):
         prepare_layer(layer)
-    return nvfp4_fused_moe(
-        x,
-        layer.w13_weight.data,
-        layer.w13_weight_scale.data,
-        layer._dsv4_w13_scale_2,
-        layer.w2_weight.data,
-        layer.w2_weight_scale.data,
-        layer._dsv4_w2_scale_2,
-        topk_output.topk_weights,
-        topk_output.topk_ids,
-        swiglu_limit=getattr(cfg, "swiglu_limit", None),
-    )
+    return run_experts(layer, dispatch_output.hidden_states, topk_output.topk_weights, topk_output.topk_ids)
