@@ -45,7 +45,7 @@ def _sglang_name(N, K, dev_raw, bn=128, bk=128) -> str:
 
 
 def _tuned_files():
-    return sorted(p for p in CONFIGS.rglob("*.json") if not p.name.startswith("summary_"))
+    return sorted(p for p in (CONFIGS / "fp8").rglob("*.json") if not p.name.startswith("summary_"))
 
 
 # --------------------------------------------------------------------------- shipped files
