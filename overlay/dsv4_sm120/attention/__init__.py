@@ -5,7 +5,7 @@ Public entry point::
     out, lse = dsv4_sm120.attention.sparse_mla_decode(
         q, k_cache, indices, topk_length=None, attn_sink=None, head_dim_v=512,
         softmax_scale=None, extra_k_cache=None, extra_indices_in_kvcache=None,
-        extra_topk_length=None, *, qk_mode=None)
+        extra_topk_length=None, *, qk_mode=None, launch=None)
 
 Same argument meaning as SGLang's ``flash_mla_with_kvcache_sm120``: ``q [T,1,H,512]`` bf16 (any H,
 may be a head-slice view), caches in the DeepSeek-V4 page layout (``[N, P, 1, 584]`` views, any
@@ -14,7 +14,9 @@ per-head sink (natural-log logit). Returns ``out [T,1,H,512]`` bf16 (zeros for r
 candidate) and ``lse [T,H,1]`` fp32 (natural log, sink excluded, -inf for such rows).
 
 ``qk_mode``: ``"bf16"`` | ``"fp8"`` | ``None`` (env ``DSV4_SM120_ATTN_QK``, default ``auto`` = bf16; ``fp8`` =
-block-scaled QK, native on sm_120). Env ``DSV4_SM120_ATTN_CONFIG`` overrides launch keys (``config``).
+block-scaled QK, native on sm_120). Env ``DSV4_SM120_ATTN_CONFIG`` overrides launch keys (``config``);
+``launch``: launch keys for this call only, in the same syntax (e.g. ``"impl=tiled"``), applied over the
+environment's (the SGLang glue passes a machine profile's launch variant this way: docs/calibrate.md).
 
 Modules: ``launch`` (host side: checks, launches, workspace), ``config`` (launch tables, overrides,
 ``resolve``), ``plan`` (split / combine plans), ``kernels`` (Triton), ``reference`` (float64 reference),
