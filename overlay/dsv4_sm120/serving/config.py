@@ -66,7 +66,7 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "STOP_GRACE_S": ("30", "seconds between SIGTERM and SIGKILL at teardown"),
     "SUPERVISE_HEALTH_FAILS": ("0", "tear down after this many consecutive failed health checks (0 = only on exit)"),
     "SUPERVISE_HEALTH_EVERY_S": ("30", "seconds between supervision health checks"),
-    "PREFLIGHT_SKIP": ("", "comma list of checks to skip: gpu,model,patches,nixl,ports,router,profile"),
+    "PREFLIGHT_SKIP": ("", "comma list of checks to skip: ports,gpu,model,patches,nixl,numa,p2p,ucx,router,profile"),
     "CALIBRATE": ("0", "1 = measure this box first (`make calibrate`: python -m dsv4_sm120.calibrate with the plan's TP and MODEL_PATH, on the first decode GPU; minutes) and write the machine profile the servers then read; 0 = use the profile there is"),
     "DETACH": ("0", "1 = return once everything is healthy, supervision continues in the background"),
     "DRY_RUN": ("0", "1 = print the commands and environment, start nothing"),
