@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import settings
+from ..fileio import atomic_write_text
 from . import supervisor as sv
 from . import verify_report as vr
 from .config import VARIABLES, ConfigError, Plan, build_plan, repo_root
@@ -278,7 +279,7 @@ class Verify:
             rec["seconds"] = round(time.monotonic() - t0, 3)
             errors += "error" in rec
             out.append(rec)
-        vr.atomic_write(self.run_dir / v / "greedy.json", json.dumps(out, indent=1) + "\n")
+        atomic_write_text(self.run_dir / v / "greedy.json", json.dumps(out, indent=1) + "\n")
         res = {"results": out, "prompts": len(out), "max_new_tokens": self.a.greedy_tokens}
         if errors:
             res["error"] = f"{errors} of {len(out)} greedy requests failed (first: " \
@@ -515,7 +516,7 @@ def fetch_gsm8k(data: Optional[str], url: str) -> Tuple[Optional[Path], str]:
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
             raw = r.read()
-        vr.atomic_write(dest, raw.decode())
+        atomic_write_text(dest, raw.decode())
     except urllib.error.HTTPError as e:
         return None, f"GSM8K not reachable (HTTP {e.code} from {url})"
     except (urllib.error.URLError, OSError, ValueError) as e:
