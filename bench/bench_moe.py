@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 
 from dsv4_sm120 import bench_results as R  # noqa: E402
+from dsv4_sm120.cuda_timing import cuda_graph_us  # noqa: E402
 
 # name -> (hidden, inter per rank, experts, top-k, token counts)
 CASES = {"tp4": (4096, 512, 256, 6, (1, 4, 16, 64, 128, 1024, 4096))}
@@ -205,32 +206,11 @@ def copy_bandwidth():
 
 
 def time_graph(fns, reps):
-    """Median microseconds per call: the calls in ``fns`` captured in one graph."""
+    """Median microseconds per call: the calls in ``fns`` run eagerly once, then captured in one graph."""
     for f in fns:
         f()
     torch.cuda.synchronize()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    del g
-    return statistics.median(ts) * 1e3 / len(fns)
+    return cuda_graph_us(fns, reps)
 
 
 def _routings(M, E, k, n, gen_seed):

@@ -25,9 +25,10 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
+
+from dsv4_sm120.fileio import atomic_write_text
 
 HEAD = ("subject", "case", "variant", "impl")
 SHAPE_FIELDS = {
@@ -420,15 +421,6 @@ def gpu_slug(gpu: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", s.lower()).strip("_") or "gpu"
 
 
-def atomic_write(path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp_")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = None) -> int:
     """``table SUBJECT`` / ``check FILE``. ``results_dir``: where ``<subject>.csv`` and the generated tables live
     by default (the bench/ wrapper passes the repository's bench/results)."""
@@ -468,7 +460,7 @@ def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = No
         if out == "-":
             sys.stdout.write(text)
         else:
-            atomic_write(out, text)
+            atomic_write_text(out, text)
             print(f"wrote {out}")
         return 0
     except ResultsError as exc:

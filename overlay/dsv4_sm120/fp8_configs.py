@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -69,28 +68,6 @@ ENV_BACKEND = "DSV4_SM120_FP8_GEMM_BACKEND"
 _warned: set = set()
 
 
-def _repo_fp8_dir_from_manifest(sglang_root: Optional[Path]) -> Optional[Path]:
-    """``<repo_root>/configs/fp8`` from the apply manifest ``make apply-patches`` wrote into SGLang, or None."""
-    if sglang_root is None:
-        return None
-    repo = (read_json_object(sglang_root / ".dsv4_sm120" / "manifest.json") or {}).get("repo_root")
-    if not repo or not isinstance(repo, str):
-        return None
-    return Path(repo) / "configs" / "fp8"
-
-
-def _sglang_root() -> Optional[Path]:
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin:
-        return None
-    return Path(spec.origin).resolve().parent
-
-
 def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
     """The project's FP8 config directory (see module doc), or None when switched off / not found."""
     env = settings.raw(ENV_CONFIG_DIR)
@@ -102,7 +79,10 @@ def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
             _warned.add(str(p))
             logger.warning("%s=%s is not a directory; using SGLang's own FP8 GEMM configs", ENV_CONFIG_DIR, p)
         return p if p.is_dir() else None
-    candidates = [_repo_fp8_dir_from_manifest(sglang_root if sglang_root is not None else _sglang_root()),
+    from dsv4_sm120.patching import applied_repo_root
+
+    repo = applied_repo_root(sglang_root)
+    candidates = [repo / "configs" / "fp8" if repo is not None else None,
                   Path(__file__).resolve().parents[2] / "configs" / "fp8"]
     for c in candidates:
         if c is not None and c.is_dir():

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from dsv4_sm120 import SGLANG_VERSION, __version__, settings
+from dsv4_sm120.fileio import atomic_write_bytes
 
 STATE_DIR = ".dsv4_sm120"
 MANIFEST = "manifest.json"
@@ -428,25 +429,35 @@ def read_manifest(root: Path) -> Optional[dict]:
     return json.loads(mf.read_text())
 
 
-def _atomic_write(path: Path, data: bytes, mode: Optional[int] = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def installed_sglang_root() -> Optional[Path]:
+    """The directory of the ``sglang`` package this interpreter imports, or None when there is none."""
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        import importlib.util
+
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return Path(spec.origin).resolve().parent
+
+
+def applied_repo_root(sglang_root: Optional[Path] = None) -> Optional[Path]:
+    """The checkout the patches were applied from, as recorded in the apply manifest of ``sglang_root``
+    (default: the installed SGLang); None when there is no SGLang, no manifest, or it names no checkout."""
+    if sglang_root is None:
+        sglang_root = installed_sglang_root()
+    if sglang_root is None:
+        return None
+    try:
+        repo = (read_manifest(sglang_root) or {}).get("repo_root")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(repo) if repo and isinstance(repo, str) else None
 
 
 def _write_manifest(root: Path, manifest: dict) -> None:
-    _atomic_write(root / STATE_DIR / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(root / STATE_DIR / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _say(msg: str) -> None:
@@ -513,7 +524,7 @@ def _rollback(root: Path, manifest: dict, say=_say) -> None:
             bad.append(f"{path} (backup corrupt)")
             continue
         if sha256_file(target) != info["pristine"]:
-            _atomic_write(target, data, mode=info.get("mode"))
+            atomic_write_bytes(target, data, mode=info.get("mode"))
     if bad:
         raise PatchError("cannot restore: " + ", ".join(bad) + f"; reinstall sglang=={SGLANG_VERSION}")
     for path, info in manifest["files"].items():
@@ -613,7 +624,7 @@ def apply(root: Path, series: Series, python: Optional[str] = None, install: boo
         shutil.rmtree(sdir)
     for path in targets:
         if contents[path] is not None:
-            _atomic_write(sdir / BACKUP_DIR / path, (root / path).read_bytes())
+            atomic_write_bytes(sdir / BACKUP_DIR / path, (root / path).read_bytes())
     manifest = {
         "state": "applying",
         "series_hash": series.hash,
@@ -637,7 +648,7 @@ def apply(root: Path, series: Series, python: Optional[str] = None, install: boo
         if new[path] is None:
             (root / path).unlink()
         else:
-            _atomic_write(root / path, new[path].encode(), mode=modes[path] or 0o644)
+            atomic_write_bytes(root / path, new[path].encode(), mode=modes[path] or 0o644)
     manifest["state"] = "applied"
     _write_manifest(root, manifest)
     say(f"applied {len(series.patches)} patches (series {series.hash[:12]}) to {root}: "
@@ -938,7 +949,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 check(series)
             else:
                 lock = make_lock(series)
-                _atomic_write(series.lock_path(), (json.dumps(lock, indent=2, sort_keys=True) + "\n").encode())
+                atomic_write_bytes(series.lock_path(), (json.dumps(lock, indent=2, sort_keys=True) + "\n").encode())
                 _say(f"wrote {series.lock_path()} ({len(lock['files'])} files, series {series.hash[:12]})")
             return 0
         root = resolve_root(a.sglang_root, a.python)

@@ -31,17 +31,15 @@ statically. This module imports neither torch nor SGLang at import time.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import os
 import re
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 from .. import settings
+from ..fileio import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +66,9 @@ def file_stem(gpu: str) -> str:
 
 
 def _repo_from_manifest() -> Optional[Path]:
-    try:
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin:
-        return None
-    try:
-        from dsv4_sm120.patching import read_manifest
+    from dsv4_sm120.patching import applied_repo_root
 
-        repo = (read_manifest(Path(spec.origin).resolve().parent) or {}).get("repo_root")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return Path(repo) if repo else None
+    return applied_repo_root()
 
 
 def profile_dir() -> Optional[Path]:
@@ -152,21 +140,7 @@ def save(profile: dict, path: Path) -> Path:
     point leaves the previous profile intact."""
     validate(profile, str(path))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(profile, indent=1, sort_keys=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write_json(path, profile, indent=1, sort_keys=False)
     return path
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from dsv4_sm120.cuda_timing import cuda_graph_us
 from dsv4_sm120.fp8.configs import config_file_name, config_for_m, read_json_object
 from dsv4_sm120.fp8.errors import CandidateError, UsageError
 from dsv4_sm120.fp8.kernel import load_kernel
@@ -202,7 +203,6 @@ class GpuBench(Bench):
             raise CandidateError(f"{what}: relative error {err:.3g} > {tol}")
 
     def _graph_us(self, fns: List[Callable]) -> float:
-        torch = self.torch
         if self.device != "cuda":
             for f in fns:
                 f()
@@ -210,31 +210,7 @@ class GpuBench(Bench):
             for f in fns:
                 f()
             return (time.perf_counter() - t0) * 1e6 / len(fns)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        g.replay()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(self.reps):
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1))
-        g.reset()
-        del g
-        ts.sort()
-        return ts[len(ts) // 2] * 1000.0 / len(fns)
+        return cuda_graph_us(fns, self.reps)
 
     # -- Bench API ------------------------------------------------------------
     def time_config(self, shape: Shape, M: int, cfg: Optional[Dict]) -> float:

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from dsv4_sm120 import SGLANG_VERSION, __version__
+from dsv4_sm120.fileio import atomic_write_json, atomic_write_text
 from dsv4_sm120.fp8.configs import (
-    atomic_write_json,
-    atomic_write_text,
     config_file_name,
     read_json_object,
     sglang_device_name,
@@ -35,6 +34,8 @@ from dsv4_sm120.fp8.summary import compare_rows, decide_backend, summary_markdow
 
 # Recorded in the summary's "tool" field.
 TOOL_NAME = "dsv4_sm120.tune_fp8"
+# Tuned tables, partial results and summaries are shared files (committed, read by the serving user).
+OUT_MODE = 0o644
 
 
 class Tuner:
@@ -148,7 +149,7 @@ class Tuner:
                 rows[str(m)] = row
                 atomic_write_json(self.partial_path(sh), {
                     "fingerprint": fp, "device_name": self.dev, "rows": rows,
-                    "elapsed_s": prev_elapsed + self.clock() - t0})
+                    "elapsed_s": prev_elapsed + self.clock() - t0}, mode=OUT_MODE, indent=2)
         finally:
             self.bench.release_shape()
         table = {str(m): rows[str(m)]["best_config"] for m in self.ms if rows[str(m)].get("best_config")}
@@ -156,7 +157,7 @@ class Tuner:
             raise RuntimeError(f"{sh.key}: no candidate config passed the correctness check")
         validate_config_table(table, block_k=BLOCK[1])
         name = config_file_name(sh.N, sh.K, self.bench.device_name_raw)
-        atomic_write_json(self.out_dir / name, table)
+        atomic_write_json(self.out_dir / name, table, mode=OUT_MODE, indent=2)
         summary["shapes"][sh.key] = {
             "N": sh.N, "K": sh.K, "name": sh.name, "complete": True, "fingerprint": fp, "config_file": name,
             "elapsed_s": round(prev_elapsed + self.clock() - t0, 1), "rows": rows}
@@ -232,6 +233,6 @@ class Tuner:
         return summary
 
     def _write_summary(self, summary: dict) -> None:
-        atomic_write_json(self.summary_path, summary)
-        atomic_write_text(self.summary_md_path, summary_markdown(summary))
+        atomic_write_json(self.summary_path, summary, mode=OUT_MODE, indent=2)
+        atomic_write_text(self.summary_md_path, summary_markdown(summary), mode=OUT_MODE)
 

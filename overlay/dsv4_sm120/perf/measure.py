@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .. import settings
+from ..fileio import atomic_write_text
 from . import spec_metrics
 
 # the checkout this runs from (overlay/dsv4_sm120/perf/ -> repository root): relative log / venv paths and the
@@ -183,14 +183,6 @@ def plot(runs: List[dict], path: Path, title: str) -> None:
     os.replace(tmp, path)
 
 
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def git_rev() -> Optional[str]:
     try:
         r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -326,9 +318,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               "router": router, "model": model, "input_len": a.input_len, "output_len": a.output_len,
               "dataset": a.dataset, "label": a.label, "environment": environment(python), "deployment": dep,
               "speculative": spec_info or None, "runs": runs}
-    atomic_write(out_dir / "results.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out_dir / "results.json", json.dumps(result, indent=2) + "\n")
     table = render_table(runs)
-    atomic_write(out_dir / "table.txt", table + "\n")
+    atomic_write_text(out_dir / "table.txt", table + "\n")
     print(table)
     rc = 0 if all(not r.get("error") for r in runs) else 1
     if any(not r.get("error") for r in runs):

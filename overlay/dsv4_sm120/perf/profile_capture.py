@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional
 
+from dsv4_sm120.fileio import atomic_write_text
 from dsv4_sm120.perf import measure, profile_summary
 
 # the checkout this runs from (see measure.REPO); bench/profile_capture.py sets it to its own checkout
@@ -191,9 +192,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"profile: captured {len(traces)} trace(s) but cannot summarise them: {e}", file=sys.stderr)
         return 1
     text = profile_summary.render(summ)
-    profile_summary.atomic_write(out_dir / "summary.json", json.dumps(summ, indent=2) + "\n")
-    profile_summary.atomic_write(out_dir / "summary.txt", text + "\n")
-    profile_summary.atomic_write(out_dir / "capture.json", json.dumps({
+    atomic_write_text(out_dir / "summary.json", json.dumps(summ, indent=2) + "\n")
+    atomic_write_text(out_dir / "summary.txt", text + "\n")
+    atomic_write_text(out_dir / "capture.json", json.dumps({
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": measure.git_rev(),
         "router": router, "decode": decode, "profile_id": profile_id, "request": body, "traces": [str(p) for p in traces],
         "load_command": cmd, "concurrency": a.concurrency, "warmup_s": a.warmup_s,

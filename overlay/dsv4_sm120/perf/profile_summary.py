@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import re
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
+
+from dsv4_sm120.fileio import atomic_write_text
 
 GROUPS = ("sparse attention", "MoE", "dense GEMM", "communication", "norm/rope/other")
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -200,14 +200,6 @@ def expand(inputs: List[str]) -> List[Path]:
     return out
 
 
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Groups and rules: see the module docstring (bench/profile_summary.py).")
@@ -222,7 +214,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1 if "no GPU kernel events" in str(e) else 2
     print(render(s))
     if a.json:
-        atomic_write(a.json, json.dumps(s, indent=2) + "\n")
+        atomic_write_text(a.json, json.dumps(s, indent=2) + "\n")
     return 0
 
 

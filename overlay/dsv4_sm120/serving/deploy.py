@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .. import settings
+from ..fileio import atomic_write_text
 from . import supervisor as sv
 from .config import VARIABLES, ConfigError, Plan, build_plan, render_dry_run, repo_root
 from .preflight import run_preflight
@@ -92,7 +93,7 @@ def cmd_start(a) -> int:
                   file=sys.stderr)
             return 1
     run_dir.mkdir(parents=True, exist_ok=True)
-    sv.atomic_write(run_dir / "plan.json", plan.to_json())
+    atomic_write_text(run_dir / "plan.json", plan.to_json())
     _link_latest(plan)
     if not detach:
         sv.LOG_FILE = str(run_dir / "supervisor.log")

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import settings
+from ..fileio import atomic_write_text
 from .config import Plan
 from .topology import apply_binding
 
@@ -43,21 +43,6 @@ def say(msg: str) -> None:
                 f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
         except OSError:
             pass
-
-
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def read_state(run_dir: Path) -> Optional[dict]:
@@ -287,7 +272,7 @@ class Supervisor:
                          "log": next(x.log for x in self.plan.procs if x.role == r),
                          "health_url": next(x.health_url for x in self.plan.procs if x.role == r)}
                         for r, p in self.children.items()]}
-        atomic_write(self.run_dir / "state.json", json.dumps(st, indent=2) + "\n")
+        atomic_write_text(self.run_dir / "state.json", json.dumps(st, indent=2) + "\n")
 
     def _signal(self, signum, _frame) -> None:
         self.stop_requested = signum

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import settings
+from ..fileio import atomic_write_text
 from . import supervisor as sv
 from . import verify_report as vr
 from .config import VARIABLES, ConfigError, Plan, build_plan, repo_root
@@ -249,6 +250,18 @@ class Verify:
         env["PYTHONPATH"] = str(OVERLAY) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
+    def run_client(self, v: str, stage: str, cmd: List[str],
+                   echo: Callable[[str], bool]) -> Tuple[Optional[int], Path]:
+        """Run a client stage's command against variant ``v`` (output in ``<run>/<v>/<stage>.log``, lines passing
+        ``echo`` also printed, ``--stage-timeout`` applies): (exit code or None on timeout, the log)."""
+        log = self.run_dir / v / f"{stage}.log"
+        return self.run_cmd(cmd, log, self.client_env(), self.a.stage_timeout, self.run_dir / v, echo=echo), log
+
+    def perf_tool_args(self) -> List[str]:
+        """The ``--python`` / ``--model`` options that make measure and make profile take from verify's own."""
+        a = self.a
+        return (["--python", a.python] if a.python else []) + (["--model", a.model] if a.model else [])
+
     def client_python(self) -> str:
         from ..perf import measure
         return measure.serving_python(self.a.python)
@@ -278,7 +291,7 @@ class Verify:
             rec["seconds"] = round(time.monotonic() - t0, 3)
             errors += "error" in rec
             out.append(rec)
-        vr.atomic_write(self.run_dir / v / "greedy.json", json.dumps(out, indent=1) + "\n")
+        atomic_write_text(self.run_dir / v / "greedy.json", json.dumps(out, indent=1) + "\n")
         res = {"results": out, "prompts": len(out), "max_new_tokens": self.a.greedy_tokens}
         if errors:
             res["error"] = f"{errors} of {len(out)} greedy requests failed (first: " \
@@ -296,15 +309,14 @@ class Verify:
     def stage_accuracy(self, v: str) -> dict:
         if self.gsm8k is None:
             return {"skipped": self.accuracy_note}
-        log = self.run_dir / v / "accuracy.log"
-        rc = self.run_cmd(self.accuracy_cmd(v), log, self.client_env(), self.a.stage_timeout, self.run_dir / v,
-                          echo=lambda line: line.startswith(("Accuracy", "Invalid", "Latency")))
+        rc, log = self.run_client(v, "accuracy", self.accuracy_cmd(v),
+                                  echo=lambda line: line.startswith(("Accuracy", "Invalid", "Latency")))
         text = log.read_text(errors="replace")
         acc = re.findall(r"^Accuracy: ([0-9.]+)", text, re.M)
         inv = re.findall(r"^Invalid: ([0-9.]+)", text, re.M)
         res = {"log": str(log), "questions": self.a.gsm8k_questions, "shots": self.a.gsm8k_shots}
         if rc != 0 or not acc:
-            res["error"] = f"SGLang's GSM8K helper {'timed out' if rc is None else 'exited %s' % rc}; see {log}"
+            res["error"] = client_failure("SGLang's GSM8K helper", rc, log)
             return res
         res.update(accuracy=float(acc[-1]), invalid=float(inv[-1]) if inv else None)
         return res
@@ -316,17 +328,15 @@ class Verify:
                "--output-len", str(a.output_len), "--prompts-per-level", str(a.prompts_per_level),
                "--min-prompts", str(a.min_prompts), "--out-dir", str(self.run_dir / v / "measure"),
                "--log-dir", str(self.log_dir), "--label", f"verify {v}"]
-        return cmd + (["--python", a.python] if a.python else []) + (["--model", a.model] if a.model else [])
+        return cmd + self.perf_tool_args()
 
     def stage_measure(self, v: str) -> dict:
         out = self.run_dir / v / "measure"
-        rc = self.run_cmd(self.measure_cmd(v), self.run_dir / v / "measure.log", self.client_env(),
-                          self.a.stage_timeout, self.run_dir / v, echo=lambda line: line.startswith("measure:"))
+        rc, log = self.run_client(v, "measure", self.measure_cmd(v), echo=lambda line: line.startswith("measure:"))
         data = read_json(out / "results.json") or {}
         res = {"out_dir": str(out), "runs": data.get("runs") or [], "speculative": data.get("speculative")}
         if rc != 0:
-            res["error"] = f"make measure {'timed out' if rc is None else 'exited %s' % rc}; see " \
-                           f"{self.run_dir / v / 'measure.log'}"
+            res["error"] = client_failure("make measure", rc, log)
         return res
 
     def profile_cmd(self, v: str) -> List[str]:
@@ -338,18 +348,16 @@ class Verify:
                "--warmup-s", f"{a.profile_warmup_s:g}", "--num-steps", str(a.profile_steps),
                "--input-len", str(a.input_len), "--output-len", str(a.profile_output_len),
                "--out-dir", str(self.run_dir / v / "profile"), "--log-dir", str(self.log_dir)]
-        return cmd + (["--python", a.python] if a.python else []) + (["--model", a.model] if a.model else [])
+        return cmd + self.perf_tool_args()
 
     def stage_profile(self, v: str) -> dict:
         out = self.run_dir / v / "profile"
-        rc = self.run_cmd(self.profile_cmd(v), self.run_dir / v / "profile.log", self.client_env(),
-                          self.a.stage_timeout, self.run_dir / v, echo=lambda line: line.startswith("profile:"))
+        rc, log = self.run_client(v, "profile", self.profile_cmd(v), echo=lambda line: line.startswith("profile:"))
         s = read_json(out / "summary.json") or {}
         res = {"out_dir": str(out), "groups": s.get("groups"), "idle_share_of_window": s.get("idle_share_of_window"),
                "bottleneck": s.get("bottleneck")}
         if rc != 0:
-            res["error"] = f"make profile {'timed out' if rc is None else 'exited %s' % rc}; see " \
-                           f"{self.run_dir / v / 'profile.log'}"
+            res["error"] = client_failure("make profile", rc, log)
         return res
 
     # ---- the run
@@ -472,6 +480,11 @@ class Verify:
 
 # ---- helpers
 
+def client_failure(what: str, rc: Optional[int], log: Path) -> str:
+    """The error of a client stage that did not succeed (``rc`` None: it ran out of time)."""
+    return f"{what} {'timed out' if rc is None else f'exited {rc}'}; see {log}"
+
+
 def read_json(p: Path) -> Optional[dict]:
     try:
         return json.loads(p.read_text())
@@ -515,7 +528,7 @@ def fetch_gsm8k(data: Optional[str], url: str) -> Tuple[Optional[Path], str]:
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
             raw = r.read()
-        vr.atomic_write(dest, raw.decode())
+        atomic_write_text(dest, raw.decode())
     except urllib.error.HTTPError as e:
         return None, f"GSM8K not reachable (HTTP {e.code} from {url})"
     except (urllib.error.URLError, OSError, ValueError) as e:

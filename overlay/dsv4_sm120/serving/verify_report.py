@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from ..fileio import atomic_write_text
 
 # A throughput difference below this fraction counts as "the same" (run-to-run noise of the load generator).
 SPEED_NOISE = 0.02
@@ -260,14 +260,6 @@ def render_markdown(rep: dict) -> str:
     return "\n".join(L)
 
 
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_report(rep: dict, run_dir: Path) -> None:
-    atomic_write(run_dir / "report.json", json.dumps(rep, indent=2, default=str) + "\n")
-    atomic_write(run_dir / "report.md", render_markdown(rep) + "\n")
+    atomic_write_text(run_dir / "report.json", json.dumps(rep, indent=2, default=str) + "\n")
+    atomic_write_text(run_dir / "report.md", render_markdown(rep) + "\n")
