@@ -2,6 +2,10 @@
 
 Usage: ``python -m dsv4_sm120.convert_nvfp4 SRC_DIR DST_DIR [options]``
 
+Over 800 lines on purpose: the streaming, resumable conversion (plan, validation of every scale before a write,
+per-shard conversion with its journal, verification, report) shares one plan and one journal format; the
+number format lives in ``nvfp4.py`` and safetensors headers in ``safetensors_index.py``.
+
 SRC_DIR is the released checkpoint (config.json, model.safetensors.index.json,
 safetensors shards; routed experts ``layers.{i}.ffn.experts.{e}.w{1,2,3}.weight``
 packed e2m1 (I8/U8) + ``.scale`` E8M0 per 32). DST_DIR receives a checkpoint in

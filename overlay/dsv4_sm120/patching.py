@@ -2,6 +2,11 @@
 
 Usage: ``python -m dsv4_sm120.patching {apply,revert,status,check,lock} --help``
 
+One module of ~1000 lines on purpose: it must run with the standard library alone from a bare checkout
+(``make apply-patches`` before any environment has the package), and its parts (series parsing, the strict
+applier, the all-or-nothing apply / revert state machine with its manifest, the pinned-wheel fetch) share one
+set of hashing and file helpers; split, it would need a package importable before installation.
+
 Model
 -----
 * ``patches/series`` lists ``*.patch`` files in order.  Each patch is a unified
