@@ -114,6 +114,7 @@ class Plan:
     remote_health: Dict[str, str]            # role -> health URL of parts run on another host
     urls: Dict[str, str]
     fp8_reason: str = ""
+    moe_reason: str = ""
     spec_reason: str = ""
     calibrate_argv: List[str] = field(default_factory=list)   # CALIBRATE=1: run before the preflight's checks
     calibrate_env: Dict[str, str] = field(default_factory=dict)
@@ -223,6 +224,69 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
     return choice, (f"{choice}: {why}" if choice else f"SGLang default: {why}")
 
 
+# calibrate's MXFP4 runner names -> SGLang 0.5.23's --moe-runner-backend values (spelt the same today;
+# tests/test_serve_moe_runner.py checks every value against SGLang's own choices). A profile winner missing here
+# is never passed.
+MXFP4_RUNNER_FLAGS = {"flashinfer_mxfp4": "flashinfer_mxfp4", "deep_gemm": "deep_gemm", "marlin": "marlin"}
+MOE_FLAG = "--moe-runner-backend"
+
+
+def user_moe_flag(s: Dict[str, str]) -> Optional[str]:
+    """The first of SERVER/PREFILL/DECODE_EXTRA_ARGS that passes --moe-runner-backend, or None."""
+    for k in ("SERVER_EXTRA_ARGS", "PREFILL_EXTRA_ARGS", "DECODE_EXTRA_ARGS"):
+        if any(t == MOE_FLAG or t.startswith(MOE_FLAG + "=") for t in _split(k, s[k])):
+            return k
+    return None
+
+
+def checkpoint_is_mxfp4(model_path: str) -> Tuple[bool, str]:
+    """(MXFP4 routed experts?, what was read): MODEL_PATH's config.json as calibrate reads it; a path that is
+    not a local directory (a Hub id) counts as the released MXFP4 checkpoint."""
+    from dsv4_sm120.calibrate.deployment import DeploymentError, moe_format, read_model_config
+
+    try:
+        cfg, src = read_model_config(model_path)
+    except DeploymentError as e:
+        return False, str(e)
+    return moe_format(cfg) == "mxfp4", src
+
+
+def mxfp4_moe_runner(model_path: str, device_name: Optional[str],
+                     user_flag: Optional[str]) -> Tuple[Optional[str], str]:
+    """The --moe-runner-backend for an MXFP4 checkpoint (None = add nothing: SGLang's default or the user's
+    flag) and why: the ``moe.mxfp4`` winner of the machine profile matching ``device_name`` and this
+    process's versions (the serving python's), through :func:`dsv4_sm120.calibrate.profile.overall`."""
+    if user_flag:
+        return None, f"your {MOE_FLAG} in {user_flag} wins"
+    mx, src = checkpoint_is_mxfp4(model_path)
+    if not mx:
+        return None, f"not added: no MXFP4 routed experts ({src}); the patched SGLang picks the NVFP4 runner itself"
+    if device_name is None:
+        return None, "SGLang default (no GPU name from nvidia-smi, so no machine profile applies)"
+    import logging
+
+    from dsv4_sm120.calibrate import profile as P
+
+    log = logging.getLogger(P.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)          # the reasons go into this line; the preflight warns about them
+    try:
+        prof, path, reasons = P.active_profile(device_name)
+        choice, source, detail = P.overall("moe.mxfp4", gpu=device_name)
+    finally:
+        log.setLevel(level)
+    if prof is None:
+        why = "; ".join(r for r in reasons if not r.startswith("warning:")) or "no reason given"
+        return None, f"SGLang default (no matching machine profile for {device_name}: {why})"
+    if source == "default":
+        return None, f"SGLang default (profile {path} has no moe.mxfp4 winner{': ' + detail if detail else ''})"
+    flag = MXFP4_RUNNER_FLAGS.get(choice)
+    if flag is None:
+        return None, (f"SGLang default (profile {path} picks {choice!r}, which is not a {MOE_FLAG} choice of "
+                      f"SGLang 0.5.23; skipped)")
+    return flag, f"{flag}: profile {path}{' (' + detail + ')' if detail else ''}"
+
+
 def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[float] = None) -> Plan:
     if variant not in ("base", "mtp"):
         raise ConfigError(f"unknown variant {variant!r}")
@@ -265,9 +329,14 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         # --enable-metrics: the speculation counters make measure report accepted tokens per step
         spec = spec + ["--enable-metrics"]
     dev = None
-    if s["FP8_GEMM_BACKEND"].strip() in ("auto", "") and ("decode" in roles or "prefill" in roles):
+    servers = "decode" in roles or "prefill" in roles
+    user_moe = user_moe_flag(s)
+    want_moe = servers and user_moe is None and checkpoint_is_mxfp4(s["MODEL_PATH"])[0]
+    if servers and (s["FP8_GEMM_BACKEND"].strip() in ("auto", "") or want_moe):
         dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0])
     fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo, dev)
+    moe, moe_reason = (mxfp4_moe_runner(s["MODEL_PATH"], dev, user_moe) if servers
+                       else (None, "no server on this host"))
     cal_argv, cal_env = calibrate_command(s, python, roles, pg, dg)
 
     # Run directory (not created here).
@@ -305,6 +374,8 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         common += ["--served-model-name", s["SERVED_MODEL_NAME"]]
     if fp8:
         common += ["--fp8-gemm-backend", fp8]
+    if moe:
+        common += [MOE_FLAG, moe]
     if s["IB_DEVICE"]:
         common += ["--disaggregation-ib-device", s["IB_DEVICE"]]
     prof_dir = environ.get("SGLANG_TORCH_PROFILER_DIR") or str(run_dir / "profile")
@@ -377,7 +448,7 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     return Plan(variant=variant, repo=str(repo), python=python, run_dir=str(run_dir), roles=roles, standin=standin,
                 settings=s, common_env=common_env, procs=procs, remote_health=remote,
                 urls={"prefill": prefill_url, "decode": decode_url, "router": router_url}, fp8_reason=fp8_reason,
-                spec_reason=spec_reason, calibrate_argv=cal_argv, calibrate_env=cal_env)
+                moe_reason=moe_reason, spec_reason=spec_reason, calibrate_argv=cal_argv, calibrate_env=cal_env)
 
 
 def calibrate_command(s: Dict[str, str], python: str, roles: List[str], pg: List[int],
@@ -454,6 +525,8 @@ def render_dry_run(plan: Plan) -> str:
     else:
         out.append("# every setting at its default (serve/serve_dsv4_tp4.sh --help-vars lists them)")
     out.append(f"# fp8 gemm backend: {plan.fp8_reason}")
+    if plan.moe_reason:
+        out.append(f"# moe runner: {plan.moe_reason}")
     if plan.spec_reason:
         out.append(f"# speculative decoding: {plan.spec_reason}")
     for p in plan.procs:
