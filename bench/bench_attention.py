@@ -19,6 +19,9 @@ Speculative decoding (group ``speculative``; ``batch`` = query rows = requests x
   dspark_verify  DSpark verify: SWA128 + c4-512, H=16; rows = B x 6
   eagle_verify   EAGLE verify: SWA128 + c4-512, H=16; rows = B x 4
   eagle_draft    EAGLE draft decode step (MTP layer): SWA128 only, H=16; rows = B
+Launch sweeps (group ``launch``: launch_h16, launch_h32, launch_h64; SWA128 + c4-512): only ours, each candidate
+launch of LAUNCH_CANDIDATES (both --qk-modes) recorded with its text as ``variant``; then
+``python bench/results_table.py launch attention`` writes this GPU's launch tables from the rows.
 
 Impls (rows' ``impl``): ``ours-bf16`` / ``ours-fp8`` (``--qk-modes``), and each baseline present:
 ``flashmla`` (sgl-flash-mla, ``use_legacy=True``, q padded to 64 heads; sm_90 / sm_100), ``flashinfer``
@@ -31,6 +34,7 @@ syntax); each is timed next to the default at ``--variant-cases`` and recorded w
 
   python3 bench/bench_attention.py --cases tp4_decode --variants 'SPAN=0'
   python3 bench/bench_attention.py --dry-run --cases all     # the rows it would write; no GPU needed
+  python3 bench/bench_attention.py --cases launch --qk-modes bf16,fp8   # this GPU's launch-table sweep
 """
 
 from __future__ import annotations
@@ -60,8 +64,26 @@ CASES.update({"dspark_draft": ("dspark192", 16, tuple(5 * b for b in SPEC_B)),
               "eagle_verify": ("swa128+c4", 16, tuple(4 * b for b in SPEC_B)),
               "eagle_draft": ("swa128", 16, SPEC_B)})
 DSPARK_BLOCK, DSPARK_VALID = 5, 133  # draft rows per request; valid candidates = window 128 + block 5
-GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"), "all": tuple(CASES),
-          "speculative": ("dspark_draft", "dspark_verify", "eagle_verify", "eagle_draft")}
+# Launch sweeps (group ``launch``): every candidate launch of a table shape (heads, qk mode) at grid-row sizes
+# from one row to past the decode batches, so dsv4_sm120.launch_sweep can generate this GPU's launch tables
+# (``bench/results_table.py launch attention``). Candidates spell out every key of their body; "auto" keys follow
+# the rules of attention.config. SWA128 + c4-512 (the TP4 decode layout) at every head count.
+LAUNCH_B = (1, 4, 16, 32, 64, 96, 128, 192, 256, 384, 512, 1024)
+REG = "impl=reg,BLOCK_H=16,BLOCK_N=32,num_warps=4,num_stages=1,maxnreg=0,waves=2,KCVT=1,DEC_LATE=1,SPAN=1,PART_BF16=1"
+TILED_AUTO = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxnreg=auto,waves=auto,PREFETCH=auto,"
+              "KCVT=1,PART_BF16=1")
+TILED_W2 = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxnreg=auto,waves=2,PREFETCH=0,KCVT=1,"
+            "PART_BF16=1")
+FLAT = "impl=flat,BLOCK_H={H},BLOCK_N=32,num_warps=8,num_stages=1,maxnreg=0,waves=2"
+LAUNCH_CANDIDATES = {  # (heads, qk) -> candidate launch texts
+    (16, "bf16"): (REG, TILED_AUTO), (16, "fp8"): (TILED_AUTO, TILED_W2),
+    (32, "bf16"): (REG, FLAT.format(H=32), TILED_W2), (32, "fp8"): (TILED_W2, FLAT.format(H=32), TILED_AUTO),
+    (64, "bf16"): (REG, FLAT.format(H=64), TILED_W2), (64, "fp8"): (TILED_W2, FLAT.format(H=64), TILED_AUTO)}
+CASES.update({f"launch_h{h}": ("swa128+c4", h, LAUNCH_B) for h in (16, 32, 64)})
+GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"),
+          "all": tuple(c for c in CASES if not c.startswith("launch")),
+          "speculative": ("dspark_draft", "dspark_verify", "eagle_verify", "eagle_draft"),
+          "launch": ("launch_h16", "launch_h32", "launch_h64")}
 BASELINES = ("flashmla", "flashinfer", "upstream-triton", "torch-eager")
 
 
@@ -128,9 +150,17 @@ def plan(args):
 
 
 def check_variants(variants):
-    """Validate the variant texts with the kernel's torch-free parser (a typo fails before any GPU work); the
-    kernel validates them again when it runs."""
+    """Validate the variant texts and the launch candidates with the kernel's torch-free parser (a typo fails
+    before any GPU work); the kernel validates them again when it runs."""
     from dsv4_sm120.attention.config import parse_config
+    from dsv4_sm120.launch_sweep import SweepError, attention_entry
+
+    for texts in LAUNCH_CANDIDATES.values():
+        for t in texts:
+            try:
+                attention_entry(t)
+            except SweepError as exc:
+                raise UsageError(str(exc)) from None
 
     for v in variants:
         try:
@@ -148,9 +178,13 @@ def dry_run(args, cases, variants, modes, command):
     for case, layout, H, bs, with_v in cases:
         for B in bs:
             names = []
-            if "ours" in impls:
-                names += [(f"ours-{m}", v or "default") for m in modes for v in [""] + (variants if with_v else [])]
-            names += [(b, "default") for b in BASELINES if b.split("-")[0] in impls]
+            if case.startswith("launch"):
+                names += [(f"ours-{m}", v) for m in modes for v in LAUNCH_CANDIDATES[(H, m)]]
+            else:
+                if "ours" in impls:
+                    names += [(f"ours-{m}", v or "default") for m in modes
+                              for v in [""] + (variants if with_v else [])]
+                names += [(b, "default") for b in BASELINES if b.split("-")[0] in impls]
             for impl, variant in names:
                 row = R.make_row("attention", case=case, variant=variant, impl=impl, layout=layout, heads=H,
                                  batch=B, context=args.context, date=R.now(), command=command,
@@ -311,7 +345,10 @@ def main(argv=None):
             R.append_rows(args.results, "attention", got)  # per point: an interrupted run keeps what it measured
             rows += got
     print(R.render_table("attention", rows, env["gpu"], all_variants=True) if rows else "no rows measured")
-    print("\n".join(R.best_variants(rows)))
+    print("\n".join(R.best_variants([r for r in rows if not r["case"].startswith("launch")])))
+    if any(r["case"].startswith("launch") for r in rows):
+        print(f"launch tables from these rows: python bench/results_table.py launch attention --gpu '{env['gpu']}'"
+              + ("" if args.results == REPO / "bench" / "results" / "attention.csv" else f" --results {args.results}"))
     print(f"appended {len(rows)} rows to {args.results}")
     return 0
 
@@ -340,9 +377,12 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env):
 
     # (impl, variant) -> (f(layer_i) returning out [B,1,H,512], graph replay?, notes)
     calls = {}
+    launch_sweep = case.startswith("launch")
+    if launch_sweep:
+        impls = ["ours"]  # a launch sweep times our candidates only
     if "ours" in impls:
         for mode in modes:
-            for v in [""] + variants:
+            for v in (LAUNCH_CANDIDATES[(H, mode)] if launch_sweep else [""] + variants):
                 ov = config.parse_config(v, f"--variants item {v!r}")
                 if mode == "fp8" and ov.get("impl") in config.BF16_ONLY_IMPLS:
                     continue  # bf16-only bodies refuse fp8 QK

@@ -16,7 +16,8 @@ Each replay runs ``--rotate`` calls with different routings whose expert sets sp
 weights come from HBM and not from L2.
 
 Cases (``--cases``): ``tp4`` (H 4096, I 512 per rank, E 256, top-6; M = 1,4,16,64,128,1024,4096; ``--m``
-overrides M). ``--variants 'BN1=64,BK1=128;align=torch;apre=0'``: launch variants of the default path, each a
+overrides M); ``launch`` (the same shape; a launch sweep: each complete candidate of LAUNCH_CANDIDATES at
+M = 1..4096, no default or baseline rows; ``bench/results_table.py launch moe`` then writes this GPU's table). ``--variants 'BN1=64,BK1=128;align=torch;apre=0'``: launch variants of the default path, each a
 ','-list of launch-table fields (BM, BN1, BK1, BN2, BK2, warps1, warps2, stages; align=inkernel|triton|torch, auto =
 the table's) and apre=0|1 (fp4 path: activations quantized in every GEMM program / once per row); fields a
 variant does not set keep the launch table's value. Timed at ``--variant-m`` and recorded with that text as
@@ -25,6 +26,7 @@ variant does not set keep the launch table's value. Timed at ``--variant-m`` and
   python bench/bench_moe.py                      # the tp4 case
   python bench/bench_moe.py --m 1,64 --variants 'align=torch;BN1=64' --variant-m 1,64
   python bench/bench_moe.py --dry-run            # the rows it would write; no GPU needed
+  python bench/bench_moe.py --cases launch        # this GPU's launch-table sweep
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ from dsv4_sm120.cuda_timing import cuda_graph_us  # noqa: E402
 
 # name -> (hidden, inter per rank, experts, top-k, token counts)
 CASES = {"tp4": (4096, 512, 256, 6, (1, 4, 16, 64, 128, 1024, 4096))}
+# Launch sweep (case ``launch``, the tp4 shape): every candidate launch of the default path at token counts from
+# one to a long prefill chunk, so dsv4_sm120.launch_sweep can generate this GPU's MoE launch table
+# (``bench/results_table.py launch moe``). Candidates: the tile sets of the shipped tables, each with the three
+# token groupings; every field spelled out.
+LAUNCH_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_TILES = ("BM=16,BN1=32,BK1=256,BN2=64,BK2=256,warps1=4,warps2=4,stages=3",
+          "BM=16,BN1=64,BK1=256,BN2=64,BK2=256,warps1=4,warps2=4,stages=3",
+          "BM=16,BN1=64,BK1=128,BN2=128,BK2=128,warps1=4,warps2=4,stages=3",
+          "BM=32,BN1=64,BK1=128,BN2=64,BK2=128,warps1=4,warps2=4,stages=3",
+          "BM=64,BN1=64,BK1=128,BN2=128,BK2=128,warps1=8,warps2=8,stages=3")
+LAUNCH_CANDIDATES = tuple(f"{t},align={a}" for t in _TILES for a in ("inkernel", "triton", "torch"))
+CASES["launch"] = CASES["tp4"][:4] + (LAUNCH_M,)
 CONFIG_FIELDS = ("BM", "BN1", "BK1", "BN2", "BK2", "warps1", "warps2", "stages")  # integer Config fields
 ALIGN_CHOICES = ("inkernel", "triton", "torch", "auto")  # moe.config.ALIGN_MODES + auto (the table's)
 # knobs the kernel no longer has: a variant naming one is refused rather than timed as the default
@@ -261,6 +275,8 @@ def parse_variant(spec: str):
 
 
 def plan(args):
+    """(shape, token counts of the default rows, token counts of the variant rows, variant texts). A launch
+    sweep has no default rows: its variants are the complete candidates, timed at the case's token counts."""
     if args.cases not in CASES:
         raise UsageError(f"unknown case {args.cases!r}; cases: {', '.join(CASES)}")
     H, I, E, k, ms = CASES[args.cases]
@@ -275,6 +291,16 @@ def plan(args):
     if not ms or min(ms + vms) < 1:
         raise UsageError("--m / --variant-m must be positive integers")
     variants = [v.strip() for v in args.variants.split(";") if v.strip()]
+    if args.cases == "launch":
+        from dsv4_sm120.launch_sweep import SweepError, moe_entry
+
+        variants = variants or list(LAUNCH_CANDIDATES)
+        for v in variants:
+            try:
+                moe_entry(v)
+            except SweepError as exc:
+                raise UsageError(f"--variants item {v!r} of a launch sweep: {exc}") from None
+        ms, vms = [], ms
     for v in variants:
         parse_variant(v)
     return (H, I, E, k), list(ms), vms, variants
@@ -322,7 +348,7 @@ def run(args, shape, ms, vms, variants, command):
     W = make_experts(E, H, I, 0, device=dev)
     fp4_bytes = (W["w13"].numel() + W["w13_scale"].numel() + W["w2"].numel() + W["w2_scale"].numel()) // E
     base = {}
-    if not args.no_baselines:
+    if not args.no_baselines and args.cases != "launch":
         gen = torch.Generator(device="cuda").manual_seed(1)
         w13b = (torch.randn((E, 2 * I, H), generator=gen, device=dev) * H ** -0.5).to(torch.bfloat16)
         w2b = (torch.randn((E, H, I), generator=gen, device=dev) * I ** -0.5).to(torch.bfloat16)
@@ -402,6 +428,9 @@ def run(args, shape, ms, vms, variants, command):
             except Exception as exc:  # noqa: BLE001
                 emit(M, f"nvfp4-{dpath}", spec, None, fp4_bytes, active, error=f"{type(exc).__name__}: {str(exc)[:300]}")
     print(R.render_table("moe", out_rows, env["gpu"], all_variants=True) if out_rows else "no rows measured")
+    if args.cases == "launch":
+        print(f"launch table from these rows: python bench/results_table.py launch moe --gpu '{env['gpu']}'"
+              + ("" if args.results == REPO / "bench" / "results" / "moe.csv" else f" --results {args.results}"))
     print(f"appended {len(out_rows)} rows to {args.results}")
     return 0
 

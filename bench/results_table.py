@@ -4,6 +4,7 @@
   python bench/results_table.py table attention --gpu "NVIDIA H200"   # -> bench/results/attention_h200.md
   python bench/results_table.py table moe --out -                     # print (the file's only GPU)
   python bench/results_table.py check bench/results/fp8.csv
+  python bench/results_table.py launch attention --gpu "NVIDIA H200"  # -> the H200 launch tables (--check: compare)
 
 The table keeps the latest row per (case, impl, variant, shape); see bench/results/README.md.
 """

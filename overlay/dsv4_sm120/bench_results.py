@@ -11,7 +11,8 @@ Appending is safe from several processes at once: each call takes an exclusive `
 header only when the file is empty, and writes all its lines with one ``write``.
 
 ``python -m dsv4_sm120.bench_results table attention --results bench/results/attention.csv --gpu "NVIDIA H200"``
-prints a table; ``check FILE`` validates a file.
+prints a table; ``check FILE`` validates a file; ``launch attention|moe`` generates a GPU's launch tables from
+the file's launch-sweep rows (:mod:`dsv4_sm120.launch_sweep`).
 """
 
 from __future__ import annotations
@@ -421,6 +422,35 @@ def gpu_slug(gpu: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", s.lower()).strip("_") or "gpu"
 
 
+def _launch(a, results_dir: Optional[Path]) -> int:
+    from dsv4_sm120 import launch_sweep as S
+
+    path = a.results or ((results_dir / f"{a.subject}.csv") if results_dir else None)
+    if path is None:
+        raise ResultsError("--results FILE is needed")
+    rows = read_rows(path, a.subject)
+    gpu = a.gpu
+    if not gpu:
+        found = gpus(r for r in rows if r["case"].startswith(S.CASE_PREFIX))
+        if len(found) != 1:
+            raise ResultsError(f"{path} holds launch-sweep rows of {len(found)} GPUs ({', '.join(found) or 'none'}); "
+                               "pick one with --gpu")
+        gpu = found[0]
+    try:
+        tables = S.build(a.subject, rows, gpu)
+    except S.SweepError as exc:
+        raise ResultsError(f"{path}: {exc}") from None
+    changed = S.write(a.subject, tables, a.tables, check=a.check)
+    for f in changed:
+        print(f"{'differs' if a.check else 'wrote'} {f}")
+    print(f"{len(tables)} {a.subject} launch tables for {gpu}: {len(changed)} "
+          f"{'differ from the rows' if a.check else 'written'}, {len(tables) - len(changed)} already up to date")
+    if a.check and changed:
+        print(f"regenerate with: python bench/results_table.py launch {a.subject} --gpu '{gpu}'", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = None) -> int:
     """``table SUBJECT`` / ``check FILE``. ``results_dir``: where ``<subject>.csv`` and the generated tables live
     by default (the bench/ wrapper passes the repository's bench/results)."""
@@ -436,8 +466,18 @@ def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = No
     t.add_argument("--all-variants", action="store_true", help="also variant rows older than the newest defaults")
     c = sub.add_parser("check", help="validate a results file (header, field counts, numbers, dates)")
     c.add_argument("file", type=Path)
+    g = sub.add_parser("launch", help="generate one GPU's launch tables (dsv4_sm120/launch_tables/<subject>/) from "
+                       "the launch-sweep rows of a results file (dsv4_sm120.launch_sweep)")
+    g.add_argument("subject", choices=("attention", "moe"))
+    g.add_argument("--results", type=Path, help="results file (default: <results dir>/<subject>.csv)")
+    g.add_argument("--gpu", help="GPU name as recorded (default: the only GPU with launch-sweep rows)")
+    g.add_argument("--tables", type=Path, help="launch tables root (default: the package's launch_tables/)")
+    g.add_argument("--check", action="store_true", help="write nothing; exit 1 when a table differs from what the "
+                   "rows generate")
     a = p.parse_args(argv)
     try:
+        if a.cmd == "launch":
+            return _launch(a, results_dir)
         if a.cmd == "check":
             rows = read_rows(a.file)
             print(f"{a.file}: {len(rows)} rows, GPUs: {', '.join(gpus(rows)) or 'none'}")

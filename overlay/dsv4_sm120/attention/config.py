@@ -44,11 +44,13 @@ BF16_ONLY_IMPLS = ("reg",)
 QK_MODES = ("auto", "bf16", "fp8")
 
 # launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read
+# ("auto": resolved per launch as described in the module docstring, as a table entry's "auto" is; a launch
+# sweep's candidates spell out every key, some of them "auto")
 KEYS = {
-    "impl": "impl", "waves": "float",
-    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "PREFETCH", "KCVT", "DEC_LATE", "SPAN",
-                          "PART_BF16")},
-    **{k: "int_or_auto" for k in ("maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")},
+    "impl": "impl", "waves": "float_or_auto",
+    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "KCVT", "DEC_LATE", "SPAN", "PART_BF16")},
+    **{k: "int_or_auto" for k in ("num_stages", "PREFETCH", "maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps",
+                                  "combine_maxnreg")},
 }
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D")
 # flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body)
@@ -106,17 +108,18 @@ def parse_config(text: str, source: str = "config") -> Dict[str, object]:
                 raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {val!r}")
             out[key] = val
             continue
-        if kind == "int_or_auto" and val == "auto":
+        if kind.endswith("_or_auto") and val == "auto":
             out[key] = val
             continue
+        is_float = kind.startswith("float")
         try:
-            num = float(val) if kind == "float" else int(val)
+            num = float(val) if is_float else int(val)
         except ValueError:
-            raise DecodeInputError(f"{source}: {key} needs {'a number' if kind == 'float' else 'an integer'}, "
-                                   f"got {val!r}") from None
+            raise DecodeInputError(f"{source}: {key} needs {'a number' if is_float else 'an integer'}"
+                                   f"{' or auto' if kind.endswith('_or_auto') else ''}, got {val!r}") from None
         if key in MAX_VALUE and num > MAX_VALUE[key]:
             raise DecodeInputError(f"{source}: {key}={val} is out of range (0..{MAX_VALUE[key]})")
-        if num < 0 or (kind == "float" and not num > 0) or (key in POW2_KEYS and (num < 1 or num & (num - 1))):
+        if num < 0 or (is_float and not num > 0) or (key in POW2_KEYS and (num < 1 or num & (num - 1))):
             raise DecodeInputError(f"{source}: {key}={val} is out of range"
                                    + (" (a power of two)" if key in POW2_KEYS else ""))
         if key == "BLOCK_D" and num > 512:

@@ -112,14 +112,33 @@ def _nearest_shape(E: int, topk: int, path: str, root: Optional[str]) -> Optiona
 def _from_entry(entry: dict, where) -> dict:
     missing = [k for k in _TABLE_KEYS if k not in entry]
     if missing:
-        raise LT.TableError(f"launch table {where}: an entry lacks {', '.join(missing)}")
+        raise LT.TableError(f"{where}: an entry lacks {', '.join(missing)}")
     vals = {k: entry[k] for k in _TABLE_KEYS}
     if vals["align"] not in ALIGN_MODES:
-        raise LT.TableError(f"launch table {where}: align {vals['align']!r} is not one of {', '.join(ALIGN_MODES)}")
+        raise LT.TableError(f"{where}: align {vals['align']!r} is not one of {', '.join(ALIGN_MODES)}")
     for k in _TABLE_KEYS[:-1]:
         if not isinstance(vals[k], int) or vals[k] <= 0:
-            raise LT.TableError(f"launch table {where}: {k} must be a positive integer, got {vals[k]!r}")
+            raise LT.TableError(f"{where}: {k} must be a positive integer, got {vals[k]!r}")
     return vals
+
+
+def parse_entry(text: str, source: str = "launch") -> dict:
+    """``"BM=16,BN1=32,BK1=256,BN2=64,BK2=256,warps1=4,warps2=4,stages=3,align=inkernel"`` -> a complete table
+    entry (the text a launch sweep records as a candidate); a missing, unknown or invalid key raises
+    :class:`~dsv4_sm120.launch_tables.TableError` naming ``source``."""
+    entry = {}
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        k, sep, v = (x.strip() for x in item.partition("="))
+        if not sep or k not in _TABLE_KEYS:
+            raise LT.TableError(f"{source}: expected key=value items with keys {', '.join(_TABLE_KEYS)}, "
+                                f"got {item!r}")
+        try:
+            entry[k] = v if k == "align" else int(v)
+        except ValueError:
+            raise LT.TableError(f"{source}: {k} needs an integer, got {v!r}") from None
+    return _from_entry(entry, source)
 
 
 def lookup_table(M: int, topk: int, E: int, path: str, device_name: str = LT.DEFAULT_DEVICE,
@@ -134,7 +153,7 @@ def lookup_table(M: int, topk: int, E: int, path: str, device_name: str = LT.DEF
     if hit is None:
         raise LT.TableError(f"no MoE launch table for path {path} under {(root or LT.TABLE_DIR)}/{KERNEL}: "
                             "the package is incomplete; reinstall the overlay")
-    return _from_entry(hit.config, hit.path), hit
+    return _from_entry(hit.config, f"launch table {hit.path}"), hit
 
 
 def choose_config(M: int, topk: int, E: int, H: int, I: int, path: str, *,
