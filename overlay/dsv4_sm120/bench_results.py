@@ -436,10 +436,13 @@ def _launch(a, results_dir: Optional[Path]) -> int:
             raise ResultsError(f"{path} holds launch-sweep rows of {len(found)} GPUs ({', '.join(found) or 'none'}); "
                                "pick one with --gpu")
         gpu = found[0]
+    notes: List[str] = []
     try:
-        tables = S.build(a.subject, rows, gpu)
+        tables = S.build(a.subject, rows, gpu, notes=notes)
     except S.SweepError as exc:
         raise ResultsError(f"{path}: {exc}") from None
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
     changed = S.write(a.subject, tables, a.tables, check=a.check)
     for f in changed:
         print(f"{'differs' if a.check else 'wrote'} {f}")
