@@ -16,7 +16,7 @@ PATCHING := DSV4_SM120_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe bench-fp8 bench-kv bench-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze
+        bench-attention bench-moe bench-fp8 bench-kv bench-tables launch-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze
 
 # `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
 # them in two sections, each in file order.
@@ -96,6 +96,10 @@ bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the results fi
 	@for s in attention moe fp8 kv; do \
 	  if [ -f $(BENCH_OUT)/$$s.csv ]; then python3 bench/results_table.py table $$s --results $(BENCH_OUT)/$$s.csv \
 	    $(if $(GPU),--gpu '$(GPU)',) $(if $(filter-out bench/results,$(BENCH_OUT)),--out $(BENCH_OUT)/$$s.md,) || exit $$?; fi; done
+
+launch-tables: ##m write GPU's attention and MoE launch tables from its launch-sweep rows in BENCH_OUT (GPU=name)
+	@test -n "$(GPU)" || { echo "launch-tables: name the GPU as its rows spell it, e.g. GPU='NVIDIA H200'" >&2; exit 2; }
+	@for s in attention moe; do python3 bench/results_table.py launch $$s --results $(BENCH_OUT)/$$s.csv --gpu '$(GPU)' || exit $$?; done
 
 tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARGS=... for more); writes configs/fp8/
 	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(or $(ARGS),--quick)

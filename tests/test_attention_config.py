@@ -1,6 +1,9 @@
 """Launch configuration of the sparse MLA decode (dsv4_sm120.attention.config), on the CPU with injected device
-facts: the launch tables against the launches the rules in code chose before they became tables
-(tests/data/attention_launch_before_redesign.json), the tables' own shape, and the rules read as behaviour."""
+facts: the hand-written launch tables against the launches the rules in code chose before they became tables
+(tests/data/attention_launch_before_redesign.json), the tables' own shape, and the rules read as behaviour. The
+H200's own tables are generated from its launch sweep (tests/test_launch_sweep.py checks them against the results
+file); the H200's frozen launches are those of the architecture table, i.e. of a 132-SM Hopper GPU without a
+table of its own."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dsv4_sm120.attention import DecodeInputError, config, plan_span
 
 FROZEN = Path(__file__).resolve().parent / "data" / "attention_launch_before_redesign.json"
 H200 = config.Device("NVIDIA H200", (9, 0), 132)
+HOPPER_132 = config.Device("NVIDIA H100 SXM5 132-SM", (9, 0), 132)  # no table of its own: arch_sm_90's rules
 RTX_PRO_6000 = config.Device("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188)
 
 
@@ -34,7 +38,8 @@ def _parts(text: str):
 
 
 def test_tables_give_the_launches_the_rules_gave():
-    """Over the frozen grid (H200, H100 PCIe, A100, B200, RTX PRO 6000 server and workstation, RTX 5090, GB10 and
+    """Over the frozen grid (the H200's rules on a 132-SM Hopper GPU without a table, H100 PCIe, A100, B200, RTX
+    PRO 6000 server and workstation, RTX 5090, GB10 and
     the interpreter; H 1..128, rows around every rows-per-SM threshold of each device, two candidate layouts, both
     QK paths, every impl request and the calibration variants of the Makefile as overrides): the resolved launch
     (the keys the chosen body reads, the split plan and the combine launch) is the one of the code before the
@@ -42,6 +47,7 @@ def test_tables_give_the_launches_the_rules_gave():
     d = _frozen()
     devices = {k: config.Device(v["name"], tuple(v["capability"]), v["num_sms"]) for k, v in d["devices"].items()}
     devices["interp"] = config.Device("cpu", None, 4)
+    devices["h200"] = HOPPER_132
     seen, wrong = 0, []
     for key, (Ts, results) in d["groups"].items():
         dev, H, K1, K2, fp8, impl, ov = key.split("|")
@@ -63,19 +69,19 @@ def test_tables_give_the_launches_the_rules_gave():
 
 
 def test_the_comparison_sees_a_changed_table(tmp_path):
-    """The frozen comparison is able to fail: one bucket boundary moved by a row in a copy of the H200 table
-    changes exactly the launches at that row."""
+    """The frozen comparison is able to fail: one changed entry in a copy of the Hopper architecture table changes
+    exactly the launches that entry covers (more than one grid row per SM: from 133 rows on a 132-SM GPU)."""
     root = tmp_path / "tables"
     (root / "attention").mkdir(parents=True)
     for p in (lt.TABLE_DIR / "attention").iterdir():
         (root / "attention" / p.name).write_text(p.read_text())
-    path = lt.table_path("attention", "H=16,qk=fp8", "NVIDIA_H200", root)
+    path = lt.table_path("attention", "H=16,qk=fp8", "arch_sm_90", root)
     table = json.loads(path.read_text())
-    table["44"], table["45"] = table["43"], table["44"]  # PREFETCH=2 from 45 grid rows instead of 44
+    table["2"] = dict(table["2"], waves=3.0)
     path.write_text(json.dumps(table))
-    for T, moved in ((43, False), (44, True), (45, False), (99, False)):
-        a = config.resolve(16, T, 128, 512, H200, qk="fp8")
-        b = config.resolve(16, T, 128, 512, H200, qk="fp8", root=root)
+    for T, moved in ((1, False), (132, False), (133, True), (264, True), (5000, True)):
+        a = config.resolve(16, T, 128, 512, HOPPER_132, qk="fp8")
+        b = config.resolve(16, T, 128, 512, HOPPER_132, qk="fp8", root=root)
         assert (a.config != b.config) == moved, (T, a, b)
 
 
@@ -103,25 +109,26 @@ def test_every_level_holds_every_shape_with_complete_entries():
 
 
 def test_launch_rules_read_as_behaviour():
-    """The rules the tables encode, checked through resolve: H <= 16 with bf16 QK runs the spanning register body
+    """The rules the hand-written tables encode (the H200's, as the architecture table of a 132-SM Hopper GPU
+    without its own table), checked through resolve: H <= 16 with bf16 QK runs the spanning register body
     up to 4 grid rows per SM (its split count fills 2 x SMs program slots in one round), past it the tiled body
-    (H200: one wave, scale prefetch, two stages when a program owns >= 2 blocks, no register cap then); fp8 QK
-    never runs the register body; H > 16 on the H200 takes the flat body with 64-row head blocks past 2 (fp8) or
+    (Hopper: one wave, scale prefetch, two stages when a program owns >= 2 blocks, no register cap then); fp8 QK
+    never runs the register body; H > 16 on Hopper takes the flat body with 64-row head blocks past 2 (fp8) or
     4 (bf16) grid rows per SM; sm_120 never pipelines and keeps head blocks at <= 32 rows."""
     for T in (1, 4, 16, 64, 128, 528):
-        L = config.resolve(16, T, 128, 512, H200)
+        L = config.resolve(16, T, 128, 512, HOPPER_132)
         assert (L.config["impl"], L.config["BLOCK_N"], L.config["num_warps"], L.config["SPAN"]) == ("reg", 32, 4, 1)
         assert L.plan[0] == plan_span(T, 1, 128, 512, 32, 132, 2.0)[0] and L.plan[2] == 0
-    big = config.resolve(16, 529, 128, 8192, H200).config
+    big = config.resolve(16, 529, 128, 8192, HOPPER_132).config
     assert (big["impl"], big["waves"], big["PREFETCH"], big["num_stages"], big["maxnreg"]) == ("tiled", 1.0, 2, 2, 0)
-    one_block = config.resolve(16, 529, 64, 0, H200).config
+    one_block = config.resolve(16, 529, 64, 0, HOPPER_132).config
     assert (one_block["num_stages"], one_block["maxnreg"]) == (1, 128)
-    assert [config.resolve(16, T, 128, 512, H200, qk="fp8").config["waves"] for T in (99, 100, 125, 126)] == \
+    assert [config.resolve(16, T, 128, 512, HOPPER_132, qk="fp8").config["waves"] for T in (99, 100, 125, 126)] == \
         [4.0, 2.0, 2.0, 1.0]
-    assert config.resolve(64, 66, 128, 512, H200, qk="fp8").config["impl"] == "tiled"  # 264 grid rows
-    assert config.resolve(64, 67, 128, 512, H200, qk="fp8").config["BLOCK_H"] == 64  # 268: flat
-    assert config.resolve(128, 66, 128, 512, H200).config["impl"] == "reg"  # 528 grid rows
-    assert config.resolve(128, 67, 128, 512, H200).config["impl"] == "flat"
+    assert config.resolve(64, 66, 128, 512, HOPPER_132, qk="fp8").config["impl"] == "tiled"  # 264 grid rows
+    assert config.resolve(64, 67, 128, 512, HOPPER_132, qk="fp8").config["BLOCK_H"] == 64  # 268: flat
+    assert config.resolve(128, 66, 128, 512, HOPPER_132).config["impl"] == "reg"  # 528 grid rows
+    assert config.resolve(128, 67, 128, 512, HOPPER_132).config["impl"] == "flat"
     for dev in (RTX_PRO_6000, config.Device("NVIDIA GeForce RTX 5090", (12, 0), 170)):
         n = dev.num_sms
         assert config.resolve(16, 4 * n, 128, 512, dev).config["impl"] == "reg"

@@ -169,6 +169,41 @@ def test_moe_sweep_makes_the_path_table(tmp_path):
     assert (small.BN1, small.align) == (32, "inkernel") and (big.BM, big.align) == (32, "torch")
 
 
+def test_a_size_some_candidate_misses_is_left_out(tmp_path, capsys):
+    """A sweep cut short (the slowest candidates never reached the last size) must not let the candidates that did
+    run win that size: it is left out of the table, with a note naming the shape and size."""
+    rows = [_moe(MOE_A, 1, 20.0), _moe(MOE_B, 1, 30.0), _moe(MOE_A, 1024, 900.0), _moe(MOE_B, 1024, 500.0),
+            _moe(MOE_A, 4096, 4000.0)]  # MOE_B, faster at 1024, has no row at 4096
+    rc, root = _generate(tmp_path, "moe", rows)
+    err = capsys.readouterr().err
+    assert rc == 0 and "size 4096: left out, 1 of 2 candidates have no row there" in err
+    name = f"E=256,topk=6,path=fp4,device_name={LT.device_key(GPU)}.json"
+    assert sorted(LT.read_table(root / "moe" / name)) == [1, 1024]
+    big = MC.choose_config(4096, 6, 256, 4096, 512, "fp4", device_name=GPU, capability=(12, 0), root=root)
+    assert (big.BM, big.align) == (32, "torch")
+
+
+def test_fp8_rows_are_gated_against_the_best_candidate(tmp_path):
+    """ours-fp8 errors include Q's e4m3 loss (tenths on random inputs), the same for every correct candidate; a
+    candidate whose error stands out from the best of its size (a wrong kernel) never wins however fast it is."""
+    rnd = random.Random()
+    flat = "impl=flat,BLOCK_H=32,BLOCK_N=32,num_warps=8,num_stages=1,maxnreg=0,waves=2"
+    rows, wrong_at = [], {}
+    for b in (1, 4, 16, 64):
+        e = rnd.uniform(0.1, 0.4)
+        bad = rnd.choice([TILED, flat])
+        wrong_at[b] = bad
+        good = flat if bad == TILED else TILED
+        rows += [_attn(bad, b, 1.0, heads=32, impl="ours-fp8", rel_err=round(e * 1.2, 4)),
+                 _attn(good, b, 50.0, heads=32, impl="ours-fp8", rel_err=round(e, 4))]
+    rc, root = _generate(tmp_path, "attention", rows)
+    assert rc == 0
+    dev = AC.Device(GPU, (12, 0), 188)
+    for b, bad in wrong_at.items():
+        got = AC.resolve(32, b, 128, 512, dev, qk="fp8", root=root).config["impl"]
+        assert got != AC.parse_config(bad)["impl"], (b, bad)
+
+
 @pytest.mark.parametrize("subject,variant,needle", [
     ("attention", "impl=reg,BLOCK_N=32", "incomplete"),
     ("attention", REG.replace("KCVT=1", "KCVT=7"), "out of range"),
