@@ -17,8 +17,8 @@ cd "$here"
 export PYTHONPATH="$here/overlay${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 [ $# -gt 0 ] || set -- tests -q
-# loadgroup: tests marked xdist_group (tests/conftest.py groups the files that build an expensive module fixture)
-# stay on one worker; the rest go to whichever worker is free
+# loadgroup: the tests of a file that builds an expensive module fixture stay on one worker, the rest go to
+# whichever worker is free (tests/conftest.py)
 xdist=()
 [ "$workers" -le 1 ] || xdist=(-n "$workers" --dist loadgroup)
 "$venv/bin/python" -m pytest -p no:cacheprovider "${xdist[@]}" "$@"
