@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -121,7 +122,9 @@ def run(job: dict) -> dict:
                 topk = StandardTopKOutput(tw, ids, torch.zeros((M, job["E"]), device=dev))
                 rows = sample_rows(M, 8)
                 try:
+                    t0 = time.perf_counter()
                     y = layer(x, topk)
+                    first_us = (time.perf_counter() - t0) * 1e6
                     y = getattr(y, "hidden_states", y)
                     ref = dense_reference(x[rows], tw[rows], ids[rows], ref_expert, job["swiglu_limit"])
                     err = rel_err(y[rows].float().cpu(), ref)
@@ -132,8 +135,11 @@ def run(job: dict) -> dict:
                 if why:
                     out[str(M)] = Outcome("rejected", err=err, tol=tol, reason=why).to_json()
                     continue
+                if cpu:  # the interpreter (tests only): the gated call's wall clock
+                    out[str(M)] = Outcome("ok", us=first_us, err=err, tol=tol, timing="wall").to_json()
+                    continue
                 try:
-                    us, how = time_call(lambda: layer(x, topk), "cpu" if cpu else "cuda")
+                    us, how = time_call(lambda: layer(x, topk), "cuda")
                     out[str(M)] = Outcome("ok", us=us, err=err, tol=tol, timing=how).to_json()
                 except Exception as e:  # noqa: BLE001
                     out[str(M)] = Outcome("failed", err=err, reason=f"timing: {_first_line(e)}").to_json()
