@@ -25,7 +25,7 @@ help: ## list the targets
 	@echo
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
 	@echo
-	@echo "Maintainer targets (changing the patch series or the pinned environment):"
+	@echo "Maintainer targets (changing the patch series, the pinned environment or the launch tables):"
 	@grep -E '^[a-zA-Z0-9_-]+:.*##m ' $(MAKEFILE_LIST) | sed -E 's/:.*##m /\t/' | awk -F'\t' '{printf "  make %-16s %s\n", $$1, $$2}'
 	@echo
 	@echo "Variables: VENV=$(VENV) (environment), SGLANG_ROOT=<sglang package dir> (patch another tree), DSV4_SM120_CACHE=$(DSV4_SM120_CACHE)"
