@@ -183,32 +183,8 @@ def pytest_runtest_setup(item):
 
 
 # --------------------------------------------------------------------------- pytest-xdist distribution
-# ``make test`` runs ``--dist loadgroup``: the tests of a file that defines a module-scoped fixture (a converted
-# checkpoint, one SGLang probe for several tests) stay on one worker, so the fixture is built once; every other
-# test goes to whichever worker is free.  The grouping is done here, by file, in the controller's scheduler:
-# xdist 3.8 marks a group by renaming the node id (``_nodeid``), which pytest 9 no longer reads, so its own
-# ``xdist_group`` marks would be ignored.
-
-
-def _files_with_module_fixtures(root: Path) -> set:
-    tests = Path(__file__).resolve().parent
-    return {p.relative_to(root).as_posix() for p in tests.glob("test_*.py") if 'scope="module"' in p.read_text()}
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    grouped = _files_with_module_fixtures(Path(str(config.rootpath)))
-
-    class FileGroups(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return path if path in grouped else nodeid
-
-    return FileGroups(config, log)
+# the files that build a module-scoped fixture stay on one worker (tests/xdist_groups.py)
+from xdist_groups import pytest_xdist_make_scheduler  # noqa: E402,F401
 
 
 # files whose tests take longest on a 2-core box (SGLang in a subprocess, the Triton interpreter at verify
