@@ -137,6 +137,11 @@ def test_launch_rules_read_as_behaviour():
         assert config.resolve(64, 1, 128, 512, dev, qk="fp8").config["BLOCK_H"] == 32
     # a body asked for by name gets its own launch at any shape; the register body has no fp8 QK path
     assert config.resolve(16, 1, 128, 512, H200, overrides={"impl": "tiled"}).config["BLOCK_N"] == 64
+    # the H200's generated fp8 table holds only flat launches at H=64: a tiled request takes the Hopper table's
+    # tiled launch (16-row head groups up to 2 grid rows per SM) instead of the flat entry's keys
+    asked = config.resolve(64, 4, 128, 512, H200, overrides={"impl": "tiled"})
+    assert (asked.config["impl"], asked.config["BLOCK_H"]) == ("tiled", 16) and "arch_sm_90" in asked.source
+    assert config.resolve(64, 4, 128, 512, H200, qk="fp8").config["impl"] == "flat"  # the table's own choice
     assert config.resolve(128, 1024, 128, 512, H200, overrides={"impl": "reg"}).config["BLOCK_H"] == 16
     with pytest.raises(DecodeInputError, match="impl=reg has no fp8"):
         config.resolve(16, 1, 128, 512, H200, qk="fp8", overrides={"impl": "reg"})

@@ -12,7 +12,8 @@ Tables (``dsv4_sm120/launch_tables/attention/``, read through ``dsv4_sm120.launc
   rounded up to 16 or 32; every count above 32 reads the ``H=64`` tables.
 * a request ``impl=tiled`` / ``impl=flat`` (``DSV4_SM120_ATTN_CONFIG``) takes the ``qk=fp8`` table's launch
   with the body replaced: those tables hold the tiled / flat launches, the bodies that have an fp8 QK path,
-  and with bf16 QK the same keys apply. ``impl=reg`` takes the ``impl=reg`` table (the register body's
+  and with bf16 QK the same keys apply. Where this GPU's own (generated) table has the other body at that size,
+  the architecture's or default table answers instead. ``impl=reg`` takes the ``impl=reg`` table (the register body's
   launch at any shape; bf16 QK only).
 * ``device_name=<GPU>`` tables (e.g. ``NVIDIA_H200``) are keyed by grid rows ``T x ceil(H/16)`` and hold
   the exact row buckets of that GPU (each bucket written as its first and last row, so the nearest-size
@@ -196,6 +197,10 @@ def table_entry(H: int, T: int, qk: str, device: Device, impl: Optional[str] = N
     if found is None:
         raise DecodeInputError(f"no attention launch table for shape {shape!r} (not even device_name=default) "
                                f"under {root or lt.TABLE_DIR}")
+    if impl in ("tiled", "flat") and found.level == "device" and found.config.get("impl") != impl:
+        # a device table generated from a launch sweep holds the winner of each size only, which may be the other
+        # body: the body asked for takes the architecture's (or default) launch for it
+        found = lt.lookup(KERNEL, shape, rows, lt.DEFAULT_DEVICE, cap, root=root) or found
     cfg, size = found.config, found.size
     if found.level != "device":
         # architecture / default tables serve any SM count: keyed by rounds of grid rows per SM
