@@ -197,5 +197,4 @@ SLOW_FIRST = ("test_verify.py", "test_calibrate_harness.py", "test_attention_int
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    order = {id(it): i for i, it in enumerate(items)}
-    items.sort(key=lambda it: (rank.get(Path(str(it.path)).name, len(rank)), order[id(it)]))
+    items.sort(key=lambda it: rank.get(Path(str(it.path)).name, len(rank)))  # stable: collection order within

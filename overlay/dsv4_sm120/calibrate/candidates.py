@@ -91,14 +91,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def time_call(fn: Callable[[], object], device, min_ms: float = 20.0, max_iters: int = 200) -> tuple:
-    """(µs per call, method). CUDA: the call captured in a CUDA graph and replayed (what serving runs), or
-    eager with CUDA events when capture fails; CPU: wall clock of one call (the interpreter, tests only;
-    :func:`measure` times the gated call itself there)."""
-    if not str(device).startswith("cuda"):
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6, "wall"
+def time_call(fn: Callable[[], object], min_ms: float = 20.0, max_iters: int = 200) -> tuple:
+    """(µs per call, method) of a CUDA call: captured in a CUDA graph and replayed (what serving runs), or eager
+    with CUDA events when capture fails. On the interpreter (tests only) the callers time the gated call itself."""
     import torch
 
     for _ in range(3):
@@ -145,7 +140,6 @@ def gate(err: float, tol: float) -> Optional[str]:
 
 def measure(cand: Candidate, case: Case) -> Outcome:
     """Build, gate and time one candidate on one case; never raises."""
-    cuda = str(case.device).startswith("cuda")
     try:
         fn = cand.build(case)
         t0 = time.perf_counter()
@@ -160,10 +154,10 @@ def measure(cand: Candidate, case: Case) -> Outcome:
     why = gate(err, cand.tol)
     if why:
         return Outcome("rejected", err=err, tol=cand.tol, reason=why)
-    if not cuda:  # the interpreter (tests only): the gated call's wall clock, not a second slow call
+    if not str(case.device).startswith("cuda"):  # the interpreter (tests only): the gated call's wall clock
         return Outcome("ok", us=first_us, err=err, tol=cand.tol, timing="wall")
     try:
-        us, how = time_call(fn, case.device)
+        us, how = time_call(fn)
     except Exception as e:  # noqa: BLE001
         return Outcome("failed", err=err, tol=cand.tol, reason=f"timing: {type(e).__name__}: {e}"[:300])
     return Outcome("ok", us=us, err=err, tol=cand.tol, timing=how)

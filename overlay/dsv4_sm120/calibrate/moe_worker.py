@@ -139,7 +139,7 @@ def run(job: dict) -> dict:
                     out[str(M)] = Outcome("ok", us=first_us, err=err, tol=tol, timing="wall").to_json()
                     continue
                 try:
-                    us, how = time_call(lambda: layer(x, topk), "cuda")
+                    us, how = time_call(lambda: layer(x, topk))
                     out[str(M)] = Outcome("ok", us=us, err=err, tol=tol, timing=how).to_json()
                 except Exception as e:  # noqa: BLE001
                     out[str(M)] = Outcome("failed", err=err, reason=f"timing: {_first_line(e)}").to_json()
