@@ -114,34 +114,63 @@ def _start_detached(plan: Plan) -> int:
                                  stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                  start_new_session=True, env=dict(os.environ), cwd=str(run_dir))
     _say(f"supervisor detached (pid {child.pid}), log {log}")
-    limit = float(plan.settings["HEALTH_TIMEOUT_S"]) * 2 + 120
+    try:
+        return follow_detached(run_dir, child, float(plan.settings["HEALTH_TIMEOUT_S"]) * 2 + 120)
+    except TimeoutError as e:
+        print(f"[serve] {e}; stopping", file=sys.stderr)
+        sv.stop_run(run_dir, float(plan.settings["STOP_GRACE_S"]))
+        return 1
+
+
+READY_MARK = b"[serve] READY:"
+
+
+def follow_detached(run_dir: Path, child: subprocess.Popen, limit_s: float) -> int:
+    """Echo the detached supervisor's log until state.json says ready (0) or failed / stopped / the
+    supervisor exited (1). The supervisor writes the state before the line that announces it, so on
+    "ready" the log is read on until its READY line (a few seconds at most), and on a failure until
+    the supervisor has exited: the caller sees every line of the start, never a cut-off log.
+    Raises TimeoutError after limit_s without a verdict."""
+    log = run_dir / "supervisor.log"
     t0 = time.monotonic()
     pos = 0
-    while True:
-        time.sleep(0.2)
+    tail = b""          # the last bytes read, so a READY line split across two reads is still found
+    ready_line = False
+
+    def drain() -> None:
+        nonlocal pos, tail, ready_line
         try:
             with open(log, "rb") as f:
                 f.seek(pos)
                 chunk = f.read()
-                pos += len(chunk)
-            if chunk:
-                sys.stdout.write(chunk.decode(errors="replace"))
-                sys.stdout.flush()
         except OSError:
-            pass
+            return
+        if chunk:
+            pos += len(chunk)
+            tail = (tail + chunk)[-4096:]
+            ready_line = ready_line or READY_MARK in tail
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+
+    while True:
+        time.sleep(0.2)
+        drain()
         st = sv.read_state(run_dir) or {}
         status = st.get("status")
         if status == "ready":
+            t_ready = time.monotonic()
+            while not ready_line and child.poll() is None and time.monotonic() - t_ready < 10:
+                time.sleep(0.05)
+                drain()
             return 0
         if status in ("failed", "stopped") or child.poll() is not None:
-            child.wait()
-            if status != "ready":
-                print(f"[serve] startup failed ({st.get('message') or 'supervisor exited'}); see {log}", file=sys.stderr)
-                return 1
-        if time.monotonic() - t0 > limit:
-            print(f"[serve] supervisor did not report ready within {limit:g} s; stopping", file=sys.stderr)
-            sv.stop_run(run_dir, float(plan.settings["STOP_GRACE_S"]))
+            child.wait()        # a failing supervisor tears everything down, logs it, then exits
+            drain()
+            st = sv.read_state(run_dir) or {}
+            print(f"[serve] startup failed ({st.get('message') or 'supervisor exited'}); see {log}", file=sys.stderr)
             return 1
+        if time.monotonic() - t0 > limit_s:
+            raise TimeoutError(f"supervisor did not report ready within {limit_s:g} s")
 
 
 def cmd_supervise(a) -> int:
