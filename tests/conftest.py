@@ -28,6 +28,9 @@ if str(OVERLAY) not in sys.path:
 
 from dsv4_sm120 import patching  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from forkserver import ForkClient  # noqa: E402
+
 
 def link_tree(src: Path, dst: Path) -> None:
     """Mirror src into dst: directories created, files symlinked (no __pycache__)."""
@@ -90,14 +93,25 @@ def patched_sglang_site(tmp_path_factory, sglang_pkg_dir) -> Path:
     return site
 
 
-def _run(site: Path | None, code: str, env: dict | None = None, timeout: float = 600,
-         overlay: bool = True) -> subprocess.CompletedProcess:
-    paths = ([str(site)] if site else []) + ([str(OVERLAY)] if overlay else [])
-    e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    e["PYTHONPATH"] = os.pathsep.join(paths)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
-                          timeout=timeout, cwd=str(REPO))
+@pytest.fixture(scope="session")
+def python_child(tmp_path_factory):
+    """python_child(code, args=(), env=None, cwd=REPO, timeout=600, input=None) -> CompletedProcess of
+    ``python -c code *args`` (output captured as text); ``env`` is the child's whole environment (default: this
+    process's). Forked from a server that has the third-party packages imported already (tests/forkserver.py)
+    where that is faithful, else a plain subprocess."""
+    client = ForkClient(tmp_path_factory.mktemp("forkserver"))
+
+    def run(code: str, args=(), env: dict | None = None, cwd=REPO, timeout: float | None = 600,
+            input: str | None = None) -> subprocess.CompletedProcess:
+        env = dict(os.environ if env is None else env)
+        r = client.run(code, [str(a) for a in args], env, str(cwd), timeout, input=input)
+        if r is None:
+            r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                               env=env, cwd=str(cwd), timeout=timeout, input=input)
+        return r
+
+    yield run
+    client.close()
 
 
 def probe_result(run_patched, code: str, job: dict, env: dict | None = None, timeout: float = 600) -> dict:
@@ -115,10 +129,14 @@ def probe_result(run_patched, code: str, job: dict, env: dict | None = None, tim
 
 
 @pytest.fixture(scope="session")
-def run_patched(patched_sglang_site):
-    """run_patched(code, env=None, timeout=600, overlay=True) -> CompletedProcess, in the patched SGLang."""
+def run_patched(patched_sglang_site, python_child):
+    """run_patched(code, env=None, timeout=600, overlay=True) -> CompletedProcess, in the patched SGLang
+    (PYTHONPATH = the patched tree, then the overlay unless overlay=False; env adds to this process's)."""
     def run(code: str, env: dict | None = None, timeout: float = 600, overlay: bool = True):
-        return _run(patched_sglang_site, code, env=env, timeout=timeout, overlay=overlay)
+        e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        e["PYTHONPATH"] = os.pathsep.join([str(patched_sglang_site)] + ([str(OVERLAY)] if overlay else []))
+        e.update(env or {})
+        return python_child(code, env=e, timeout=timeout)
     return run
 
 

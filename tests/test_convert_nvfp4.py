@@ -682,12 +682,11 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_sglang_0523_detects_hybrid_nvfp4(converted):
+def test_sglang_0523_detects_hybrid_nvfp4(converted, python_child):
     """SGLang 0.5.23's own (unpatched) config detection on SRC and on the converter's output."""
     src, dst, _ = converted
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-c", SGLANG_DETECT, str(src), str(dst)], capture_output=True, text=True,
-                       env=env, timeout=300, cwd="/tmp")
+    r = python_child(SGLANG_DETECT, [src, dst], env=env, timeout=300, cwd="/tmp")
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
     if not lines and "No module named 'sglang'" in r.stderr:
         pytest.skip("sglang not installed in this environment")

@@ -111,11 +111,11 @@ def test_plan_and_dry_run_carry_the_binding(tmp_path):
     assert "numa decode: unbound (no NUMA information for GPU 4" in render_dry_run(bare)
 
 
-def test_sglang_parses_the_numa_flag():
+def test_sglang_parses_the_numa_flag(python_child):
     code = ("from sglang.srt.server_args import prepare_server_args\n"
             "a = prepare_server_args(['--model-path', 'x', '--tp', '4', '--numa-node', '1', '1', '0', '1'])\n"
             "print(a.numa_node)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = python_child(code, timeout=300, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[1, 1, 0, 1]"
 

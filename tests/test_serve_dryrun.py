@@ -141,9 +141,8 @@ VALIDATOR = textwrap.dedent(r"""
 """)
 
 
-def validate(jobs):
-    r = subprocess.run([sys.executable, "-c", VALIDATOR], input=json.dumps(jobs), capture_output=True, text=True,
-                       timeout=300, cwd="/tmp")
+def validate(python_child, jobs):
+    r = python_child(VALIDATOR, input=json.dumps(jobs), timeout=300, cwd="/tmp")
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
     assert line, f"validator crashed (sglang missing from the test environment?)\n{r.stderr[-3000:]}"
     return json.loads(line[-1][len("RESULT"):])
@@ -167,7 +166,7 @@ def outputs():
 
 
 @pytest.fixture(scope="module")
-def validated(outputs, tmp_path_factory):
+def validated(outputs, tmp_path_factory, python_child):
     """One subprocess (one sglang import) parses/resolves every server command and parses the routers'."""
     cfg = str(write_dsv4_config(tmp_path_factory.mktemp("dsv4") / "cfg"))
     jobs, expect = [], []
@@ -198,7 +197,7 @@ def validated(outputs, tmp_path_factory):
     bad = dry_run("serve_dsv4_tp4.sh", {"DECODE_EXTRA_ARGS": "--cuda-graph-max-bs 16"}).stdout
     jobs.append({"argv": server_argv(commands(bad)["decode"][1])})
     expect.append(("negative", "bad", "decode"))
-    res = validate(jobs)
+    res = validate(python_child, jobs)
     assert len(res) == len(jobs)
     return list(zip(expect, res))
 

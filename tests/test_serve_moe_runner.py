@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -93,7 +92,7 @@ def test_runner_names_are_sglang_choices():
     assert set(C.MXFP4_RUNNER_FLAGS.values()) <= set(MOE_RUNNER_BACKEND_CHOICES)
 
 
-def test_profile_winner_reaches_both_servers_and_parses(tmp_path):
+def test_profile_winner_reaches_both_servers_and_parses(tmp_path, python_child):
     d = tmp_path / "profiles"
     versions = P.running_versions()
     rng = random.Random()
@@ -122,8 +121,7 @@ def test_profile_winner_reaches_both_servers_and_parses(tmp_path):
     bad = plan_text(tmp_path, d, DECODE_EXTRA_ARGS="--moe-runner-backend no_such_runner")
     argvs = [server_argv(commands(x)[role][1]) for x, role in
              ((out, "prefill"), (out, "decode"), (user, "prefill"), (user, "decode"), (bad, "decode"))]
-    r = subprocess.run([sys.executable, "-c", PARSE], input=json.dumps(argvs), capture_output=True, text=True,
-                       timeout=300, cwd="/tmp")
+    r = python_child(PARSE, input=json.dumps(argvs), timeout=300, cwd="/tmp")
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
     assert line, r.stderr[-3000:]
     got = json.loads(line[-1][len("RESULT"):])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -72,10 +71,9 @@ SGLANG_DETECT = textwrap.dedent(r"""
 """)
 
 
-def test_classification_agrees_with_sglangs_own_detection(ckpts):
+def test_classification_agrees_with_sglangs_own_detection(ckpts, python_child):
     names = ("mtp", "dspark", "both", "dspark_sub", "none")
-    r = subprocess.run([sys.executable, "-c", SGLANG_DETECT], input=json.dumps({n: str(ckpts[n]) for n in names}),
-                       capture_output=True, text=True, timeout=300, cwd="/tmp")
+    r = python_child(SGLANG_DETECT, input=json.dumps({n: str(ckpts[n]) for n in names}), timeout=300, cwd="/tmp")
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
     assert line, r.stderr[-3000:]
     ref = json.loads(line[-1][len("RESULT"):])
@@ -90,14 +88,14 @@ def test_classification_agrees_with_sglangs_own_detection(ckpts):
             assert spec_of(res.stdout)[1] == want, (n, spec_of(res.stdout))
 
 
-def test_both_checkpoints_resolve_with_sglang(ckpts):
+def test_both_checkpoints_resolve_with_sglang(ckpts, python_child):
     outs = {n: run(ckpts, ckpts[n]).stdout for n in ("mtp", "dspark")}
     jobs, names = [], []
     for n, out in outs.items():
         for role in ("prefill", "decode"):
             jobs.append({"argv": server_argv(commands(out)[role][1]), "resolve": str(ckpts[n])})
             names.append((n, role))
-    res = dict(zip(names, validate(jobs)))
+    res = dict(zip(names, validate(python_child, jobs)))
     for (n, role), r in res.items():
         assert r["ok"] and r.get("resolved") and r["mode"] == role and r["metrics"] is True, (n, role, r)
         if n == "mtp":
