@@ -4,6 +4,8 @@
 # Arguments go to pytest (default: `tests -q`).  "No tests ran" (pytest exit 5) is a failure, on purpose.
 # The tests run on one pytest-xdist worker per CPU core (at most 8); TEST_WORKERS=N sets the count,
 # TEST_WORKERS=0 runs them in this one process.  A `-n` among the arguments overrides it too.
+# The `python -c` children that import SGLang fork from a server that has the third-party packages imported
+# (tests/forkserver.py); TEST_FORK_SERVER=0 starts each as a plain process instead.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${DSV4_SM120_CACHE:-$HOME/.cache/dsv4_sm120}

@@ -50,12 +50,39 @@ def _third_party(k: str) -> bool:
     return k.upper().startswith(THIRD_PARTY_PREFIXES)
 
 
+_SGLANG_ENVIRON = None
+
+
+def sglang_cache_defaults() -> Dict[str, str]:
+    """The third-party cache variables (TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE, ...) that `import sglang`
+    sets first thing, before torch or FlashInfer are imported, as SGLang's own `sglang/srt/environ.py`
+    computes them for this process (the file has only standard-library imports; it is loaded on its own, so
+    the package is not imported). A fresh child that imports SGLang has them from its start, so the server
+    sets them before preloading, and a request that lacks them matches one that carries these values.
+    Empty when SGLang is not installed."""
+    global _SGLANG_ENVIRON
+    if _SGLANG_ENVIRON is None:
+        import importlib.util
+        try:
+            spec = importlib.util.find_spec("sglang")
+            path = Path(spec.origin).parent / "srt" / "environ.py"
+            mspec = importlib.util.spec_from_file_location("_forkserver_sglang_environ", path)
+            mod = importlib.util.module_from_spec(mspec)
+            mspec.loader.exec_module(mod)
+            _SGLANG_ENVIRON = mod
+        except Exception:                # noqa: BLE001 (no SGLang here: nothing to match)
+            _SGLANG_ENVIRON = False
+    return dict(_SGLANG_ENVIRON.third_party_cache_defaults()) if _SGLANG_ENVIRON else {}
+
+
 def signature(base: Dict[str, str], env: Dict[str, str]) -> tuple:
     """The part of a child's environment a preloaded package may have read: the variables that are not free
     and either exist in `base` (the test process's environment) or carry a third-party prefix. Children
     with equal signatures fork from one server, started with that environment."""
+    defaults = sglang_cache_defaults()
+    env = dict(defaults, **env)
     keys = {k for k in set(base) | set(env) if k != "PYTHONPATH" and not k.startswith(FREE_PREFIXES)
-            and (k in base or _third_party(k))}
+            and (k in base or k in defaults or _third_party(k))}
     return tuple(sorted((k, env.get(k)) for k in keys))
 
 
@@ -105,6 +132,10 @@ class ForkClient:
             if len(self.servers) >= self.MAX_SERVERS:
                 return None
             srv = self.servers[sig] = _Server(Path(tempfile.mkdtemp(prefix="fs", dir=self.workdir)), env)
+            base_sig = dict(signature(self.base, self.base))
+            with open(self.workdir / "client.log", "a") as f:
+                f.write(f"server {len(self.servers)} for {os.environ.get('PYTEST_CURRENT_TEST')}: "
+                        f"{ {k: v for k, v in sig if base_sig.get(k) != v} }\n")
         return srv if srv.ready() else None
 
     def run(self, code: str, args: List[str], env: Dict[str, str], cwd: str, timeout: Optional[float],
@@ -307,6 +338,8 @@ def _preload(workdir: str, tried: set) -> bool:
 
 def serve(sock_path: str, parent: int) -> None:
     workdir = os.path.dirname(sock_path)
+    for k, v in sglang_cache_defaults().items():
+        os.environ.setdefault(k, v)       # what `import sglang` does before anything else in a fresh child
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)     # handlers are reaped by the kernel
     tried: set = set()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -320,15 +353,13 @@ def serve(sock_path: str, parent: int) -> None:
         try:
             conn, _ = srv.accept()
         except socket.timeout:
-            conn = None
-        # what the children that ended since the last fork reported: imported here, before this fork
+            continue
+        # what the children that ended since the last fork reported: imported here, before this fork (and
+        # only once another child is asked for, so a server that is not used again costs nothing more)
         if not _preload(workdir, tried):
             os.unlink(sock_path)
-            if conn is not None:
-                conn.close()            # its client sees no reply and runs a plain child
+            conn.close()                # its client sees no reply and runs a plain child
             return
-        if conn is None:
-            continue
         conn.settimeout(None)
         if os.fork() == 0:
             srv.close()

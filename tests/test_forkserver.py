@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forkserver import ForkClient, signature  # noqa: E402
+from forkserver import ForkClient, sglang_cache_defaults, signature  # noqa: E402
 
 REPORT = textwrap.dedent("""
     import json, os, random, sys
@@ -109,6 +109,12 @@ def test_environments_a_preloaded_package_may_read_get_their_own_server(client, 
     with_var = dict(base, TORCH_FS_PROBE="1")
     assert signature(with_var, base) != signature(with_var, with_var)           # removed
     assert signature(base, dict(base, HOME="/elsewhere")) != same
+    # the cache variables `import sglang` sets first thing: absent or at SGLang's value is the same child
+    cache = sglang_cache_defaults()
+    assert "FLASHINFER_WORKSPACE_BASE" in cache and "TRITON_CACHE_DIR" in cache
+    bare = {k: v for k, v in base.items() if k not in cache}
+    assert signature(bare, bare) == signature(bare, dict(bare, **cache))
+    assert signature(bare, bare) != signature(bare, dict(bare, TRITON_CACHE_DIR="/elsewhere"))
     code = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ.get('SGLANG_FS_PROBE'))"
     for i, cvd in enumerate(("7", "6", "7")):
         r = client.run(code, [], dict(base, CUDA_VISIBLE_DEVICES=cvd, SGLANG_FS_PROBE=str(i)), str(tmp_path), 60)
