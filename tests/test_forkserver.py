@@ -31,7 +31,8 @@ REPORT = textwrap.dedent("""
 
 
 @pytest.fixture
-def client(tmp_path):
+def client(tmp_path, monkeypatch):
+    monkeypatch.delenv("TEST_FORK_SERVER", raising=False)    # these tests are of the server: on, whatever the run
     c = ForkClient(tmp_path)
     yield c
     c.close()
@@ -100,7 +101,7 @@ def test_code_under_test_is_never_preloaded(client, tmp_path):
                        "'xml.sax.xmlreader']\n"   # its third-party imports are, the package itself is not
 
 
-def test_environments_a_preloaded_package_may_read_get_their_own_server(client, tmp_path):
+def test_environments_a_preloaded_package_may_read_get_their_own_server(client, tmp_path, monkeypatch):
     base = dict(client.base)
     same = signature(base, base)
     assert signature(base, dict(base, DSV4_SM120_ATTN_BACKEND="triton", SGLANG_X="1", PYTEST_CURRENT_TEST="t",
@@ -122,11 +123,8 @@ def test_environments_a_preloaded_package_may_read_get_their_own_server(client, 
     assert len(client.servers) == 2
     client.MAX_SERVERS = 2
     assert client.run(code, [], dict(base, CUDA_VISIBLE_DEVICES="5"), str(tmp_path), 60) is None
-    os.environ["TEST_FORK_SERVER"] = "0"
-    try:
-        assert client.run("print(1)", [], base, str(tmp_path), 60) is None
-    finally:
-        del os.environ["TEST_FORK_SERVER"]
+    monkeypatch.setenv("TEST_FORK_SERVER", "0")
+    assert client.run("print(1)", [], base, str(tmp_path), 60) is None
 
 
 def test_a_server_that_quits_leaves_its_requests_to_plain_children(client, tmp_path):
