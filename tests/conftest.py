@@ -28,8 +28,7 @@ if str(OVERLAY) not in sys.path:
 
 from dsv4_sm120 import patching  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forkserver import ForkClient  # noqa: E402
+from forkserver import ForkClient  # noqa: E402  (tests/ is on sys.path: pytest puts a rootless conftest's dir there)
 
 
 def link_tree(src: Path, dst: Path) -> None:
@@ -104,9 +103,10 @@ def python_child(tmp_path_factory):
     def run(code: str, args=(), env: dict | None = None, cwd=REPO, timeout: float | None = 600,
             input: str | None = None) -> subprocess.CompletedProcess:
         env = dict(os.environ if env is None else env)
-        r = client.run(code, [str(a) for a in args], env, str(cwd), timeout, input=input)
+        args = [str(a) for a in args]
+        r = client.run(code, args, env, str(cwd), timeout, input=input)
         if r is None:
-            r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+            r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                                env=env, cwd=str(cwd), timeout=timeout, input=input)
         return r
 

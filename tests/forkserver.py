@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-NEVER_PRELOAD = ("sglang", "dsv4_sm120", "sglang_router", "__main__", "forkserver")
+UNDER_TEST = ("sglang", "dsv4_sm120", "sglang_router")      # top-level packages a preload must never bring in
+NEVER_PRELOAD = UNDER_TEST + ("__main__", "forkserver")
 # variables a child may set or change without a fork being unfaithful: read by the code under test only
 FREE_PREFIXES = ("DSV4_SM120_", "SGLANG_", "PYTEST_")
 # prefixes of variables third-party packages read at import: a new one makes the request ineligible
@@ -172,6 +174,7 @@ class ForkClient:
             return None
         stdout = Path(out).read_text(errors="replace")
         stderr = Path(err).read_text(errors="replace")
+        shutil.rmtree(io, ignore_errors=True)
         argv = [sys.executable, "-c", code, *args]
         if res.get("timeout"):
             raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
@@ -328,7 +331,7 @@ def _preload(workdir: str, tried: set) -> bool:
                 importlib.import_module(n)
             except BaseException:       # noqa: BLE001 (a module that only imports in context: left to the child)
                 continue
-            if any(m.split(".")[0] in NEVER_PRELOAD[:3] for m in sys.modules):
+            if any(m.split(".")[0] in UNDER_TEST for m in sys.modules):
                 print(f"preloading {n} imported code under test: the fork server stops", flush=True)
                 return False
     if len(sys.modules) > n0:
