@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import inspect
 import json
 import os
 import shutil
@@ -131,10 +130,11 @@ def probe_result(run_patched, code: str, job: dict, env: dict | None = None, tim
 @pytest.fixture(scope="session")
 def run_patched(patched_sglang_site, python_child):
     """run_patched(code, env=None, timeout=600, overlay=True) -> CompletedProcess, in the patched SGLang
-    (PYTHONPATH = the patched tree, then the overlay unless overlay=False; env adds to this process's)."""
+    (PYTHONPATH = the patched tree, then the overlay unless overlay=False, then tests/site; env adds to this
+    process's)."""
     def run(code: str, env: dict | None = None, timeout: float = 600, overlay: bool = True):
         e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        e["PYTHONPATH"] = os.pathsep.join([str(patched_sglang_site)] + ([str(OVERLAY)] if overlay else []))
+        e["PYTHONPATH"] = os.pathsep.join([str(patched_sglang_site)] + ([str(OVERLAY)] if overlay else []) + [str(SITE)])
         e.update(env or {})
         return python_child(code, env=e, timeout=timeout)
     return run
@@ -161,43 +161,12 @@ def gpu_compile_result(code: str, timeout: float = 300) -> dict:
 
 
 # --------------------------------------------------------------------------- Triton interpreter speed
-
-def _skip_repeated_interpreter_lang_patching() -> None:
-    """Make Triton's interpreter stop re-patching ``triton.language`` on every nested ``@triton.jit`` call.
-
-    The interpreter patches the language modules a kernel sees (``tl``, ``tl.core``) once per launch and
-    restores them when the launch ends; each call of a jitted helper inside the kernel patches them again and
-    drops the result, which repeats the same assignments (it re-walks every module member) and costs about a
-    quarter of the CPU time of helper-heavy kernels such as the MoE GEMMs.  The wrapper below skips the
-    repeat when every language module the helper sees is already patched, and otherwise does what Triton does,
-    so kernels compute exactly what they did.  Only this pytest process (and its xdist workers) is affected;
-    if this Triton lacks the function it wraps, nothing is changed."""
-    interp = sys.modules.get("triton.runtime.interpreter")
-    if interp is None or getattr(interp, "_dsv4_lang_patch_once", False):
-        return
-    orig = getattr(interp, "_patch_lang", None)
-    scope_cls = getattr(interp, "_LangPatchScope", None)
-    tl = sys.modules.get("triton.language")
-    if orig is None or scope_cls is None or tl is None or not hasattr(tl.core, "is_builtin"):
-        return
-
-    def patched_already(lang) -> bool:
-        # every builtin (tl.arange among them) is replaced by a plain function while a launch is patched
-        member = getattr(lang, "arange", None)
-        return member is not None and not tl.core.is_builtin(member)
-
-    def patch_lang(fn):
-        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)]
-        if langs and all(patched_already(v) for v in langs):
-            return scope_cls()  # nothing to undo: the launch's own scope restores everything
-        return orig(fn)
-
-    interp._patch_lang = patch_lang
-    interp._dsv4_lang_patch_once = True
-
-
-def pytest_runtest_setup(item):
-    _skip_repeated_interpreter_lang_patching()
+# tests/site/sitecustomize.py: Triton's interpreter stops re-patching triton.language on every nested
+# @triton.jit call (kernels compute what they did). Installed here for this process and its xdist workers; the
+# children that run the interpreter get the folder on their PYTHONPATH (SITE, below).
+SITE = Path(__file__).resolve().parent / "site"
+_spec = importlib.util.spec_from_file_location("dsv4_tests_sitecustomize", SITE / "sitecustomize.py")
+_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
 
 # --------------------------------------------------------------------------- pytest-xdist distribution

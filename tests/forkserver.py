@@ -16,9 +16,10 @@ environment (`signature`); beyond three such servers, or when a server cannot st
 returns None and the caller starts a plain subprocess.
 
 The child is set up as ``python -c`` would be: ``sys.argv == ["-c", *args]``, ``sys.path == ["", *PYTHONPATH,
-<the interpreter's own paths>]``, a fresh ``__main__``, reseeded ``random`` / NumPy state, default signal
-handlers, its own process group (killed whole on timeout). Exit status is SystemExit's code, 1 with a
-traceback for an uncaught exception, -N for a signal. atexit handlers run before it exits.
+<the interpreter's own paths>]``, a ``sitecustomize`` that PYTHONPATH holds imported, a fresh ``__main__``,
+reseeded ``random`` / NumPy state, default signal handlers, its own process group (killed whole on timeout).
+Exit status is SystemExit's code, 1 with a traceback for an uncaught exception, -N for a signal. atexit
+handlers run before it exits.
 
 ``TEST_FORK_SERVER=0`` (scripts/run_tests.sh passes it through) turns it off: every child is a plain
 subprocess.
@@ -228,6 +229,11 @@ def _runner(req: dict, learn_path: str) -> None:
         sys.path[:] = ["", *base[:k], *req["pythonpath"], *base[k:]]
         sys.path_importer_cache.clear()
         importlib.invalidate_caches()
+        # start-up imports `sitecustomize` from the first sys.path entry that has one; the server started
+        # without PYTHONPATH, so one that the request's PYTHONPATH brings is imported here, where it would be
+        if any(os.path.isfile(os.path.join(p, "sitecustomize.py")) for p in req["pythonpath"]):
+            sys.modules.pop("sitecustomize", None)
+            importlib.import_module("sitecustomize")
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main

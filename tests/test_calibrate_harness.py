@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import OVERLAY, REPO
+from conftest import OVERLAY, REPO, SITE
 
 from dsv4_sm120.calibrate import fp8, moe
 from dsv4_sm120.calibrate import profile as P
@@ -217,7 +217,7 @@ def test_cpu_harness_end_to_end_through_sglang(patched_sglang_site, tmp_path):
     (ck / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "profiles"
     r = _cli(["--device", "cpu", "--decisions", "attention,moe", "--out", str(out)],
-             env={"MODEL_PATH": str(ck)}, pythonpath=os.pathsep.join([str(patched_sglang_site), str(OVERLAY)]))
+             env={"MODEL_PATH": str(ck)}, pythonpath=os.pathsep.join([str(patched_sglang_site), str(OVERLAY), str(SITE)]))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "eta" in r.stderr and "[calibrate" in r.stderr
     prof = P.load(out / "cpu-interpreter.json")

@@ -24,7 +24,8 @@ REPORT = textwrap.dedent("""
     print(json.dumps({"argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
                       "env": os.environ.get("SGLANG_FS_PROBE"), "stdin": sys.stdin.read(),
                       "rand": random.random(), "sglang": [m for m in sys.modules if m.startswith("sglang")],
-                      "preloaded_minidom": "xml.dom.minidom" in sys.modules}))
+                      "preloaded_minidom": "xml.dom.minidom" in sys.modules,
+                      "site": getattr(sys.modules.get("sitecustomize"), "MARK", None)}))
     sys.stderr.write("to stderr\\n")
     sys.exit(int(os.environ.get("SGLANG_FS_EXIT", "0")))
 """)
@@ -53,15 +54,16 @@ def test_a_forked_child_reports_what_a_plain_child_does(client, tmp_path):
     import json
     extra = tmp_path / "extra_path"
     extra.mkdir()
+    (extra / "sitecustomize.py").write_text("import os\nMARK = os.environ.get('SGLANG_FS_PROBE')\n")
     env = env_with(PYTHONPATH=f"{extra}{os.pathsep}{tmp_path}", SGLANG_FS_PROBE="x1", SGLANG_FS_EXIT="3")
     f = client.run(REPORT, ["a", "b c"], env, str(tmp_path), 60, input="hello")
     p = plain(REPORT, ["a", "b c"], env, str(tmp_path), input="hello")
     assert f is not None, [p.read_text() for p in tmp_path.glob("fs*/server.log")]
     assert (f.returncode, p.returncode) == (3, 3)
     fo, po = json.loads(f.stdout), json.loads(p.stdout)
-    for k in ("argv", "path", "cwd", "name", "env", "stdin", "sglang"):
+    for k in ("argv", "path", "cwd", "name", "env", "stdin", "sglang", "site"):
         assert fo[k] == po[k], k
-    assert str(extra) in fo["path"] and fo["sglang"] == []
+    assert str(extra) in fo["path"] and fo["sglang"] == [] and fo["site"] == "x1"   # the PYTHONPATH's sitecustomize ran
     assert f.stderr == p.stderr == "to stderr\n"
     g = client.run(REPORT, [], env_with(SGLANG_FS_EXIT="0"), str(tmp_path), 60)
     assert g.returncode == 0 and json.loads(g.stdout)["rand"] != fo["rand"]     # reseeded per child
