@@ -487,7 +487,7 @@ def test_sm120_default_configs_compile_within_shared_memory():
 
 
 @pytest.mark.parametrize("M,E,kind,align", [(3, 8, "mixed", "inkernel"), (7, 8, "repeat", "triton"),
-                                              (9, 256, "dropped", "torch"), (6, 8, "one", "triton")])
+                                              (9, 16, "dropped", "torch"), (6, 8, "one", "triton")])
 def test_fp4_pre_quantized_activations_are_bit_identical(M, E, kind, align, monkeypatch):
     """APRE (activations NVFP4-quantized once per row before each GEMM) gives the fp4 path's in-loop result
     bit for bit: same quantizer, same operands, in every grouping mode (the aligned order quantizes only
