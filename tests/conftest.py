@@ -134,7 +134,8 @@ def run_patched(patched_sglang_site, python_child):
     process's)."""
     def run(code: str, env: dict | None = None, timeout: float = 600, overlay: bool = True):
         e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        e["PYTHONPATH"] = os.pathsep.join([str(patched_sglang_site)] + ([str(OVERLAY)] if overlay else []) + [str(SITE)])
+        paths = [patched_sglang_site] + ([OVERLAY] if overlay else []) + [SITE]
+        e["PYTHONPATH"] = os.pathsep.join(map(str, paths))
         e.update(env or {})
         return python_child(code, env=e, timeout=timeout)
     return run

@@ -217,7 +217,7 @@ def test_cpu_harness_end_to_end_through_sglang(patched_sglang_site, tmp_path):
     (ck / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "profiles"
     r = _cli(["--device", "cpu", "--decisions", "attention,moe", "--out", str(out)],
-             env={"MODEL_PATH": str(ck)}, pythonpath=os.pathsep.join([str(patched_sglang_site), str(OVERLAY), str(SITE)]))
+             env={"MODEL_PATH": str(ck)}, pythonpath=os.pathsep.join(map(str, (patched_sglang_site, OVERLAY, SITE))))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "eta" in r.stderr and "[calibrate" in r.stderr
     prof = P.load(out / "cpu-interpreter.json")

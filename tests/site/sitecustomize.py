@@ -6,10 +6,11 @@ tests' behaviour changes: it only makes Triton's interpreter cheaper, and its ke
 
 What it changes: Triton's interpreter patches the language modules a kernel sees (``tl``, ``tl.core``) once
 per launch and restores them when the launch ends; each call of a jitted helper inside the kernel patches
-them again and drops the result, which repeats the same assignments (it re-walks every module member) and
-costs a quarter to a third of the CPU time of helper-heavy kernels (the MoE GEMMs, the attention split and
-combine kernels). The wrapper skips the repeat when every language module the helper sees is already
-patched, and otherwise does what Triton does. If this Triton lacks what it wraps, nothing is changed.
+them again and drops the result, which repeats the same assignments (it re-walks every module member). Helpers
+include Triton's own (``tl.zeros`` is one), so this cost a third of the kernel time of the speculative-attention
+probe (the attention split and combine kernels) and a quarter of the MoE GEMMs'. The wrapper skips the repeat
+when every language module the helper sees is already patched, and otherwise does what Triton does. If this
+Triton lacks what it wraps, nothing is changed.
 
 ``triton.runtime.interpreter`` is wrapped when it is imported (a meta-path finder waits for it, so importing
 this module imports no Triton: ``TRITON_INTERPRET`` may still be set later), or at once if it already is.
