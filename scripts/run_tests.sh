@@ -2,10 +2,8 @@
 # The CPU test suite: brings the pinned test environment up to date (cached under
 # ${DSV4_SM120_CACHE:-~/.cache/dsv4_sm120}/test-venv, created on demand), then runs pytest on tests/.
 # Arguments go to pytest (default: `tests -q`).  "No tests ran" (pytest exit 5) is a failure, on purpose.
-# The tests run on pytest-xdist workers, one more than CPU cores (at most 8): part of the time a test waits on
-# the processes it started (servers coming up, health polls), and the extra worker keeps the cores busy then
-# (2 cores: 494 s with 3 workers, ~535 s with 2). TEST_WORKERS=N sets the count, TEST_WORKERS=0 runs them in
-# this one process.  A `-n` among the arguments overrides it too.
+# The tests run on one pytest-xdist worker per CPU core (at most 8); TEST_WORKERS=N sets the count,
+# TEST_WORKERS=0 runs them in this one process.  A `-n` among the arguments overrides it too.
 # The `python -c` children that import SGLang fork from a server that has the third-party packages imported
 # (tests/forkserver.py); TEST_FORK_SERVER=0 starts each as a plain process instead.
 set -uo pipefail
@@ -13,7 +11,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${DSV4_SM120_CACHE:-$HOME/.cache/dsv4_sm120}
 venv=${TEST_VENV:-$cache/test-venv}
 t0=$(date +%s)
-workers=${TEST_WORKERS:-$(( $(nproc 2>/dev/null || echo 1) + 1 ))}
+workers=${TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 case $workers in ''|*[!0-9]*) echo "[test] error: TEST_WORKERS must be a number of workers (0 for none), got '$workers'"; exit 2;; esac
 [ "$workers" -le 8 ] || workers=8
 "$here/scripts/setup_env.sh" "$venv" || { echo "[test] could not set up the test environment"; exit 2; }
