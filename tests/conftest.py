@@ -22,6 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAY = REPO / "overlay"
+SITE = Path(__file__).resolve().parent / "site"     # tests/site/sitecustomize.py (Triton interpreter speed, below)
 if str(OVERLAY) not in sys.path:
     sys.path.insert(0, str(OVERLAY))
 
@@ -164,8 +165,7 @@ def gpu_compile_result(code: str, timeout: float = 300) -> dict:
 # --------------------------------------------------------------------------- Triton interpreter speed
 # tests/site/sitecustomize.py: Triton's interpreter stops re-patching triton.language on every nested
 # @triton.jit call (kernels compute what they did). Installed here for this process and its xdist workers; the
-# children that run the interpreter get the folder on their PYTHONPATH (SITE, below).
-SITE = Path(__file__).resolve().parent / "site"
+# children that run the interpreter get the folder on their PYTHONPATH (SITE).
 _spec = importlib.util.spec_from_file_location("dsv4_tests_sitecustomize", SITE / "sitecustomize.py")
 _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 

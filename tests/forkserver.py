@@ -233,7 +233,11 @@ def _runner(req: dict, learn_path: str) -> None:
         # without PYTHONPATH, so one that the request's PYTHONPATH brings is imported here, where it would be
         if any(os.path.isfile(os.path.join(p, "sitecustomize.py")) for p in req["pythonpath"]):
             sys.modules.pop("sitecustomize", None)
-            importlib.import_module("sitecustomize")
+            try:
+                importlib.import_module("sitecustomize")
+            except Exception as e:  # noqa: BLE001 - start-up reports it and goes on
+                print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(e).__name__}: {e}",
+                      file=sys.stderr)
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main

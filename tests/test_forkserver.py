@@ -137,3 +137,16 @@ def test_a_server_that_quits_leaves_its_requests_to_plain_children(client, tmp_p
     srv.proc.kill()
     srv.proc.wait()
     assert client.run("print(1)", [], base, str(tmp_path), 60) is None
+
+
+def test_a_failing_sitecustomize_is_reported_and_the_code_still_runs(client, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("raise RuntimeError('boom in site')\n")
+    env = env_with(PYTHONPATH=str(site))
+    code = "print('ran')"
+    f = client.run(code, [], env, str(tmp_path), 60)
+    p = plain(code, [], env, str(tmp_path))
+    assert f is not None
+    assert (f.returncode, f.stdout, f.stderr) == (p.returncode, p.stdout, p.stderr) == (0, "ran\n", p.stderr)
+    assert "Error in sitecustomize" in p.stderr and "RuntimeError: boom in site" in p.stderr
