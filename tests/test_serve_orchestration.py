@@ -23,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SERVE = REPO / "serve"
 VENV = str(Path(sys.executable).parent.parent)
+SITE = Path(__file__).resolve().parent / "site"     # tests/site/sitecustomize.py: the router skips an import
 
 
 def free_ports(n):
@@ -50,6 +51,9 @@ def env(tmp_path):
     })
     for k in ("DRY_RUN", "DETACH", "RUN_DIR", "NODE_ROLE", "PREFLIGHT_SKIP"):
         e.pop(k, None)
+    # every Python process of the deployment starts with tests/site's hook: the router launcher skips importing
+    # SGLang for a module the pinned SGLang lacks (~8 s of CPU per start; tests/test_site_hooks.py)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (e.get("PYTHONPATH", ""), str(SITE)) if p)
     return e
 
 

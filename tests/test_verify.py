@@ -204,7 +204,7 @@ def test_full_run_ours_vs_stock_reports_first_divergence(venv, tmp_path):
                "--prompts", str(n_prompts), "--gsm8k-url", f"http://127.0.0.1:{closed}/test.jsonl",
                "--concurrency", "2", "--input-len", "16", "--output-len", "6", "--prompts-per-level", "1",
                "--min-prompts", "2", "--profile-concurrency", "2", "--profile-warmup-s", "1", "--profile-steps", "3",
-               "--profile-output-len", "64")
+               "--profile-output-len", "64", "--python", fake_loadgen(tmp_path))
     text = r.stdout + r.stderr
     assert r.returncode == 0, text
     assert len(PROGRESS.findall(r.stdout)) >= 10, r.stdout
@@ -233,8 +233,8 @@ def test_full_run_ours_vs_stock_reports_first_divergence(venv, tmp_path):
         st = rep["variants"][v]["stages"]
         assert [st[s]["status"] for s in ("greedy", "accuracy", "measure", "profile")] == \
             ["ok", "skipped", "ok", "ok"], st
-        # one level: one load-generator process per variant (the level loop and the per-level comparison are
-        # checked with stand-in load generators in test_serve_measure and test_first_divergence_and_verdicts)
+        # the stand-in load generator at one level (SGLang's real one runs in test_serve_measure, as do the
+        # level loop; the per-level comparison is test_first_divergence_and_verdicts)
         assert [x["concurrency"] for x in st["measure"]["runs"]] == [2]
         assert all(x["metrics"]["completed"] == 2 and x["metrics"]["output_throughput"] > 0
                    for x in st["measure"]["runs"])

@@ -1,19 +1,26 @@
-"""Start-up hook of the test run's Triton-interpreter processes: Python imports ``sitecustomize`` from the
-first ``sys.path`` entry that has one, and the tests put this folder on the PYTHONPATH of the children that
-run kernels under ``TRITON_INTERPRET=1`` (conftest's ``run_patched`` probes, the ``calibrate --device cpu``
-run); tests/conftest.py installs the same in the pytest process itself. Nothing else of the product's or the
-tests' behaviour changes: it only makes Triton's interpreter cheaper, and its kernels compute what they did.
+"""Start-up hook of the test run's child processes: Python imports ``sitecustomize`` from the first
+``sys.path`` entry that has one, and the tests put this folder on the PYTHONPATH of the children that run kernels
+under ``TRITON_INTERPRET=1`` (conftest's ``run_patched`` probes, the ``calibrate --device cpu`` run) and of the
+stand-in deployments (tests/test_serve_orchestration.py's ``env``: the supervisor, its parts, the real router);
+tests/conftest.py installs the Triton part in the pytest process itself. It changes two costs, nothing the tests
+check.
 
-What it changes: Triton's interpreter patches the language modules a kernel sees (``tl``, ``tl.core``) once
-per launch and restores them when the launch ends; each call of a jitted helper inside the kernel patches
-them again and drops the result, which repeats the same assignments (it re-walks every module member). Helpers
-include Triton's own (``tl.zeros`` is one), so this cost a third of the kernel time of the speculative-attention
-probe (the attention split and combine kernels) and a quarter of the MoE GEMMs'. The wrapper skips the repeat
-when every language module the helper sees is already patched, and otherwise does what Triton does. If this
-Triton lacks what it wraps, nothing is changed.
+1. Triton's interpreter patches the language modules a kernel sees (``tl``, ``tl.core``) once per launch and
+restores them when the launch ends; each call of a jitted helper inside the kernel patches them again and drops
+the result, which repeats the same assignments (it re-walks every module member). Helpers include Triton's own
+(``tl.zeros`` is one), so this cost a third of the kernel time of the speculative-attention probe (the attention
+split and combine kernels) and a quarter of the MoE GEMMs'. The wrapper skips the repeat when every language
+module the helper sees is already patched, and otherwise does what Triton does; kernels compute what they did.
+If this Triton lacks what it wraps, nothing is changed. ``triton.runtime.interpreter`` is wrapped when it is
+imported (a meta-path finder waits for it, so importing this module imports no Triton: ``TRITON_INTERPRET`` may
+still be set later), or at once if it already is.
 
-``triton.runtime.interpreter`` is wrapped when it is imported (a meta-path finder waits for it, so importing
-this module imports no Triton: ``TRITON_INTERPRET`` may still be set later), or at once if it already is.
+2. The router (``python -m sglang_router.launch_router``) imports ``sglang_router.mini_lb``, the Python debugging
+balancer, which tries to import SGLang's tracing helpers and goes on without them when that fails. That try
+imports all of ``sglang`` (torch, transformers: ~8 s of CPU on a 2-core box, per router start, about 15 starts a
+run). The deployment runs the Rust router, which never uses them; in a process whose ``__main__`` is that
+launcher, importing ``sglang`` raises ModuleNotFoundError here, which mini_lb's own ``except ImportError`` takes.
+Any other use of SGLang in the router would fail loudly, not differently.
 """
 
 from __future__ import annotations
@@ -75,12 +82,32 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+ROUTER_MAIN = "sglang_router.launch_router"
+
+
+class _RouterWithoutSGLang(importlib.abc.MetaPathFinder):
+    """Refuses ``import sglang`` while ``__main__`` is the router launcher (part 2 above); passes otherwise."""
+
+    def find_spec(self, name, path, target=None):
+        if name == "sglang" and getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) \
+                == ROUTER_MAIN:
+            raise ModuleNotFoundError(f"the tests' router process does not import {name} "
+                                      "(tests/site/sitecustomize.py)", name=name)
+        return None
+
+
+def _installed(cls) -> bool:
+    return any(isinstance(f, cls) or type(f).__name__ == cls.__name__ for f in sys.meta_path)
+
+
 def install() -> None:
-    """Wrap the interpreter now if it is imported, else when it is (idempotent)."""
+    """Wrap the interpreter now if it is imported, else when it is; refuse SGLang in the router (idempotent)."""
     if TARGET in sys.modules:
         wrap_interpreter(sys.modules[TARGET])
-    elif not any(isinstance(f, _WrapOnImport) or type(f).__name__ == "_WrapOnImport" for f in sys.meta_path):
+    elif not _installed(_WrapOnImport):
         sys.meta_path.insert(0, _WrapOnImport())
+    if not _installed(_RouterWithoutSGLang):
+        sys.meta_path.insert(0, _RouterWithoutSGLang())
 
 
 install()

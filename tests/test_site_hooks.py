@@ -1,7 +1,13 @@
-"""tests/site/sitecustomize.py (on the PYTHONPATH of the children that run Triton's interpreter): importing it
-imports no Triton; once the interpreter is imported, a launch patches the language modules once instead of
-once per nested ``@triton.jit`` call, and the kernel's output is bit-identical to the unwrapped interpreter's
-and to a torch reference."""
+"""tests/site/sitecustomize.py (on the PYTHONPATH of the children that run Triton's interpreter and of the
+stand-in deployments):
+
+* importing it imports no Triton; once the interpreter is imported, a launch patches the language modules once
+  instead of once per nested ``@triton.jit`` call, and the kernel's output is bit-identical to the unwrapped
+  interpreter's and to a torch reference;
+* the router launcher's optional import of SGLang's tracing helpers ends as it does without the hook (the pinned
+  SGLang has no such module, so the launcher goes on without them), minus the import of the whole ``sglang``
+  package; any other process still finds SGLang.
+(The router itself runs under the hook in the orchestration, router and verify tests.)"""
 
 from __future__ import annotations
 
@@ -82,3 +88,35 @@ def test_nested_helpers_stop_repatching_and_results_are_bit_identical(tmp_path):
     assert fast["ref_err"] < 1e-5 and plain["ref_err"] < 1e-5, (fast["ref_err"], plain["ref_err"])
     # the launch patches once per language module; the plain interpreter again for each of 8 x 3 helper calls
     assert 0 < fast["runs"] and fast["runs"] * 8 < plain["runs"], (fast["runs"], plain["runs"])
+
+
+ROUTER_PROBE = textwrap.dedent("""
+    import importlib.util, json, runpy, sys
+    sys.argv = ["launch_router", "--help"]
+    try:                                   # as `python -m sglang_router.launch_router --help` runs it
+        runpy.run_module("sglang_router.launch_router", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    in_router = sorted(m for m in sys.modules if m.split(".")[0] == "sglang")
+    print("RESULT" + json.dumps({"code": code, "sglang_in_router": in_router,
+                                 "trace_imported": sys.modules["sglang_router.mini_lb"].trace_package_imported,
+                                 "found_outside": importlib.util.find_spec("sglang") is not None}))
+""")
+
+
+def test_router_launcher_skips_the_sglang_import_it_cannot_use(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    sglang_dir = Path(importlib.util.find_spec("sglang").origin).parent
+    # mini_lb tries `from sglang.srt.tracing.trace import ...`: absent from the pinned SGLang, so that try fails
+    # with or without the hook (if a new pin adds it, the hook would change the router: revisit it)
+    assert (sglang_dir / "srt").is_dir() and not (sglang_dir / "srt" / "tracing").exists()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(SITE)
+    r = subprocess.run([sys.executable, "-c", ROUTER_PROBE], capture_output=True, text=True, env=env,
+                       cwd=str(tmp_path), timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT"):])
+    assert res == {"code": 0, "sglang_in_router": [], "trace_imported": False, "found_outside": True}, res
