@@ -97,8 +97,16 @@ def python_child(tmp_path_factory):
     """python_child(code, args=(), env=None, cwd=REPO, timeout=600, input=None) -> CompletedProcess of
     ``python -c code *args`` (output captured as text); ``env`` is the child's whole environment (default: this
     process's). Forked from a server that has the third-party packages imported already (tests/forkserver.py)
-    where that is faithful, else a plain subprocess."""
-    client = ForkClient(tmp_path_factory.mktemp("forkserver"))
+    where that is faithful, else a plain subprocess. What the servers preloaded is remembered in the cache
+    directory, per interpreter, for the next run's servers (a cold cache only means they learn it again)."""
+    import hashlib
+    key = hashlib.sha256(f"{sys.executable} {sys.version}".encode()).hexdigest()[:16]
+    remember = patching.cache_dir() / f"forkserver-preload-{key}.txt"
+    try:
+        remember.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        remember = None
+    client = ForkClient(tmp_path_factory.mktemp("forkserver"), remember)
 
     def run(code: str, args=(), env: dict | None = None, cwd=REPO, timeout: float | None = 600,
             input: str | None = None) -> subprocess.CompletedProcess:

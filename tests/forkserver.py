@@ -8,8 +8,10 @@ tree, the overlay) are imported afresh.
 
 What is preloaded is learned: when a child ends it lists the modules it imported from the standard library
 or the environment's site-packages (never `sglang*`, `dsv4_sm120*`, `sglang_router*` or anything under the
-request's own PYTHONPATH), and the server imports those before its next fork. A preload that drags in an
-SGLang or overlay module taints the server and it quits; a request whose environment differs from the
+request's own PYTHONPATH), and the server imports those before its next fork. With a ``remember`` file (conftest
+keeps one per interpreter in the cache directory) what servers preloaded is kept for the next run's servers,
+which import it before their first fork; without it, or when the file is missing, each server learns afresh. A preload that drags in an
+SGLang or overlay module taints the server and it quits (and forgets the remembered list); a request whose environment differs from the
 server's in a variable a preloaded package may read (anything but ``DSV4_SM120_*``, ``SGLANG_*``,
 ``PYTEST_*`` and new variables outside the known third-party prefixes) goes to a server started with that
 environment (`signature`); beyond three such servers, or when a server cannot start, `ForkClient.run`
@@ -90,10 +92,11 @@ def signature(base: Dict[str, str], env: Dict[str, str]) -> tuple:
 
 
 class _Server:
-    def __init__(self, workdir: Path, env: Dict[str, str]):
+    def __init__(self, workdir: Path, env: Dict[str, str], remember: Optional[Path] = None):
         self.sock = workdir / "s"
         log = open(workdir / "server.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, __file__, str(self.sock), str(os.getpid())],
+        self.proc = subprocess.Popen([sys.executable, __file__, str(self.sock), str(os.getpid()),
+                                      str(remember or "")],
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      env={k: v for k, v in env.items() if k != "PYTHONPATH"})
         log.close()
@@ -120,11 +123,13 @@ class _Server:
 
 class ForkClient:
     """One server per environment signature, started on first use (at most MAX_SERVERS; children of
-    further signatures run plain)."""
+    further signatures run plain). ``remember``: the file that carries what servers preloaded to the next
+    run's (module docstring)."""
     MAX_SERVERS = 3
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, remember: Optional[Path] = None):
         self.workdir = workdir
+        self.remember = remember
         self.base = dict(os.environ)
         self.servers: Dict[tuple, _Server] = {}
 
@@ -134,7 +139,8 @@ class ForkClient:
         if srv is None:
             if len(self.servers) >= self.MAX_SERVERS:
                 return None
-            srv = self.servers[sig] = _Server(Path(tempfile.mkdtemp(prefix="fs", dir=self.workdir)), env)
+            srv = self.servers[sig] = _Server(Path(tempfile.mkdtemp(prefix="fs", dir=self.workdir)), env,
+                                              self.remember)
             base_sig = dict(signature(self.base, self.base))
             with open(self.workdir / "client.log", "a") as f:
                 f.write(f"server {len(self.servers)} for {os.environ.get('PYTEST_CURRENT_TEST')}: "
@@ -324,10 +330,27 @@ def _handle(conn: socket.socket, workdir: str) -> None:
         os._exit(0)
 
 
-def _preload(workdir: str, tried: set) -> bool:
-    """Import what finished children reported; False once a preload pulled in code under test."""
+def _read_names(path: str) -> List[str]:
+    try:
+        return [n for n in Path(path).read_text().splitlines() if n and n.split(".")[0] not in NEVER_PRELOAD]
+    except OSError:
+        return []
+
+
+def _write_names(path: str, names: List[str]) -> None:
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        Path(tmp).write_text("\n".join(names) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _preload(workdir: str, tried: set, loaded: List[str], remember: str = "") -> bool:
+    """Import what finished children reported (and, before the first fork, the remembered list); False once a
+    preload pulled in code under test. ``loaded`` collects what imported, in order, for ``remember``."""
     import importlib
-    t0, n0 = time.monotonic(), len(sys.modules)
+    t0, n0, k0 = time.monotonic(), len(sys.modules), len(loaded)
     for p in sorted(Path(workdir).glob("learn-*")):
         if p.name.endswith(".tmp"):
             continue
@@ -336,6 +359,7 @@ def _preload(workdir: str, tried: set) -> bool:
         for n in names:
             tried.add(n)
             if n in sys.modules:
+                loaded.append(n)
                 continue
             try:
                 importlib.import_module(n)
@@ -343,18 +367,31 @@ def _preload(workdir: str, tried: set) -> bool:
                 continue
             if any(m.split(".")[0] in UNDER_TEST for m in sys.modules):
                 print(f"preloading {n} imported code under test: the fork server stops", flush=True)
+                if remember:
+                    try:
+                        os.unlink(remember)
+                    except OSError:
+                        pass
                 return False
+            loaded.append(n)
     if len(sys.modules) > n0:
         print(f"preloaded {len(sys.modules) - n0} modules in {time.monotonic() - t0:.1f} s", flush=True)
+    if remember and len(loaded) > k0:
+        known = _read_names(remember)
+        _write_names(remember, known + [n for n in loaded if n not in set(known)])
     return True
 
 
-def serve(sock_path: str, parent: int) -> None:
+def serve(sock_path: str, parent: int, remember: str = "") -> None:
     workdir = os.path.dirname(sock_path)
     for k, v in sglang_cache_defaults().items():
         os.environ.setdefault(k, v)       # what `import sglang` does before anything else in a fresh child
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)     # handlers are reaped by the kernel
     tried: set = set()
+    loaded: List[str] = []
+    if remember:
+        # what earlier runs' servers preloaded: imported before the first fork, like a child's report
+        _write_names(os.path.join(workdir, "learn-0-remembered"), _read_names(remember))
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(sock_path + ".tmp")
     os.replace(sock_path + ".tmp", sock_path)
@@ -369,7 +406,7 @@ def serve(sock_path: str, parent: int) -> None:
             continue
         # what the children that ended since the last fork reported: imported here, before this fork (and
         # only once another child is asked for, so a server that is not used again costs nothing more)
-        if not _preload(workdir, tried):
+        if not _preload(workdir, tried, loaded, remember):
             os.unlink(sock_path)
             conn.close()                # its client sees no reply and runs a plain child
             return
@@ -381,4 +418,4 @@ def serve(sock_path: str, parent: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "")

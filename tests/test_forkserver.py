@@ -92,6 +92,31 @@ def test_modules_a_child_imported_are_preloaded_for_the_next(client, tmp_path):
     assert second.stdout == "True\n"                   # now there before the code runs
 
 
+def test_what_servers_preloaded_is_remembered_for_the_next_run(tmp_path, monkeypatch):
+    import json
+    monkeypatch.delenv("TEST_FORK_SERVER", raising=False)
+    remember = tmp_path / "remember.txt"
+    remember.write_text("sglang.srt\nxml.dom\n")     # code under test in the file is never imported
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        c = ForkClient(tmp_path / name, remember)
+        try:
+            first = c.run("import sys; print(sorted(m for m in sys.modules if m.startswith(('xml.dom', 'sglang'))))",
+                          [], env_with(FS_EXTRA_MODULE="xml.dom.minidom"), str(tmp_path), 60)
+            c.run(REPORT, [], env_with(FS_EXTRA_MODULE="xml.dom.minidom"), str(tmp_path), 60)
+            c.run("print(1)", [], env_with(), str(tmp_path), 60)     # its fork preloads what REPORT imported
+        finally:
+            c.close()
+        runs.append(json.loads(first.stdout.replace("'", '"')))
+    # the first run's first child had only the remembered xml.dom; the next run's first child has what the
+    # first run's servers preloaded
+    assert "xml.dom" in runs[0] and "xml.dom.minidom" not in runs[0] and "xml.dom.minidom" in runs[1], runs
+    assert not any(m.startswith("sglang") for r in runs for m in r)
+    names = remember.read_text().split()
+    assert "xml.dom.minidom" in names and not any(n.startswith("sglang") for n in names)
+
+
 def test_code_under_test_is_never_preloaded(client, tmp_path):
     pkg = tmp_path / "site" / "sglang"
     pkg.mkdir(parents=True)
