@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAY = REPO / "overlay"
-SITE = Path(__file__).resolve().parent / "site"     # tests/site/sitecustomize.py (Triton interpreter speed, below)
+SITE = Path(__file__).resolve().parent / "site"     # tests/site/sitecustomize.py (start-up hook of children, below)
 if str(OVERLAY) not in sys.path:
     sys.path.insert(0, str(OVERLAY))
 
