@@ -8,14 +8,14 @@ tree, the overlay) are imported afresh.
 
 What is preloaded is learned: when a child ends it lists the modules it imported from the standard library
 or the environment's site-packages (never `sglang*`, `dsv4_sm120*`, `sglang_router*` or anything under the
-request's own PYTHONPATH), and the server imports those before its next fork. With a ``remember`` file (conftest
-keeps one per interpreter in the cache directory) what servers preloaded is kept for the next run's servers,
-which import it before their first fork; without it, or when the file is missing, each server learns afresh. A preload that drags in an
-SGLang or overlay module taints the server and it quits (and forgets the remembered list); a request whose environment differs from the
-server's in a variable a preloaded package may read (anything but ``DSV4_SM120_*``, ``SGLANG_*``,
-``PYTEST_*`` and new variables outside the known third-party prefixes) goes to a server started with that
-environment (`signature`); beyond three such servers, or when a server cannot start, `ForkClient.run`
-returns None and the caller starts a plain subprocess.
+request's own PYTHONPATH), and the server imports those before its next fork. With a ``remember`` file
+(conftest keeps one per interpreter in the cache directory) what servers preloaded is kept for the next run's
+servers, which import it before their first fork; without the file each server learns afresh. A preload that
+drags in an SGLang or overlay module taints the server: it quits and deletes the remembered list. A request
+whose environment differs from the server's in a variable a preloaded package may read (anything but
+``DSV4_SM120_*``, ``SGLANG_*``, ``PYTEST_*`` and new variables outside the known third-party prefixes) goes to a
+server started with that environment (`signature`); beyond three such servers, or when a server cannot start,
+`ForkClient.run` returns None and the caller starts a plain subprocess.
 
 The child is set up as ``python -c`` would be: ``sys.argv == ["-c", *args]``, ``sys.path == ["", *PYTHONPATH,
 <the interpreter's own paths>]``, a ``sitecustomize`` that PYTHONPATH holds imported, a fresh ``__main__``,
@@ -378,7 +378,8 @@ def _preload(workdir: str, tried: set, loaded: List[str], remember: str = "") ->
         print(f"preloaded {len(sys.modules) - n0} modules in {time.monotonic() - t0:.1f} s", flush=True)
     if remember and len(loaded) > k0:
         known = _read_names(remember)
-        _write_names(remember, known + [n for n in loaded if n not in set(known)])
+        seen = set(known)
+        _write_names(remember, known + [n for n in loaded if n not in seen])
     return True
 
 

@@ -16,11 +16,12 @@ imported (a meta-path finder waits for it, so importing this module imports no T
 still be set later), or at once if it already is.
 
 2. The router (``python -m sglang_router.launch_router``) imports ``sglang_router.mini_lb``, the Python debugging
-balancer, which tries to import SGLang's tracing helpers and goes on without them when that fails. That try
-imports all of ``sglang`` (torch, transformers: ~8 s of CPU on a 2-core box, per router start, about 15 starts a
-run). The deployment runs the Rust router, which never uses them; in a process whose ``__main__`` is that
-launcher, importing ``sglang`` raises ModuleNotFoundError here, which mini_lb's own ``except ImportError`` takes.
-Any other use of SGLang in the router would fail loudly, not differently.
+balancer, which tries ``from sglang.srt.tracing.trace import ...`` and goes on without tracing when that fails.
+The pinned SGLang has no ``sglang.srt.tracing``, so the try always fails, but only after importing all of
+``sglang`` (torch, transformers: ~8 s of CPU on a 2-core box, per router start, about 15 starts a run). In a
+process whose ``__main__`` is that launcher, importing ``sglang`` raises ModuleNotFoundError here instead: mini_lb
+ends in the same state without the import (tests/test_site_hooks.py checks both facts), and the Rust router the
+deployment runs never uses SGLang. Any other use of SGLang in the router would fail loudly, not differently.
 """
 
 from __future__ import annotations
