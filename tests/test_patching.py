@@ -396,3 +396,40 @@ def test_setup_env_stamp_covers_the_environment_not_the_patch_tool(tmp_path):
     wf.write_text(wf.read_text().replace("00b3cd5b", "11b3cd5b"))
     r = run()
     assert r.returncode == 2 and "up to date" not in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["all-cached", "cache-miss"])
+def test_setup_env_installs_from_uvs_cache_first(tmp_path, cached):
+    """uv installs offline from its cache first (no index round trip per package); on a miss it says so and
+    resolves online with the same arguments. A stand-in uv records each call."""
+    co = _fake_checkout(tmp_path)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    py = venv / "bin" / "python"  # the test environment's python (it has sglang 0.5.23 and pip) under this name
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    calls, uv_cache = tmp_path / "calls.txt", tmp_path / "uv-cache"
+    uv_cache.mkdir()
+    uv = tmp_path / "uv"
+    uv.write_text(f"""#!/bin/bash
+echo "$*" >> {calls}
+case "$1" in --version) echo "uv 0.0-standin"; exit 0;; cache) echo {uv_cache}; exit 0;; esac
+for a; do [ "$a" = --offline ] && [ "$MISS" = 1 ] && {{ echo "error: not in the cache" >&2; exit 1; }}; done
+echo " + a-package==1.0"
+""")
+    uv.chmod(0o755)
+    env = dict(os.environ, UV=str(uv), MISS="0" if cached else "1", DSV4_SM120_COMPILE_BYTECODE="0")
+    r = subprocess.run(["bash", str(co / "scripts" / "setup_env.sh"), str(venv)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ready in" in out, out
+    installs = [c.split() for c in calls.read_text().splitlines() if c.startswith("pip install")]
+    offline = [c for c in installs if "--offline" in c]
+    online = [c for c in installs if "--offline" not in c]
+    assert len(offline) == 2 and any("-r" in c and str(co / "requirements" / "nodeps.txt") in c for c in offline)
+    if cached:
+        assert online == [] and "resolving against the package index" not in out, out
+        assert out.count("+ a-package==1.0") == 2, out  # uv's own report is shown, not swallowed
+    else:
+        assert [[a for a in c if a != "--offline"] for c in offline] == online, (offline, online)
+        assert out.count("does not hold every pinned package") == 2 and "not in the cache" not in out, out
