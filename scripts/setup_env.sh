@@ -37,7 +37,9 @@ ticker=
 stop_ticker() { if [ -n "$ticker" ]; then kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true; ticker=; fi; }
 start_ticker() {  # $1: what is running
   stop_ticker
-  ( while sleep 30; do say "... still $1 ($(elapsed) elapsed)"; done ) &
+  # sleep's output goes nowhere: a sleep left over from the killed loop must not hold our stdout open (a caller
+  # reading it through a pipe would wait up to 30 s for its end)
+  ( while sleep 30 </dev/null >/dev/null 2>&1; do say "... still $1 ($(elapsed) elapsed)"; done ) &
   ticker=$!
 }
 trap stop_ticker EXIT

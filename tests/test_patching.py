@@ -419,8 +419,10 @@ echo " + a-package==1.0"
 """)
     uv.chmod(0o755)
     env = dict(os.environ, UV=str(uv), MISS="0" if cached else "1", DSV4_SM120_COMPILE_BYTECODE="0")
+    # the output pipe reaches its end when the script exits (the progress ticker's sleep must not hold it open
+    # for 30 s): a reader such as `make setup | tee log` returns at once
     r = subprocess.run(["bash", str(co / "scripts" / "setup_env.sh"), str(venv)], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=env, timeout=25)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "ready in" in out, out
     installs = [c.split() for c in calls.read_text().splitlines() if c.startswith("pip install")]
