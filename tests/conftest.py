@@ -32,9 +32,13 @@ from forkserver import ForkClient  # noqa: E402  (tests/ is on sys.path: pytest 
 
 
 def link_tree(src: Path, dst: Path) -> None:
-    """Mirror src into dst: directories created, files symlinked (no __pycache__)."""
+    """Mirror src into dst: directories created, files symlinked, the compiled ``__pycache__/*.pyc`` included.
+
+    A .pyc is checked against its source's modification time and size, which a symlink reports from its target:
+    the environment's bytecode stays valid for every file left as it was (the patched ones, replaced by real
+    files, are compiled from source). Without it each child compiles every SGLang module it imports (~3 s of
+    CPU for SGLang's model registry alone)."""
     for dirpath, dirnames, filenames in os.walk(src):
-        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
         rel = Path(dirpath).relative_to(src)
         (dst / rel).mkdir(parents=True, exist_ok=True)
         for f in filenames:
@@ -179,18 +183,7 @@ _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
 
 # --------------------------------------------------------------------------- pytest-xdist distribution
-# the files that build a module-scoped fixture stay on one worker (tests/xdist_groups.py)
-from xdist_groups import pytest_xdist_make_scheduler  # noqa: E402,F401
-
-
-# files whose tests take longest on a 2-core box (SGLang in a subprocess, the Triton interpreter at verify
-# shapes: tens of seconds each), started first so no long test is left running alone at the end; the rest keep
-# their collection order
-SLOW_FIRST = ("test_verify.py", "test_calibrate_harness.py", "test_attention_integration.py",
-              "test_readme_commands.py", "test_serve_measure.py", "test_attention.py", "test_moe.py",
-              "test_attention_spec_shapes.py", "test_glue_selfcheck_sglang.py", "test_serve_orchestration.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda it: rank.get(Path(str(it.path)).name, len(rank)))  # stable: collection order within
+# the files that build a module-scoped fixture stay on one worker, the longest work starts first, and each run
+# records what its tests took for the next one's order (tests/xdist_groups.py)
+from xdist_groups import (pytest_collection_modifyitems, pytest_configure_node,  # noqa: E402,F401
+                          pytest_runtest_logreport, pytest_sessionfinish, pytest_xdist_make_scheduler)

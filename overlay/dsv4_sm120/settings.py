@@ -258,6 +258,9 @@ _OURS: Tuple[Setting, ...] = (
     Setting("DSV4_SM120_TEST_GPU_NAME", "text", "",
             "GPU name the SGLang glue looks the machine profile up for (CPU tests; empty: the current CUDA GPU)",
             "test"),
+    Setting("DSV4_SM120_TEST_DURATIONS", "path", "",
+            "the record of test durations that orders make test's work, longest first (empty: "
+            "test-durations.json in DSV4_SM120_CACHE; tests/xdist_groups.py)", "test"),
     Setting("DSV4_SM120_TEST_ATTN_CONFIG", "text", "",
             "launch keys the GPU attention tests (tests/gpu) run every case with", "test",
             check=_attention_launch, values=_ATTN_CONFIG_VALUES),
