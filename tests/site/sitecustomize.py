@@ -2,8 +2,8 @@
 ``sys.path`` entry that has one, and the tests put this folder on the PYTHONPATH of the children that run kernels
 under ``TRITON_INTERPRET=1`` (conftest's ``run_patched`` probes, the ``calibrate --device cpu`` run) and of the
 stand-in deployments (tests/test_serve_orchestration.py's ``env``: the supervisor, its parts, the real router);
-tests/conftest.py installs the Triton part in the pytest process itself. It changes two costs, nothing the tests
-check.
+tests/conftest.py installs the Triton parts in the pytest process itself. It changes three costs, nothing the
+tests check.
 
 1. Triton's interpreter patches the language modules a kernel sees (``tl``, ``tl.core``) once per launch and
 restores them when the launch ends; each call of a jitted helper inside the kernel patches them again and drops
@@ -22,6 +22,14 @@ The pinned SGLang has no ``sglang.srt.tracing``, so the try always fails, but on
 process whose ``__main__`` is that launcher, importing ``sglang`` raises ModuleNotFoundError here instead: mini_lb
 ends in the same state without the import (tests/test_site_hooks.py checks both facts), and the Rust router the
 deployment runs never uses SGLang. Any other use of SGLang in the router would fail loudly, not differently.
+
+3. The interpreter converts between float formats bit by bit (``_convert_float``: a dozen NumPy passes over the
+block, a loop over the mantissa bits where a subnormal occurs) on every ``.to()`` between bf16 / fp8 / fp32, and
+rebuilds a 20-entry dtype table on every NumPy dtype lookup (``_get_np_dtype``): together about a tenth of the
+attention kernels' interpreter time. A conversion from an 8- or 16-bit format maps each element on its own, so it
+is looked up in a table of all 256 / 65,536 codes made by Triton's own function (once per format pair and
+rounding mode): the same bits by construction (tests/test_site_hooks.py compares every code, in blocks); wider
+inputs still go through Triton's function. The dtype lookup is remembered per scalar type.
 """
 
 from __future__ import annotations
@@ -57,6 +65,47 @@ def wrap_interpreter(interp) -> bool:
 
     interp._patch_lang = patch_lang
     interp._dsv4_lang_patch_once = True
+    table_conversions(interp, tl)
+    return True
+
+
+def table_conversions(interp, tl) -> bool:
+    """Part 3: ``interp._convert_float`` from 8- / 16-bit formats by table lookup, ``interp._get_np_dtype``
+    remembered per scalar type (once; False when this Triton lacks either)."""
+    if getattr(interp, "_dsv4_tables", False):
+        return True
+    convert, np_dtype, np = (getattr(interp, n, None) for n in ("_convert_float", "_get_np_dtype", "np"))
+    if convert is None or np_dtype is None or np is None:
+        return False
+    tables = {}
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        bits = input_dtype.primitive_bitwidth
+        if bits not in (8, 16):
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+        key = (str(input_dtype), str(output_dtype), rounding_mode)
+        table = tables.get(key)
+        if table is None:
+            table = tables[key] = convert(np.arange(1 << bits, dtype=f"uint{bits}"), input_dtype, output_dtype,
+                                          rounding_mode)
+        codes = np.asarray(input).view(f"uint{bits}")
+        return table[codes.reshape(-1)].reshape(codes.shape)
+
+    known = {}
+
+    def get_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return np_dtype(scalar)
+        try:
+            return known[scalar]
+        except KeyError:
+            known[scalar] = found = np_dtype(scalar)
+            return found
+
+    interp._convert_float = convert_float
+    interp._get_np_dtype = get_np_dtype
+    interp._dsv4_tables = True
     return True
 
 
