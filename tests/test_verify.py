@@ -309,11 +309,17 @@ def test_sigint_tears_everything_down(venv, tmp_path, when):
         while not marker.search((tmp_path / "out.txt").read_text()):
             assert p.poll() is None and time.monotonic() - t0 < 120, (tmp_path / "out.txt").read_text()
             time.sleep(0.2)
-        # the start: wait until its supervisor runs the parts; measure: let the load generator get going
+        # wait until the deployment's supervisor runs its parts (start) and verify's own child (the serve script,
+        # or the load generator) is running; then a moment for it to get going
         t1 = time.monotonic()
-        while when == "start" and not (out / "ours" / "serve" / "state.json").exists() and time.monotonic() - t1 < 60:
+        while time.monotonic() - t1 < 60:
+            try:
+                if len(deployment_processes(out)) >= 3 and len(tree(p.pid)) > 1:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass                           # state.json being written
             time.sleep(0.2)
-        time.sleep(3)
+        time.sleep(0.5)
         children = tree(p.pid)                 # verify's own children: the serve script or the load generator
         others = deployment_processes(out)
         assert len(others) >= 3, others
