@@ -105,13 +105,14 @@ if vals.get("cert"):
 # holds is what the index would give, and uv otherwise asks the index again about every package whose cached
 # answer is older than ten minutes (~25 s for ~220 packages). Whatever is missing is resolved online.
 uv_install() {
-  local log rc=0
+  local log why rc=0
   if [ -d "$("$uv_bin" cache dir 2>/dev/null)" ]; then
     log=$(mktemp)
     "${uvi[@]}" --offline "$@" >"$log" 2>&1 || rc=$?
     if [ $rc -eq 0 ]; then cat "$log"; rm -f "$log"; return 0; fi
+    why=$(grep -m1 -i "error" "$log" | cut -c1-200)
     rm -f "$log"
-    say "uv's cache does not hold every pinned package yet: resolving against the package index"
+    say "installing from uv's cache alone did not work (${why:-exit $rc}): resolving against the package index"
   fi
   "${uvi[@]}" "$@"
 }

@@ -44,9 +44,9 @@ def unit_of(nodeid: str, grouped: set) -> str:
 def durations_path() -> Path:
     override = os.environ.get("DSV4_SM120_TEST_DURATIONS")
     if override:
-        return Path(override)
-    cache = os.environ.get("DSV4_SM120_CACHE") or str(Path.home() / ".cache" / "dsv4_sm120")
-    return Path(cache) / "test-durations.json"
+        return Path(override).expanduser()
+    cache = os.environ.get("DSV4_SM120_CACHE") or "~/.cache/dsv4_sm120"
+    return Path(cache).expanduser() / "test-durations.json"
 
 
 def load_durations(path: Path) -> Dict[str, float]:
