@@ -112,7 +112,7 @@ uv_install() {
     if [ $rc -eq 0 ]; then cat "$log"; rm -f "$log"; return 0; fi
     why=$(grep -m1 -i "error" "$log" | cut -c1-200)
     rm -f "$log"
-    say "installing from uv's cache alone did not work (${why:-exit $rc}): resolving against the package index"
+    say "not everything is in uv's cache yet (uv offline: ${why:-exit $rc}): resolving against the package index"
   fi
   "${uvi[@]}" "$@"
 }
