@@ -46,7 +46,8 @@ def _project(tmp_path: Path) -> Path:
     (tmp_path / "tests").mkdir()
     (tmp_path / "pytest.ini").write_text("[pytest]\ntestpaths = tests\n")
     (tmp_path / "tests" / "conftest.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nfrom xdist_groups import *\n")
+        f"import sys\nsys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent / 'overlay')!r}]\n"
+        "from xdist_groups import *\n")
     (tmp_path / "tests" / "test_a_shared.py").write_text(SHARED)
     (tmp_path / "tests" / "test_b_free.py").write_text(FREE)
     return tmp_path

@@ -15,7 +15,6 @@ collection order.  xdist's own reordering (by the number of tests in a unit) is 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
@@ -42,11 +41,10 @@ def unit_of(nodeid: str, grouped: set) -> str:
 
 
 def durations_path() -> Path:
-    override = os.environ.get("DSV4_SM120_TEST_DURATIONS")
-    if override:
-        return Path(override).expanduser()
-    cache = os.environ.get("DSV4_SM120_CACHE") or "~/.cache/dsv4_sm120"
-    return Path(cache).expanduser() / "test-durations.json"
+    from dsv4_sm120 import patching, settings
+
+    override = settings.get("DSV4_SM120_TEST_DURATIONS")
+    return Path(override) if override else patching.cache_dir() / "test-durations.json"
 
 
 def load_durations(path: Path) -> Dict[str, float]:
@@ -85,20 +83,16 @@ def ordered(nodeids: Iterable[str], grouped: set, durations: Dict[str, float],
 def save_durations(path: Path, new: Dict[str, float], root: Optional[Path] = None) -> None:
     """Merge ``new`` into the record at ``path`` (tests not run this time keep theirs; those whose file is gone
     are dropped) and replace it atomically; a cache that cannot be written is left as it was."""
+    from dsv4_sm120.fileio import atomic_write_json
+
     merged = load_durations(path)
     merged.update({k: round(v, 3) for k, v in new.items()})
     if root is not None:
         merged = {k: v for k, v in merged.items() if (root / k.split("::", 1)[0]).is_file()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(merged, indent=0, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        atomic_write_json(path, merged, indent=0, sort_keys=True)
     except OSError:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+        pass
 
 
 # ---- hooks (conftest.py imports them)
