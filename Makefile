@@ -40,7 +40,7 @@ apply-patches: ## apply patches/series to the SGLang in VENV (or SGLANG_ROOT) an
 	  echo "[dsv4_sm120.patching] error: no environment at $(VENV): run \`make setup\` first (or pass SGLANG_ROOT=/path/to/sglang)"; exit 2; fi
 	@$(PATCHING) apply $(ROOT_ARG) $(if $(SGLANG_ROOT),$(if $(wildcard $(PY)),--python $(PY),--no-install),--python $(PY))
 
-revert-patches: ## restore every patched SGLang file byte-for-byte
+revert-patches: ## restore every patched SGLang file byte-for-byte and uninstall dsv4_sm120 from VENV
 	@if [ -z "$(SGLANG_ROOT)" ] && [ ! -x "$(PY)" ]; then \
 	  echo "[dsv4_sm120.patching] error: no environment at $(VENV): nothing to revert (run \`make setup\` first)"; exit 2; fi
 	@$(PATCHING) revert $(ROOT_ARG) $(if $(SGLANG_ROOT),,--python $(PY))

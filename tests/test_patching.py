@@ -279,6 +279,7 @@ def test_apply_installs_overlay_and_revert_removes_it(tree, tmp_path, monkeypatc
     assert st["overlay_current"] is True and interpret_patch_status(st) == []
     r = cli("revert", "--sglang-root", str(tree), "--python", py)
     assert r.returncode == 0
+    assert f"uninstalled dsv4_sm120 from {py}" in r.stdout, r.stdout  # the revert says it also uninstalls
     chk = subprocess.run([py, "-c", "import dsv4_sm120"], capture_output=True, text=True, cwd="/",
                          env={"PATH": os.environ["PATH"]})
     assert chk.returncode != 0

@@ -699,7 +699,14 @@ def revert(root: Path, series: Optional[Series], python: Optional[str] = None, s
     _rollback(root, m, say)
     say(f"reverted {len(m['files'])} files to pristine sglang=={SGLANG_VERSION} (byte-identical, verified)")
     if python:
-        run_python(python, ["-m", "pip", "uninstall", "-y", "-q", "dsv4_sm120"])
+        r = run_python(python, ["-m", "pip", "uninstall", "-y", "-q", "dsv4_sm120"])
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]
+            say(f"could not uninstall dsv4_sm120 from {python}: {last}")
+        elif "not installed" in r.stdout + r.stderr:
+            say(f"dsv4_sm120 was not installed in {python}: nothing to uninstall")
+        else:
+            say(f"uninstalled dsv4_sm120 from {python} (`make apply-patches` installs it again)")
     return "reverted"
 
 
