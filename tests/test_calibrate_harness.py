@@ -199,7 +199,7 @@ def test_cli_errors_and_dry_run(tmp_path):
     assert r.returncode == 2 and "--decisions" in r.stderr and "Traceback" not in r.stderr
     r = _cli(["--dry-run"], env={"DECODE_GPUS": "0,1,2,3,4,5,6,7", "SPEC_NUM_DRAFT_TOKENS": "2"})
     assert r.returncode == 0, r.stderr
-    assert "'heads': 8" in r.stdout and "attention.swa_c128: rows 1,2,4,8,16,32,64,128,256,512" in r.stdout
+    assert "TP 8, 8 heads per rank, 2 draft tokens" in r.stdout and "{'" not in r.stdout and "attention.swa_c128: rows 1,2,4,8,16,32,64,128,256,512" in r.stdout
     assert "moe.mxfp4" in r.stdout and "flashinfer_mxfp4, deep_gemm" in r.stdout
     r = _cli(["--dry-run"], env={"DECODE_GPUS": "0,0"})
     assert r.returncode == 2 and "twice" in r.stderr

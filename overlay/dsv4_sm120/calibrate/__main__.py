@@ -117,7 +117,9 @@ def dry_run(a, dep, ds, out_dir) -> int:
 
     device = a.device
     gpu = "cpu-interpreter" if device == "cpu" else (detect_device_name() or "<GPU name>")
-    print(f"deployment: {dep.summary()}")
+    from .report import deployment_lines
+
+    print("\n".join(deployment_lines(dep.summary())))
     for name, kind, buckets, cands, _ in _plan(a, dep, ds, device):
         names = ", ".join(c.name for c in cands) if cands else "triton (tuned), default (SGLang's backend) via tune_fp8"
         print(f"{name}: {kind} {','.join(map(str, buckets))}; candidates: {names}")

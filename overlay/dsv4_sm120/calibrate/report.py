@@ -8,6 +8,17 @@ from pathlib import Path
 from typing import Optional
 
 
+def deployment_lines(dep: dict) -> list:
+    """The deployment summary (``Deployment.summary()``) as two plain lines: the shapes, and where they come from."""
+    moe = (f"MoE {dep.get('moe_format')} ({dep.get('experts')} experts, top-{dep.get('topk')}, hidden "
+           f"{dep.get('hidden')}, intermediate {dep.get('moe_intermediate')} per rank"
+           + (f", SwiGLU limit {dep['swiglu_limit']:g}" if dep.get("swiglu_limit") is not None else "") + ")")
+    return [f"deployment: TP {dep.get('tp')}, {dep.get('heads')} heads per rank, {dep.get('draft_tokens')} draft "
+            f"tokens, context {dep.get('context_len')} (c128 top-k {dep.get('c128_topk')}), SWA window "
+            f"{dep.get('window')}, index top-k {dep.get('index_topk')}; {moe}",
+            f"model: {dep.get('config_source')}"]
+
+
 def _cell(o: dict, win: bool) -> str:
     if o.get("status") == "ok":
         s = f"{o['us']:.1f}" if o.get("us") is not None else "?"
