@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 
 from dsv4_sm120 import bench_results as R  # noqa: E402
+from dsv4_sm120 import hints  # noqa: E402
 from dsv4_sm120.serving import kv_bytes as KB  # noqa: E402
 
 DEFAULT_PROMPTS = "1024,8192,32768,131072"
@@ -284,17 +285,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             import torch
         except ImportError:
             print("bench_kv: torch is not installed: cannot measure GPU-to-GPU KV transfer (the table above is "
-                  "what it would move; --mem dram exercises the NIXL agents on host memory)", file=sys.stderr)
+                  f"what it would move; {hints.args('--mem dram')} exercises the NIXL agents on host memory)",
+                  file=sys.stderr)
             return 2
         ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if ngpu == 0:
             print("bench_kv: no CUDA GPU: cannot measure GPU-to-GPU KV transfer or the peer-copy baseline (the table "
-                  "above is what it would move; --mem dram exercises the NIXL agents on host memory)", file=sys.stderr)
+                  f"above is what it would move; {hints.args('--mem dram')} exercises the NIXL agents on host memory)",
+                  file=sys.stderr)
             return 2
         dst = a.dst_gpu if a.dst_gpu is not None else (4 if ngpu >= 8 else (1 if ngpu >= 2 else 0))
         if max(src, dst) >= ngpu:
-            print(f"bench_kv: GPU {max(src, dst)} does not exist (this box has {ngpu}); pass --src-gpu / --dst-gpu",
-                  file=sys.stderr)
+            print(f"bench_kv: GPU {max(src, dst)} does not exist (this box has {ngpu}); choose others "
+                  f"({hints.args('--src-gpu N --dst-gpu M')})", file=sys.stderr)
             return 2
         if src == dst:
             print(f"# note: source and destination are the same GPU {src}: this measures NIXL/UCX over device memory "

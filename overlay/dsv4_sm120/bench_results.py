@@ -403,16 +403,19 @@ def missing_gpu(prog: str, modules: Sequence[str] = ("torch", "triton")) -> Opti
     installed, or no CUDA GPU visible to torch); ``None`` when it can."""
     import importlib
 
+    from dsv4_sm120 import hints
+
     for name in modules:
         try:
             importlib.import_module(name)
         except ImportError:
             return (f"{prog}: error: {name} is not installed; this benchmark needs {', '.join(modules)} and a CUDA "
-                    "GPU (--dry-run lists the rows without them)")
+                    f"GPU ({hints.args('--dry-run')} lists the rows without them)")
     import torch
 
     if not torch.cuda.is_available():
-        return f"{prog}: error: no CUDA GPU visible; nothing to measure (--dry-run lists the rows without one)"
+        return (f"{prog}: error: no CUDA GPU visible; nothing to measure ({hints.args('--dry-run')} lists the rows "
+                "without one)")
     return None
 
 

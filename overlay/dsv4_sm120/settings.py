@@ -215,6 +215,9 @@ _OURS: Tuple[Setting, ...] = (
     Setting("DSV4_SM120_VARIANT", "choice", "base",
             "serve variant, set by serve_dsv4_mtp.sh (not passed on to the servers)", "internal",
             choices=("base", "mtp")),
+    Setting("DSV4_SM120_MAKE_TARGET", "text", None,
+            "the make target running a command, set by the Makefile: its hints name the make command "
+            "(`make <target> ARGS=...`) instead of bare options", "internal"),
     # test hooks
     Setting("DSV4_SM120_SERVE_POLL_S", "float", "1.0", "seconds between the supervisor's checks", "test",
             minimum=0, above=True),

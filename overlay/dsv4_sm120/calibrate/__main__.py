@@ -72,6 +72,8 @@ def _plan(args, dep, ds, device):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from dsv4_sm120 import hints
+
     a = build_parser().parse_args(argv)
     try:
         ds = parse_decisions(a.decisions)
@@ -88,7 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             dep = tiny(dep)
         out_dir = a.out if a.out is not None else P.profile_dir()
         if out_dir is None:
-            raise UsageError(f"{P.ENV_DIR} is empty (profiles off): pass --out DIR")
+            raise UsageError(f"{P.ENV_DIR} is empty (profiles off): pass the directory ({hints.args('--out DIR')})")
         if a.dry_run:
             return dry_run(a, dep, ds, out_dir)
         device, gpu = "cpu", "cpu-interpreter"
@@ -99,7 +101,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise UsageError("torch is not installed: run `make setup` and use its environment") from None
             if not torch.cuda.is_available():
                 raise UsageError("no CUDA GPU visible: make calibrate measures this box's GPU "
-                                 "(--dry-run shows the plan; --device cpu tests the harness)")
+                                 f"({hints.args('--dry-run')} shows the plan; {hints.args('--device cpu')} "
+                                 "tests the harness)")
             device, gpu = "cuda", torch.cuda.get_device_name(0)
         return run(a, dep, ds, Path(out_dir), device, gpu)
     except UsageError as e:

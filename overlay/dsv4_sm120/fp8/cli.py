@@ -86,7 +86,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         ms = parse_ms(a.ms) if a.ms else list(DEFAULT_MS)
         out = a.out_dir or _repo_default_out()
         if out is None:
-            raise UsageError("no project configs/ directory found: pass --out-dir")
+            from dsv4_sm120 import hints
+
+            raise UsageError(f"no project configs/ directory found: pass the directory ({hints.args('--out-dir DIR')})")
         if a.time_budget is not None and a.time_budget <= 0:
             raise UsageError("--time-budget must be positive")
         if a.dry_run:

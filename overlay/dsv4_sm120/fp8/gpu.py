@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from dsv4_sm120 import hints
 from dsv4_sm120.cuda_timing import cuda_graph_us
 from dsv4_sm120.fp8.configs import config_file_name, config_for_m, read_json_object
 from dsv4_sm120.fp8.errors import CandidateError, UsageError
@@ -50,12 +51,13 @@ class GpuBench(Bench):
             import triton
         except ImportError as e:
             raise UsageError(f"the tuner needs torch and triton ({e}); run it in the project's environment "
-                             "(make setup), or use --dry-run to see the plan") from None
+                             f"(make setup), or use {hints.args('--dry-run')} to see the plan") from None
 
         self.torch, self.device = torch, device
         if device == "cuda":
             if not torch.cuda.is_available():
-                raise UsageError("no CUDA GPU visible: the tuner needs one (use --dry-run to see the plan)")
+                raise UsageError(f"no CUDA GPU visible: the tuner needs one (use {hints.args('--dry-run')} to see "
+                                 "the plan)")
         elif device == "cpu":   # for tests: Triton's interpreter, wall-clock timing
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise UsageError("device cpu needs TRITON_INTERPRET=1")

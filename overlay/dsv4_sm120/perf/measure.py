@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional
 
-from .. import settings
+from .. import hints, settings
 from ..fileio import atomic_write_text
 from . import spec_metrics
 
@@ -95,7 +95,7 @@ def require_healthy_router(url: str, timeout: float = 120.0) -> None:
     st = http_status(url + "/health", 5)
     if st != 200:
         raise MeasureError(f"no healthy router at {url} (/health: {st or 'no answer'}); start the deployment first "
-                           f"(make serve, or serve/serve_dsv4_tp4.sh) or pass --router URL")
+                           f"(make serve, or serve/serve_dsv4_tp4.sh) or name its router ({hints.args('--router URL')})")
     st = http_status(url + "/health_generate", timeout)
     if st != 200:
         raise MeasureError(f"router at {url} is up but a generation through it failed (/health_generate: "

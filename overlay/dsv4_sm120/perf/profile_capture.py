@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional
 
+from dsv4_sm120 import hints
 from dsv4_sm120.fileio import atomic_write_text
 from dsv4_sm120.perf import measure, profile_summary
 
@@ -138,9 +139,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     tp = a.decode_tp or len(decode_proc.get("gpus") or []) or None
     try:
         if not router or not decode:
-            raise CaptureError("no deployment found (LOG_DIR/latest); pass --router and --decode-url", 2)
+            raise CaptureError("no deployment found (LOG_DIR/latest); name its servers "
+                               f"({hints.args('--router URL --decode-url URL')})", 2)
         if trace_dir is None or tp is None:
-            raise CaptureError("unknown trace directory / decode TP: pass --trace-dir and --decode-tp", 2)
+            raise CaptureError("unknown trace directory / decode TP: name them "
+                               f"({hints.args('--trace-dir DIR --decode-tp N')})", 2)
         if a.concurrency < 1 or a.num_steps < 1 or a.output_len < 2:
             raise CaptureError("--concurrency, --num-steps must be >= 1 and --output-len >= 2", 2)
         try:
@@ -170,7 +173,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         while time.monotonic() - t0 < a.warmup_s:
             if load.poll() is not None:
                 raise CaptureError(f"the load generator exited ({load.returncode}) before profiling started; "
-                                   f"see {out_dir / 'load.log'} (raise --output-len / --num-prompts)")
+                                   f"see {out_dir / 'load.log'} (raise --output-len / --num-prompts: "
+                                   f"{hints.args('--output-len N --num-prompts N')})")
             time.sleep(0.2)
         body = start_profile_body(str(trace_dir), a.num_steps, profile_id)
         st = post_json(decode + "/start_profile", body)
