@@ -49,11 +49,11 @@ def write_source(root: Path, n_experts: int, seed: int = 0) -> int:
             rows = 8192
             for r in range(0, t.shape[0], rows):
                 blk = torch.randn(min(rows, t.shape[0] - r), t.shape[1], generator=g).to(torch.bfloat16)
-                w.write(C._tensor_bytes(blk))
+                w.write(C.tensor_bytes(blk))
             continue
         else:
             x = torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g)
-        w.write(C._tensor_bytes(x))
+        w.write(C.tensor_bytes(x))
     _, size = w.commit()
     (root / C.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {t.name: fn for t in plan}}))
     (root / "config.json").write_text(json.dumps({
