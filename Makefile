@@ -14,6 +14,14 @@ ROOT_ARG := $(if $(SGLANG_ROOT),--sglang-root $(abspath $(SGLANG_ROOT)),)
 PATCH_PY := $(if $(wildcard $(PY)),$(PY),python3)
 PATCHING := DSV4_SM120_ORIG_PYTHONPATH="$$PYTHONPATH" PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.patching
 
+# Every target refuses a retired setting name (CHANGELOG.md; dsv4_sm120.settings.RENAMED) set in the environment or
+# on make's command line, instead of ignoring it.
+RETIRED_NAMES := $(shell PYTHONPATH=$(CURDIR)/overlay python3 -m dsv4_sm120.retired_names \
+  $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $v)),$v)) 2>/dev/null)
+ifneq ($(RETIRED_NAMES),)
+$(error $(RETIRED_NAMES))
+endif
+
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
         bench-attention bench-moe bench-fp8 bench-kv bench-tables launch-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze

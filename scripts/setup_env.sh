@@ -18,6 +18,10 @@ t0=$(date +%s)
 say() { echo "[setup] $*"; }
 elapsed() { echo "$(( $(date +%s) - t0 )) s"; }
 
+# A retired name of a setting (dsv4_sm120.settings.RENAMED, as CHANGELOG.md lists them) is refused, not ignored.
+retired=$(PYTHONPATH="$here/overlay" "$py" -m dsv4_sm120.retired_names 2>/dev/null) || true
+if [ -n "$retired" ]; then say "error: $retired"; exit 2; fi
+
 # The stamp covers exactly what determines the environment's contents.
 req="$here/requirements"
 stamp=$(cat "$req/runtime.txt" "$req/nodeps.txt" "$req/constraints.txt" "$req/sglang-wheels.txt" \
