@@ -5,9 +5,11 @@
 # Usage: scripts/setup_env.sh VENV_DIR        (PYTHON=python3.11 to choose the interpreter)
 # Nothing is installed outside VENV_DIR: the SGLang wheel and the installer uv (requirements/tools.txt) are cached in
 # ${DSV4_SM120_CACHE:-~/.cache/dsv4_sm120}, the packages in uv's cache (${UV_CACHE_DIR:-~/.cache/uv}), from which uv
-# hard-links them into VENV_DIR when both are on one file system: a second environment costs seconds and little disk.
+# hard-links them into VENV_DIR when both are on one file system: a second environment costs little disk, and its time
+# is compiling the .pyc files (~200 CPU-seconds: about 100 s on 2 cores) after linking the packages (seconds).
 # DSV4_SM120_INSTALLER=pip installs with pip instead (also the fallback when uv cannot be installed).
-# DSV4_SM120_COMPILE_BYTECODE=0 skips compiling the .pyc files (uv; minutes on 2 cores; Python then compiles on import).
+# DSV4_SM120_COMPILE_BYTECODE=0 skips compiling the .pyc files (uv); Python then compiles each module on its first
+# import (and writes the .pyc where it may).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 venv=${1:?usage: scripts/setup_env.sh VENV_DIR}
@@ -135,8 +137,13 @@ if [ -n "$uv_bin" ]; then
   for i in "${!src[@]}"; do
     case "${src[$i]}" in SSL_CERT_FILE=*) [ -n "${SSL_CERT_FILE:-}" ] || export "${src[$i]}"; unset "src[$i]";; esac
   done
+  if [ "${DSV4_SM120_COMPILE_BYTECODE:-1}" = 0 ]; then
+    pyc="then no .pyc compilation (DSV4_SM120_COMPILE_BYTECODE=0: Python compiles each module on its first import)"
+  else
+    pyc="then compiling the .pyc files: ~200 CPU-seconds, about 100 s on 2 cores (DSV4_SM120_COMPILE_BYTECODE=0 skips it)"
+  fi
   say "installing $(basename "$wheel") (sha256 verified) and requirements/runtime.txt with $("$uv_bin" --version)" \
-      "(cold: several GB of downloads, minutes; warm: linked from $("$uv_bin" cache dir), seconds)"
+      "(cold: several GB of downloads, minutes; warm: linked from $("$uv_bin" cache dir) in seconds; $pyc)"
   start_ticker "installing"
   # unsafe-best-match: like pip, consider every index for every package (uv's default stops at the first that has it)
   uvi=("$uv_bin" pip install --python "$venv/bin/python" --index-strategy unsafe-best-match "${src[@]}")

@@ -298,6 +298,38 @@ def test_fetch_wheel_cold_cache_prints_only_the_path(tmp_path):
     assert r.returncode == 2 and "3.11, 3.12 or 3.13" in r.stderr
 
 
+@pytest.mark.parametrize("compile_pyc", ["1", "0"])
+def test_setup_env_states_what_a_warm_install_costs(tmp_path, compile_pyc):
+    """The install line says what a warm run spends its time on: linking (seconds), then compiling the .pyc files
+    (minutes on few cores) unless DSV4_SM120_COMPILE_BYTECODE=0; README says the same."""
+    co = _fake_checkout(tmp_path)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    py = venv / "bin" / "python"
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    calls, uv = tmp_path / "calls.txt", tmp_path / "uv"
+    uv.write_text(f"""#!/bin/bash
+echo "$*" >> {calls}
+case "$1" in --version) echo "uv 0.0-standin"; exit 0;; cache) echo {tmp_path}; exit 0;; esac
+""")
+    uv.chmod(0o755)
+    env = dict(os.environ, UV=str(uv), DSV4_SM120_COMPILE_BYTECODE=compile_pyc)
+    r = subprocess.run(["bash", str(co / "scripts" / "setup_env.sh"), str(venv)], capture_output=True, text=True,
+                       env=env, timeout=25)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[setup] installing") and "cold:" in x)
+    compiled = all("--compile-bytecode" in c for c in calls.read_text().splitlines() if c.startswith("pip install"))
+    assert compiled == (compile_pyc == "1")
+    if compile_pyc == "1":
+        assert "compiling the .pyc files" in line and "DSV4_SM120_COMPILE_BYTECODE=0 skips it" in line, line
+    else:
+        assert "no .pyc compilation" in line, line
+    readme = (REPO / "README.md").read_text()
+    assert "re-creating it takes seconds" not in readme
+    assert "`DSV4_SM120_COMPILE_BYTECODE=0 make setup` skips the compilation" in readme
+
+
 def test_relative_python_is_taken_from_the_callers_cwd(tree, tmp_path):
     """--python .venv/bin/python works from the directory it is relative to (subprocesses run elsewhere)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")], check=True)
