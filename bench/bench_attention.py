@@ -19,6 +19,13 @@ Speculative decoding (group ``speculative``; ``batch`` = query rows = requests x
   dspark_verify  DSpark verify: SWA128 + c4-512, H=16; rows = B x 6
   eagle_verify   EAGLE verify: SWA128 + c4-512, H=16; rows = B x 4
   eagle_draft    EAGLE draft decode step (MTP layer): SWA128 only, H=16; rows = B
+Verify rows against the gather floor (group ``spec_rows``; rows = 6 x 1..64 requests, the 6 rows of a request
+share its pages: SWA window shifted by one per row, own c4 top-512 from the request's entries, the same c128 list):
+  spec_h{8,16,32,64}_swa         SWA128 only
+  spec_h{8,16,32,64}_c4          SWA128 + c4-512 (page 64)
+  spec_h{8,16,32,64}_c128        SWA128 + c128 (page 2, every entry of the context: ceil64(2*ceil(ctx/256))
+                                 candidates, 128 at --context 16384)
+  spec_h{8,16,32,64}_c128_64k    the same at context 65536 (512 candidates); _c128_128k: 131072 (1024)
 Launch sweeps (group ``launch``: launch_h16, launch_h32, launch_h64; SWA128 + c4-512): only ours, each candidate
 launch of LAUNCH_CANDIDATES (both --qk-modes) recorded with its text as ``variant``; then
 ``python bench/results_table.py launch attention`` writes this GPU's launch tables from the rows.
@@ -27,7 +34,9 @@ Impls (rows' ``impl``): ``ours-bf16`` / ``ours-fp8`` (``--qk-modes``), and each 
 ``flashmla`` (sgl-flash-mla, ``use_legacy=True``, q padded to 64 heads; sm_90 / sm_100), ``flashinfer``
 (SGLang's FlashInfer sm_120 path), ``upstream-triton`` (SGLang's Triton fallback, q padded to 64 heads, from
 the installed SGLang, the pristine copy under ~/.cache/dsv4_sm120 or ``--upstream-file``), ``torch-eager``
-(SGLang's torch reference; it syncs the host).
+(SGLang's torch reference; it syncs the host), ``gather-floor`` (``floor``: bench/attn_floor.py, a kernel that only
+reads the bytes a call must read, through the same gather, and writes out; timed first, and the other rows' notes
+carry ``floor_share`` = floor us / their us; docs/attention.md "Gather floor").
 
 ``--variants 'A;B'``: launch-config texts set as ``attention.launch.CONFIG_OVERRIDE`` (the DSV4_SM120_ATTN_CONFIG
 syntax); each is timed next to the default at ``--variant-cases`` and recorded with that text as ``variant``.
@@ -64,6 +73,20 @@ CASES.update({"dspark_draft": ("dspark192", 16, tuple(5 * b for b in SPEC_B)),
               "eagle_verify": ("swa128+c4", 16, tuple(4 * b for b in SPEC_B)),
               "eagle_draft": ("swa128", 16, SPEC_B)})
 DSPARK_BLOCK, DSPARK_VALID = 5, 133  # draft rows per request; valid candidates = window 128 + block 5
+# Speculative verify rows against the gather floor (group ``spec_rows``): 6 rows per request (DSpark verify), 1..64
+# requests, every per-rank head count, the three layouts; c128 also at long context. Each case's context (None:
+# --context) and the rows per request, whose rows share the request's pages (CASE_ROWS_PER_REQUEST).
+SPEC_ROWS, SPEC_HEADS = 6, (8, 16, 32, 64)
+SPEC_LAYOUTS = {"swa": ("swa128", None), "c4": ("swa128+c4", None), "c128": ("swa128+c128", None),
+                "c128_64k": ("swa128+c128", 65536), "c128_128k": ("swa128+c128", 131072)}
+CASE_CONTEXT, CASE_ROWS_PER_REQUEST = {}, {}
+for _h in SPEC_HEADS:
+    for _k, (_layout, _ctx) in SPEC_LAYOUTS.items():
+        _name = f"spec_h{_h}_{_k}"
+        CASES[_name] = (_layout, _h, tuple(SPEC_ROWS * b for b in SPEC_B))
+        CASE_ROWS_PER_REQUEST[_name] = SPEC_ROWS
+        if _ctx:
+            CASE_CONTEXT[_name] = _ctx
 # Launch sweeps (group ``launch``): every candidate launch of a table shape (heads, qk mode) at grid-row sizes
 # from one row to past the decode batches, so dsv4_sm120.launch_sweep can generate this GPU's launch tables
 # (``bench/results_table.py launch attention``). Candidates spell out every key of their body; "auto" keys follow
@@ -83,8 +106,14 @@ CASES.update({f"launch_h{h}": ("swa128+c4", h, LAUNCH_B) for h in (16, 32, 64)})
 GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"),
           "all": tuple(c for c in CASES if not c.startswith("launch")),
           "speculative": ("dspark_draft", "dspark_verify", "eagle_verify", "eagle_draft"),
+          "spec_rows": tuple(c for c in CASES if c.startswith("spec_h")),
           "launch": ("launch_h16", "launch_h32", "launch_h64")}
 BASELINES = ("flashmla", "flashinfer", "upstream-triton", "torch-eager")
+# The gather floor (bench/attn_floor.py): timed first at each point, at each of FLOOR_WAVES (programs aimed at per
+# SM), the fastest recorded; the other impls' rows get floor_share = floor us / their us in their notes.
+FLOOR, FLOOR_WAVES = "gather-floor", (4, 8, 16)
+SHARE_IMPLS = ("ours-bf16", "ours-fp8", "flashmla")
+ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length")  # per-row inputs
 
 
 def parse_args(argv=None):
@@ -92,8 +121,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="default", help="comma list of cases or groups (default, all)")
     p.add_argument("--batches", default="", help="comma list of B for every case (default: each case's own)")
-    p.add_argument("--impls", default="ours,flashmla,flashinfer,upstream,torch",
-                   help="comma list; missing baselines are skipped with a note")
+    p.add_argument("--impls", default="ours,flashmla,flashinfer,upstream,torch,floor",
+                   help="comma list; missing baselines are skipped with a note; floor = the gather floor "
+                   "(bench/attn_floor.py)")
     p.add_argument("--variants", default="", help="';'-separated launch configs for ours, e.g. "
                    "'BLOCK_N=64,num_warps=4;waves=4' (bf16-only bodies skip fp8)")
     p.add_argument("--variant-cases", default="tp4_decode", help="cases at which --variants run (each variant "
@@ -117,7 +147,8 @@ class UsageError(Exception):
 
 
 def plan(args):
-    """[(case, layout, H, [B...], with_variants)] and the variant texts; bad names raise UsageError."""
+    """[(case, layout, H, [B...], with_variants, context, rows per request)] and the variant texts; bad names
+    raise UsageError."""
     names = []
     for item in (x.strip() for x in args.cases.split(",")):
         if not item:
@@ -145,7 +176,8 @@ def plan(args):
     out = []
     for n in dict.fromkeys(names):
         layout, H, bs = CASES[n]
-        out.append((n, layout, H, batches or list(bs), n in vcases))
+        out.append((n, layout, H, batches or list(bs), n in vcases, CASE_CONTEXT.get(n, args.context),
+                    CASE_ROWS_PER_REQUEST.get(n, 1)))
     return out, variants, modes
 
 
@@ -175,7 +207,7 @@ def dry_run(args, cases, variants, modes, command):
     print(f"command recorded: {command}")
     print(",".join(R.columns("attention")))
     n = 0
-    for case, layout, H, bs, with_v in cases:
+    for case, layout, H, bs, with_v, ctx, _ in cases:
         for B in bs:
             names = []
             if case.startswith("launch"):
@@ -185,10 +217,12 @@ def dry_run(args, cases, variants, modes, command):
                     names += [(f"ours-{m}", v or "default") for m in modes
                               for v in [""] + (variants if with_v else [])]
                 names += [(b, "default") for b in BASELINES if b.split("-")[0] in impls]
+                if "floor" in impls:
+                    names.append((FLOOR, "default"))
             for impl, variant in names:
                 row = R.make_row("attention", case=case, variant=variant, impl=impl, layout=layout, heads=H,
-                                 batch=B, context=args.context, date=R.now(), command=command,
-                                 notes="" if impl.startswith("ours") else "if present")
+                                 batch=B, context=ctx, date=R.now(), command=command,
+                                 notes="" if impl.startswith("ours") or impl == FLOOR else "if present")
                 print(R.csv_line("attention", row))
                 n += 1
     print(f"{n} rows at most (baselines only where present; GPU, versions, us, GB/s, rel_err filled when run)")
@@ -274,19 +308,27 @@ class Baselines:
             self.notes.setdefault("flashinfer", "needs SGLang + FlashInfer on sm_120")
 
 
-def make_layer(torch, layout, B, context, gen, device):
+def make_layer(torch, layout, B, context, gen, device, rows_per_req=1):
+    """One layer's caches and indices: (decode keyword arguments, raw cache buffers). ``rows_per_req`` > 1: verify
+    rows, that many consecutive rows per request, sharing its pages: row r of a request sees the request's SWA
+    window shifted by r (causal), draws its own c4 top-512 from the request's c4 entries, and lists all of the
+    request's c128 entries (the same list for every row of the request)."""
     from dsv4_sm120.attention.cache import random_cache_device
 
     swa = layout.startswith(("swa", "dspark"))
     K = 192 if layout == "dspark192" else 128 if swa else 512
-    # main: page 256; each row owns two pages, its window starts at a random offset
+    # main: page 256; each owner (row, or request of verify rows) owns two pages, its window starts at a random offset
     span = 512 if swa else max(1024, context)
     pages_per_row = span // 256
-    main = random_cache_device(B * pages_per_row + 1, 256, device, generator=gen)
+    per = DSPARK_BLOCK if layout == "dspark192" else rows_per_req
+    owners = B if rows_per_req == 1 else -(-B // per)
+    main = random_cache_device(owners * pages_per_row + 1, 256, device, generator=gen)
     # the request of each row: the rows of one DSpark draft block share their request's window
-    req = torch.arange(B, device=device) // (DSPARK_BLOCK if layout == "dspark192" else 1)
+    req = torch.arange(B, device=device) // per
     if swa:
         start = torch.randint(0, 256, (B, 1), device=device, generator=gen)[req]
+        if rows_per_req > 1:
+            start = start + (torch.arange(B, device=device) % per)[:, None]
         slots = start + torch.arange(K, device=device)[None, :]
     else:
         slots = torch.rand(B, span, device=device, generator=gen).argsort(1)[:, :K]
@@ -300,13 +342,29 @@ def make_layer(torch, layout, B, context, gen, device):
     raws = [main.raw]
     if layout.endswith("+c4"):
         c = max(1024, context // 4)
-        extra = random_cache_device(B * (c // 64), 64, device, generator=gen)
+        extra = random_cache_device(owners * (c // 64), 64, device, generator=gen)
         e = torch.rand(B, c, device=device, generator=gen).argsort(1)[:, :512]
-        eidx = ((torch.arange(B, device=device) * c)[:, None] + e).to(torch.int32).view(B, 1, 512)
+        eidx = ((req * c)[:, None] + e).to(torch.int32).view(B, 1, 512)
         kw.update(extra_k_cache=extra.view, extra_indices_in_kvcache=eidx,
                   extra_topk_length=torch.full((B,), 512, dtype=torch.int32, device=device))
         raws.append(extra.raw)
+    elif layout.endswith("+c128"):
+        n, K2 = c128_topk(context)  # entries of the context, candidates (-1 padded)
+        pages = -(-n // 2)           # 2-token pages
+        extra = random_cache_device(owners * pages, 2, device, generator=gen)
+        perm = torch.rand(owners, n, device=device, generator=gen).argsort(1)[req]
+        eidx = torch.full((B, K2), -1, dtype=torch.int32, device=device)
+        eidx[:, :n] = ((req * 2 * pages)[:, None] + perm).to(torch.int32)
+        kw.update(extra_k_cache=extra.view, extra_indices_in_kvcache=eidx.view(B, 1, K2),
+                  extra_topk_length=torch.full((B,), n, dtype=torch.int32, device=device))
+        raws.append(extra.raw)
     return kw, raws
+
+
+def c128_topk(context):
+    """(c128 entries of a context, candidates of a c128 layer = ceil64 of them; 512 at 64k, 1024 at 128k)."""
+    n = 2 * -(-context // 256)
+    return n, 64 * -(-n // 64)
 
 
 def valid_tokens(kw):
@@ -339,13 +397,16 @@ def main(argv=None):
     for k, v in bl.notes.items():
         print(f"note: {k}: {v}", flush=True)
     rows = []
-    for case, layout, H, bs, with_v in cases:
+    for case, layout, H, bs, with_v, ctx, per in cases:
         for B in bs:
-            got = run_point(args, torch, bl, case, layout, B, H, variants if with_v else [], modes, env)
+            got = run_point(args, torch, bl, case, layout, B, H, variants if with_v else [], modes, env, ctx, per)
             R.append_rows(args.results, "attention", got)  # per point: an interrupted run keeps what it measured
             rows += got
     print(R.render_table("attention", rows, env["gpu"], all_variants=True) if rows else "no rows measured")
     print("\n".join(R.best_variants([r for r in rows if not r["case"].startswith("launch")])))
+    shares = floor_share_table(rows)
+    if shares:
+        print(shares)
     if any(r["case"].startswith("launch") for r in rows):
         print(f"launch tables from these rows: python bench/results_table.py launch attention --gpu '{env['gpu']}'"
               + ("" if args.results == REPO / "bench" / "results" / "attention.csv" else f" --results {args.results}"))
@@ -353,14 +414,14 @@ def main(argv=None):
     return 0
 
 
-def run_point(args, torch, bl, case, layout, B, H, variants, modes, env):
+def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context, rows_per_req=1):
     from dsv4_sm120.attention import config, launch
     from dsv4_sm120.attention.reference import rel_fro, sparse_mla_decode_ref
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(1234 + B * 131 + H)
     impls = [s for s in args.impls.split(",") if s]
-    layers = [make_layer(torch, layout, B, args.context, gen, dev) for _ in range(args.layers)]
+    layers = [make_layer(torch, layout, B, context, gen, dev, rows_per_req) for _ in range(args.layers)]
     qs = [torch.randn(B, 1, H, 512, device=dev, generator=gen).to(torch.bfloat16) for _ in layers]
     sink = torch.randn(H, device=dev, generator=gen)
     scale = 512 ** -0.5
@@ -371,8 +432,7 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env):
 
     def reference():
         kw = layers[0][0]
-        sub = {k: (v[check_rows] if k in ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length") else v)
-               for k, v in kw.items()}
+        sub = {k: (v[check_rows] if k in ROW_KEYS else v) for k, v in kw.items()}
         return sparse_mla_decode_ref(qs[0][check_rows], attn_sink=sink, head_dim_v=512, softmax_scale=scale, **sub)[0]
 
     # (impl, variant) -> (f(layer_i) returning out [B,1,H,512], graph replay?, notes)
@@ -439,6 +499,12 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env):
         calls[("torch-eager", "default")] = (f, False, "eager, no graph")
 
     rows = []
+    floor_us = None
+    if "floor" in impls and not launch_sweep:
+        row, floor_us = time_floor(args, torch, layers, qs, check_rows, bytes_call)
+        rows.append(R.make_row("attention", case=case, impl=FLOOR, layout=layout, heads=H, batch=B, context=context,
+                               notes=row.pop("notes"), **row, **env))
+        print_row(rows[-1])
     for (impl, variant), (f, graph, note) in calls.items():
         res = dict(us=None, gbps=None, rel_err=None)
         notes = [f"layers={args.layers}"] + ([note] if note else [])
@@ -453,16 +519,79 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env):
             notes.append(f"spread_us={spread:.2f}")
             if graph and impl.startswith("ours") and not torch.equal(f(0), out0):
                 notes.append("graph_equals_eager=false")  # graph replay must equal eager
+            if floor_us and impl in SHARE_IMPLS:
+                notes.append(f"floor_share={floor_us / us:.3f}")
         except Exception as e:  # noqa: BLE001 - one failing impl must not stop the others
             notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))
         row = R.make_row("attention", case=case, variant=variant, impl=impl, layout=layout, heads=H, batch=B,
-                         context=args.context, notes="; ".join(notes), **res, **env)
-        print(",".join(row[c] for c in ("case", "impl", "variant", "batch", "us", "gbps", "rel_err", "notes")),
-              flush=True)
+                         context=context, notes="; ".join(notes), **res, **env)
+        print_row(row)
         rows.append(row)
     del layers
     torch.cuda.empty_cache()
     return rows
+
+
+def print_row(row):
+    print(",".join(row[c] for c in ("case", "impl", "variant", "batch", "us", "gbps", "rel_err", "notes")), flush=True)
+
+
+def time_floor(args, torch, layers, qs, check_rows, bytes_call):
+    """The gather floor at one point: each plan of FLOOR_WAVES timed as the impls are (graph replay over the
+    layers), the fastest kept; its checksum of the check rows compared with torch's sum of the same bytes.
+    -> (row fields us, gbps, notes; the floor's us or None)."""
+    sys.path.insert(0, HERE)
+    import attn_floor as F
+
+    notes = [f"layers={args.layers}"]
+    sms = torch.cuda.get_device_properties(qs[0].device).multi_processor_count
+    best = None
+    try:
+        for waves in FLOOR_WAVES:
+            floors = [F.GatherFloor(qs[i], num_sms=sms, waves=waves, **layers[i][0]) for i in range(len(layers))]
+            if best is None:  # the checksum once (the plans differ only in how the rows are cut)
+                _, cs = floors[0]()
+                kw = {k: (v[check_rows] if k in ROW_KEYS else v) for k, v in layers[0][0].items()}
+                got = F.checksum(cs)[check_rows].cpu()
+                want = F.reference_checksum(qs[0][check_rows], **kw).cpu()
+                if not torch.equal(got, want):
+                    raise RuntimeError("the floor's checksum differs from torch's sum of the same bytes")
+                notes.append("checksum=ok")
+            us, spread = time_call(torch, lambda i: floors[i](), len(layers), True, args.replays)
+            if best is None or us < best[0]:
+                best = (us, spread, floors[0].plan)
+        us, spread, plan_ = best
+        notes += [f"spread_us={spread:.2f}", f"plan={plan_}"]
+        return dict(us=round(us, 2), gbps=round(bytes_call / us / 1e3, 1), notes="; ".join(notes)), us
+    except Exception as e:  # noqa: BLE001 - a failing floor must not stop the impls
+        notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))
+        return dict(notes="; ".join(notes)), None
+
+
+def floor_share_table(rows):
+    """Markdown: per case and shape, the floor's share of each impl's time (floor us / impl us; 1.0 = at the
+    floor) at each B, from the rows' floor_share notes; empty when no row has one."""
+    def share(r):
+        for n in r["notes"].split(";"):
+            if n.strip().startswith("floor_share="):
+                return n.strip().split("=", 1)[1]
+        return None
+
+    got = [r for r in rows if share(r)]
+    if not got:
+        return ""
+    out = ["", "Gather floor share (floor us / impl us; 1.0 = at the floor):", ""]
+    for key in dict.fromkeys((r["case"], r["layout"], r["heads"], r["context"]) for r in got):
+        rs = [r for r in got if (r["case"], r["layout"], r["heads"], r["context"]) == key]
+        bs = sorted({int(r["batch"]) for r in rs})
+        out += [f"{key[0]} ({key[1]}, H={key[2]}, context {key[3]}):",
+                "| impl | " + " | ".join(f"B={b}" for b in bs) + " |", "| --- |" + " ---: |" * len(bs)]
+        for impl, variant in dict.fromkeys((r["impl"], r["variant"]) for r in rs):
+            cell = {int(r["batch"]): share(r) for r in rs if (r["impl"], r["variant"]) == (impl, variant)}
+            name = impl + ("" if variant == "default" else f" {variant}")
+            out.append(f"| {name} | " + " | ".join(cell.get(b, "-") for b in bs) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def time_call(torch, f, n_layers, graph, replays):
