@@ -131,6 +131,13 @@ def _fp8_backend(text: str) -> Optional[str]:
     return "expected auto, default, none or a backend name ([a-z0-9_]+)"
 
 
+def _selfcheck_fault(text: str) -> Optional[str]:
+    if text in ("attention", "attention-raise", "moe", "moe-raise") or re.fullmatch(r"attention-raise-T=[1-9][0-9]*",
+                                                                                      text):
+        return None
+    return "expected attention, attention-raise, attention-raise-T=<rows>, moe or moe-raise"
+
+
 # ---- the registry (order = the order of the listing)
 
 _ATTN_CONFIG_VALUES = "comma list of launch keys, e.g. `impl=tiled` or `KCVT=0,maxnreg=0` (docs/attention.md)"
@@ -255,9 +262,12 @@ _OURS: Tuple[Setting, ...] = (
             "test"),
     Setting("DSV4_SM120_TEST_PATCHING_FAIL_AFTER", "int", "-1",
             "the patch tool fails after writing this many files (-1: never)", "test", minimum=-1),
-    Setting("DSV4_SM120_TEST_SELFCHECK_FAULT", "choice", "",
-            "makes our `attention` or `moe` kernel return a wrong result (scaled by 2), so the startup self-check "
-            "must catch it and fall back", "test", choices=("", "attention", "moe")),
+    Setting("DSV4_SM120_TEST_SELFCHECK_FAULT", "text", "",
+            "a planted fault the self-check and the fallbacks must handle: `attention` / `moe` = our kernel's "
+            "result scaled by 2 (MoE: on its first path); `attention-raise` = every call of our attention kernel "
+            "raises; `attention-raise-T=<n>` = its calls of n rows raise; `moe-raise` = our MoE kernel raises on "
+            "its first path (from the first layer's prepare_layer on)", "test", check=_selfcheck_fault,
+            values="empty, attention, attention-raise, attention-raise-T=<n>, moe, moe-raise"),
     Setting("DSV4_SM120_TEST_GPU_NAME", "text", "",
             "GPU name the SGLang glue looks the machine profile up for (CPU tests; empty: the current CUDA GPU)",
             "test"),

@@ -24,10 +24,18 @@ The backends:
 * ``flashinfer`` / ``triton`` / ``torch``: SGLang 0.5.23's own sm_120 paths, called as stock SGLang calls
   them (``triton`` / ``torch`` with the stock 64-head padding);
 * ``stock``: SGLang's own dispatcher ``flash_mla_with_kvcache_sm120``, unchanged; where a ``dsv4`` decision
-  goes when the startup self-check (:mod:`.selfcheck`) disabled our kernel in this process.
+  goes when our kernel stepped aside for those rows (below) or the self-check disabled it in this process.
 
-The self-check (:mod:`.selfcheck`, called by the patched backend before CUDA-graph capture; without graphs
-by the first call outside capture on a CUDA device) may :func:`disable` our kernel in this process.
+Stepping aside: our kernel serves a call through one launch-table entry (:func:`launch_bucket`: the layout,
+the heads and the entry of ``dsv4_sm120.attention.config`` the call's rows resolve to; rows that share it
+share the launch). When a call raises (compile error, out of resources, a bad launch, any exception),
+:func:`step_aside` records that entry as failed for the rest of the process and logs one line (exception,
+T, H, layout, launch); the call itself is answered by SGLang's stock dispatcher, and every later call of
+those rows goes there too (:func:`call_route`), including :func:`kernel_num_heads`, which then gives SGLang's
+own head count for them. The startup self-check (:mod:`.selfcheck`, at the start of each CUDA-graph capture
+loop over the rows it will capture; without graphs at the first call outside capture) steps aside the same
+way for each launch that fails it, so a failing launch is on the stock path before any capture; when every
+launch it ran fails, it disables our kernel for every row (:func:`disable`).
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ _lock = threading.Lock()
 _ROUTES: Dict[tuple, "Route"] = {}
 _DISABLED: Dict[str, str] = {}
 _LOGGED: Dict[str, bool] = {}
+_FAILED: Dict[tuple, str] = {}          # (layout, H, launch bucket) -> why our kernel stepped aside there
+_CALL_ROUTES: Dict[tuple, "Route"] = {}  # (T, layout, H, settings) -> route with the failures applied
+_BUCKETS: Dict[tuple, str] = {}
+_FAIL_STATE: Dict[str, object] = {"device": None, "count": 0}
 
 
 class Route(NamedTuple):
@@ -164,12 +176,108 @@ def disabled(kernel: str) -> Optional[str]:
 
 
 def reset() -> None:
-    """Forget every cached decision, disable and log mark (tests; a changed environment)."""
+    """Forget every cached decision, disable, stepped-aside launch and log mark (tests; a changed environment)."""
     with _lock:
         _ROUTES.clear()
         _DISABLED.clear()
         _LOGGED.clear()
+        _FAILED.clear()
+        _CALL_ROUTES.clear()
+        _BUCKETS.clear()
+        _FAIL_STATE.update(device=None, count=0)
         _profile().clear_cache()
+
+
+# ---- stepping aside per launch
+
+
+def launch_bucket(T: int, layout: str, H: int, route: Route, device) -> str:
+    """The launch-table entry our kernel's launch for ``T`` rows of ``H`` heads of ``layout`` comes from, with
+    the route's launch keys and QK mode (``device``: :class:`dsv4_sm120.attention.config.Device` facts). Rows with
+    the same answer run the same table launch; under Triton's interpreter every row runs one launch. Cached."""
+    key = (int(T), layout, int(H), route.launch, route.qk, tuple(device)) + tuple(
+        settings.raw(n) for n in _ROUTE_ENV)
+    b = _BUCKETS.get(key)
+    if b is None:
+        from dsv4_sm120.attention import config as C
+        from dsv4_sm120.attention import launch as L
+
+        qk = C.qk_mode(route.qk)
+        if L.interpreting():
+            entry = "interpreter"
+        else:
+            ov = dict(C.env_overrides(), **L.CONFIG_OVERRIDE)
+            if route.launch:
+                ov.update(C.launch_overrides(route.launch))
+            entry = C.table_entry(H, T, qk, device, ov.get("impl"))[1]
+        b = f"{layout} H={int(H)} qk={qk} {entry}" + (f" launch={route.launch}" if route.launch else "")
+        _BUCKETS[key] = b
+    return b
+
+
+def _bucket_or_rows(T: int, layout: str, H: int, route: Route, device) -> str:
+    try:
+        return launch_bucket(T, layout, H, route, device)
+    except Exception as e:  # noqa: BLE001 - no launch for these rows: they alone step aside
+        return f"{layout} H={int(H)} T={int(T)} (no launch: {type(e).__name__})"
+
+
+def step_aside(T: int, layout: str, H: int, route: Route, device, why: str, during: str = "serving",
+               log: bool = True) -> str:
+    """Send the rows of the launch bucket of ``(T, layout, H)`` (``route``: the decision our kernel served them by)
+    to SGLang's stock path for the rest of the process and log it once (``why``: the exception or the self-check's
+    finding; ``log=False``: the caller logs). Returns the bucket."""
+    facts = _device_facts(device)
+    b = _bucket_or_rows(T, layout, H, route, facts)
+    with _lock:
+        new = (layout, int(H), b) not in _FAILED
+        if new:
+            _FAILED[(layout, int(H), b)] = f"{during} T={int(T)}: {why}"
+            _FAIL_STATE["device"] = facts
+            _FAIL_STATE["count"] = int(_FAIL_STATE["count"]) + 1
+            _CALL_ROUTES.clear()
+    if new and log:
+        logger.error("dsv4_sm120: our attention kernel failed (%s) at %s T=%d H=%d launch %s: %s; the rows of that "
+                     "launch step aside to SGLang's stock path for the rest of this process", during, layout, T, H,
+                     b, why)
+    return b
+
+
+def stepped_aside() -> Dict[tuple, str]:
+    """``{(layout, H, launch bucket): why}`` of every launch our kernel stepped aside from in this process."""
+    return dict(_FAILED)
+
+
+def fallback_count() -> int:
+    """How many launch buckets stepped aside so far (the CUDA-graph capture hook compares it around a capture)."""
+    return int(_FAIL_STATE["count"])
+
+
+def _device_facts(device):
+    from dsv4_sm120.attention.config import Device
+
+    if isinstance(device, Device):
+        return device
+    import torch
+
+    from dsv4_sm120.attention.launch import device_facts
+
+    return device_facts(torch.device(device))
+
+
+def call_route(T: int, layout: str, H: int) -> Route:
+    """:func:`attention_route` for a call of ``H`` heads, with the launches our kernel stepped aside from applied."""
+    r = attention_route(T, layout)
+    if r.backend != "dsv4" or not _FAILED:
+        return r
+    key = (int(T), layout, int(H)) + tuple(settings.raw(n) for n in _ROUTE_ENV)
+    c = _CALL_ROUTES.get(key)
+    if c is None:
+        b = _bucket_or_rows(T, layout, H, r, _FAIL_STATE["device"])
+        why = _FAILED.get((layout, int(H), b))
+        c = r if why is None else Route(STOCK, source=f"{r.source}; our kernel stepped aside for {b} ({why})")
+        _CALL_ROUTES[key] = c
+    return c
 
 
 # ---- the startup log
@@ -249,7 +357,7 @@ def kernel_num_heads(n_local_heads: int, n_heads: int, num_tokens: int):
     take any H); any ``triton`` / ``torch`` -> the stock padded shape (64, or all heads above 64; our kernel
     and FlashInfer read only the real heads of it); else SGLang decides."""
     log_decisions()
-    routes = {attention_route(num_tokens, lay).backend for lay in LAYOUTS}
+    routes = {call_route(num_tokens, lay, n_local_heads).backend for lay in LAYOUTS}
     if routes == {"dsv4"}:
         return n_local_heads
     if routes & set(_PADDED):
@@ -301,17 +409,27 @@ def _flashinfer(m, q, kw):
     return m._flash_mla_sm120_prefill(*_args(q, kw))[0]
 
 
+def test_fault() -> str:
+    """``DSV4_SM120_TEST_SELFCHECK_FAULT`` (tests plant faults with it; empty in production)."""
+    return (settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") or "").strip()
+
+
 def ours(q, num_heads: int, kw: dict, launch=None, qk=None):
     """Our kernel on the real heads of ``q`` -> ``[T, 1, num_heads, 512]`` (what serving and the self-check
-    call). ``DSV4_SM120_TEST_SELFCHECK_FAULT=attention`` makes it wrong on purpose (tests of the self-check)."""
+    call). ``DSV4_SM120_TEST_SELFCHECK_FAULT`` plants faults (tests): ``attention`` makes the result wrong,
+    ``attention-raise`` makes every call raise and ``attention-raise-T=<n>`` the calls of n rows, before any launch
+    (as a compile error would)."""
     from dsv4_sm120.attention import sparse_mla_decode
 
+    fault = test_fault()
+    if fault == "attention-raise" or fault == f"attention-raise-T={q.shape[0]}":
+        raise RuntimeError(f"planted test fault {fault} (DSV4_SM120_TEST_SELFCHECK_FAULT) at T={q.shape[0]}")
     kw = dict(kw)
     sink = kw.pop("attn_sink", None)
     if sink is not None:
         sink = sink[:num_heads]
     out = sparse_mla_decode(q[..., :num_heads, :], attn_sink=sink, launch=launch, qk_mode=qk, **kw)[0]
-    if settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") == "attention":
+    if fault == "attention":
         out = out * 2
     return out
 
@@ -340,15 +458,21 @@ def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
     """Drop-in for ``flash_mla_with_kvcache_sm120(**kw)[0]`` in the DSv4 backend's sm_120 branch.
 
     ``q`` may carry padded heads (``q.shape[-2] > num_heads``); the output has ``q``'s head count
-    for the stock paths and ``num_heads`` for ours (the model reads only the real heads)."""
+    for the stock paths and ``num_heads`` for ours (the model reads only the real heads). When our kernel raises,
+    SGLang's stock dispatcher answers the call and the launch steps aside (:func:`step_aside`)."""
     if kw.get("softmax_scale") is None:
         kw["softmax_scale"] = q.shape[-1] ** (-0.5)
     _maybe_self_check(q, num_heads)
     log_decisions()
-    r = attention_route(q.shape[0], layout_of(kw.get("extra_k_cache")))
+    layout = layout_of(kw.get("extra_k_cache"))
+    r = call_route(q.shape[0], layout, num_heads)
     b = r.backend
     if b == "dsv4" and (is_decode_like(forward_mode) or prefill_backend() == "dsv4"):
-        return ours(q, num_heads, kw, r.launch, r.qk)
+        try:
+            return ours(q, num_heads, kw, r.launch, r.qk)
+        except Exception as e:  # noqa: BLE001 - any failure of ours: the stock path answers, the server keeps serving
+            step_aside(q.shape[0], layout, num_heads, r, q.device, f"{type(e).__name__}: {str(e)[:300]}")
+            return stock_dispatch(q, kw)
     if b == STOCK:
         return stock_dispatch(q, kw)
     m = _stock()

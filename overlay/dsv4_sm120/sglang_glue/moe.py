@@ -34,7 +34,10 @@ Patch 0005 registers :data:`BACKEND_NAME` with SGLang (choices and runner backen
   layout as is (gate rows then up rows, row-major E4M3 block scales, per-expert
   fp32 global scales), so nothing is swizzled, padded or copied;
 * :func:`apply` from ``apply``: returns the ``[M, H]`` bf16 output of the routed
-  experts (:func:`dsv4_sm120.moe.nvfp4_fused_moe`; the patch wraps it in ``StandardCombineInput``).
+  experts (:func:`dsv4_sm120.moe.nvfp4_fused_moe`; the patch wraps it in ``StandardCombineInput``). A call
+  that raises switches the process to the kernel's other compute path (``fp4`` <-> ``bf16``, the weights
+  stay as loaded), which answers it; when that path raises too the server stops with one line naming
+  ``DSV4_SM120_MOE_BACKEND=flashinfer_cutlass`` (:func:`.selfcheck.moe_step_aside`).
 
 Only routed experts of ModelOpt NVFP4 layers come here; shared experts keep their
 own (FP8) path. The routed scaling factor is not applied, as with
@@ -217,11 +220,15 @@ def prepare_layer(layer) -> None:
 
 def run_experts(layer, x, topk_weights, topk_ids):
     """Our NVFP4 fused MoE on ``layer``'s routed experts -> ``[M, H]`` bf16 (serving and the self-check).
-    ``DSV4_SM120_TEST_SELFCHECK_FAULT=moe`` makes it wrong on its first path (tests of the self-check)."""
+    ``DSV4_SM120_TEST_SELFCHECK_FAULT=moe`` makes it wrong on its first path, ``moe-raise`` makes it raise there
+    (tests of the self-check and the fallback)."""
     from dsv4_sm120.moe import nvfp4_fused_moe
 
     from . import selfcheck
 
+    fault = (settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") or "").strip()
+    if fault == "moe-raise" and not selfcheck.moe_fallback_active():
+        raise RuntimeError("planted test fault moe-raise (DSV4_SM120_TEST_SELFCHECK_FAULT) on the first path")
     cfg = layer.moe_runner_config
     out = nvfp4_fused_moe(
         x,
@@ -235,7 +242,7 @@ def run_experts(layer, x, topk_weights, topk_ids):
         topk_ids,
         swiglu_limit=getattr(cfg, "swiglu_limit", None),
     )
-    if settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") == "moe" and not selfcheck.moe_fallback_active():
+    if fault == "moe" and not selfcheck.moe_fallback_active():
         out = out * 2
     return out
 
@@ -252,4 +259,13 @@ def apply(layer, dispatch_output):
         topk_output = to_std()
     if not hasattr(layer, "_dsv4_w13_scale_2"):
         prepare_layer(layer)
-    return run_experts(layer, dispatch_output.hidden_states, topk_output.topk_weights, topk_output.topk_ids)
+    x = dispatch_output.hidden_states
+    try:
+        return run_experts(layer, x, topk_output.topk_weights, topk_output.topk_ids)
+    except Exception as e:  # noqa: BLE001 - the other compute path answers; both failing stops the server
+        from . import selfcheck
+
+        E, two_i, h2 = layer.w13_weight.shape
+        selfcheck.moe_step_aside(f"M={x.shape[0]} E={E} H={h2 * 2} I={two_i // 2}", f"{type(e).__name__}: "
+                                 f"{str(e)[:300]}", x.device)
+    return run_experts(layer, x, topk_output.topk_weights, topk_output.topk_ids)

@@ -1,35 +1,46 @@
-"""Startup self-check: each of our kernels that will serve runs once on this GPU at a live shape against the
-stock implementation; one that raises or misses the tolerance is disabled in this process and the stock path
-serves instead. The log names the kernel, the shape and the error. ``DSV4_SM120_SELFCHECK=0`` skips it.
+"""Startup self-check: each of our kernels that will serve runs on this GPU at live shapes against the stock
+implementation; what raises or misses the tolerance steps aside to the stock path in this process. The log names
+the kernel, the shape and the error. ``DSV4_SM120_SELFCHECK=0`` skips it.
 
-* Attention (:func:`run`, once per process): when some decision routes to our kernel (:mod:`.attention`), for
-  each layout that does (SWA only / + c4 / + c128) and each distinct launch the routing gives it, our kernel
-  (the exact function serving calls, :func:`.attention.ours`) runs ``T = 2`` rows with the layer's per-rank
-  head count over small random caches in the real page layout (SWA pages of 256 tokens, c4 pages of 64, c128
-  pages of 2; :mod:`dsv4_sm120.attention.cache`), against SGLang's torch path ``_sm120_sparse_decode_fwd``
-  (exact, cheap at this size; the float64 reference where SGLang is absent). Tolerance: relative Frobenius
-  error 2e-2 (5e-2 for block-scaled QK), as ``make calibrate``'s gate. On failure
-  :func:`.attention.disable` sends every ``dsv4`` decision to SGLang's own dispatcher.
-  When: the patched backend's ``init_cuda_graph_state`` calls :func:`before_graph_capture` (patch 0002, before
-  any capture); without CUDA graphs, the first attention call.
+* Attention (:func:`run`): every distinct launch of our kernel that the given rows reach runs once. With CUDA
+  graphs the rows are those the capture loop is about to capture (each capture batch size times the runner's
+  rows per request: the draft tokens per request for target-verify and draft-extend), passed by the patched
+  capture loop (patch 0006, :mod:`.graphs`) for each runner; without graphs, the first attention call outside
+  capture checks ``T = 2`` rows. For each per-rank head count and each layout our kernel serves (SWA only / + c4
+  / + c128), every row count ``T`` is mapped to the launches a call of ``T`` rows runs (:func:`call_launches`:
+  the resolved launch keys of each row chunk and whether its split count is 1 or a multiple of 16, the integer
+  specializations Triton compiles separately), and the smallest ``T`` that reaches a launch not yet checked in
+  this process runs it: our kernel (the exact function serving calls, :func:`.attention.ours`) over random
+  caches in the real page layout (SWA pages of 256 tokens, c4 pages of 64, c128 pages of 2;
+  :mod:`dsv4_sm120.attention.cache`) with the real candidate counts (SWA 128, c4 512, c128 from the context
+  length), up to :data:`SAMPLE_ROWS` of its rows compared with SGLang's torch path ``_sm120_sparse_decode_fwd``
+  (exact; the float64 reference where SGLang is absent). Tolerance: relative Frobenius error 2e-2 (5e-2 for
+  block-scaled QK), as ``make calibrate``'s gate. A launch that raises or misses takes the rows that reach it
+  to the stock path (:func:`.attention.step_aside`: their launch-table entry, before any capture); rows whose
+  launches passed keep our kernel; when every launch checked fails, our kernel is disabled for every row.
+  ``python -m dsv4_sm120.sglang_glue.selfcheck --time`` runs the same set for given heads, capture sizes and
+  draft tokens without SGLang and prints its seconds (docs/calibrate.md).
 * MoE (:func:`check_moe`, at the first ``dsv4_triton_nvfp4`` layer's ``prepare_layer``, i.e. after its weights
   loaded and before capture): our NVFP4 runner on that layer's own weights, two tokens routed to random
   experts, against the float64 reference of the same dequantized experts (tolerance 0.3, ``make calibrate``'s
   NVFP4 gate). The layer's weights were loaded for our kernel (no FlashInfer layout), so the fallback is our
   kernel's other compute path (``DSV4_SM120_MOE_PATH``: ``fp4`` <-> ``bf16``), checked the same way; when
-  both fail the server stops with one line naming ``DSV4_SM120_MOE_BACKEND=flashinfer_cutlass``.
+  both fail the server stops with one line naming ``DSV4_SM120_MOE_BACKEND=flashinfer_cutlass``. A serving call
+  that raises takes the same fallback (:func:`moe_step_aside`).
 
-Fault injection for tests: ``DSV4_SM120_TEST_SELFCHECK_FAULT=attention|moe`` makes our kernel's result wrong
-(scaled by 2; for the MoE only on its first path).
+Fault injection for tests (``DSV4_SM120_TEST_SELFCHECK_FAULT``): ``attention`` / ``moe`` make our kernel's result
+wrong (scaled by 2; for the MoE only on its first path); ``attention-raise`` / ``attention-raise-T=<n>`` make our
+attention kernel raise (every call / calls of n rows); ``moe-raise`` makes our MoE kernel raise on its first path.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from dsv4_sm120 import settings
 
@@ -38,12 +49,13 @@ logger = logging.getLogger(__name__)
 ATTN_TOL = 2e-2
 ATTN_TOL_FP8QK = 5e-2
 MOE_TOL = 0.3
-ROWS = 2
+ROWS = 2            # rows checked when the capture rows are unknown (no CUDA graphs)
+SAMPLE_ROWS = 8     # rows of a case compared with the reference (first, last and spread between)
 MOE_TOKENS = 2
 SWA_PAGE, C4_PAGE, C128_PAGE = 256, 64, 2
 
 _lock = threading.RLock()
-_state: Dict[str, object] = {"attention": None, "moe": None, "skipped_logged": False}
+_state: Dict[str, object] = {"attention": None, "moe": None, "skipped_logged": False, "checked": {}}
 
 
 def enabled() -> bool:
@@ -62,7 +74,9 @@ def results() -> Dict[str, object]:
 
 def reset() -> None:
     with _lock:
-        _state.update(attention=None, moe=None, skipped_logged=False)
+        _state.update(attention=None, moe=None, skipped_logged=False, checked={})
+        _state.pop("moe_fallback", None)
+        _state.pop("moe_fallbacks", None)
 
 
 def skipped(reason: str) -> None:
@@ -73,36 +87,59 @@ def skipped(reason: str) -> None:
 
 # ---------------------------------------------------------------------------- attention
 
-def _sizes(device) -> Dict[str, int]:
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if interp or getattr(device, "type", "cpu") != "cuda":
+def c128_topk(context_len: int) -> int:
+    """Candidates per row of a c128 layer at ``context_len``: ceil64(2 * ceil(context / 256))."""
+    return 64 * math.ceil(2 * math.ceil(int(context_len) / 256) / 64)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _sizes(device, context_len: Optional[int] = None) -> Dict[str, int]:
+    """Candidates per row: SWA (``K1``), c4 and c128. Small under the interpreter or off CUDA."""
+    if _interpreting() or getattr(device, "type", "cpu") != "cuda":
         return {"K1": 16, "swa_c4": 16, "swa_c128": 8}
-    return {"K1": 128, "swa_c4": 512, "swa_c128": 64}
+    return {"K1": 128, "swa_c4": 512, "swa_c128": c128_topk(context_len) if context_len else 64}
 
 
-def attention_case(layout: str, T: int, H: int, device, seed: int = 0) -> dict:
-    """Inputs of one attention call: ``q [T,1,H,512]`` bf16 and the keyword arguments SGLang passes (caches in the
-    real page layout, some invalid slots, per-row lengths, a sink)."""
-    import torch
-
+def _pages(n: int, page: int, g, device, pool: Optional[dict]):
     from dsv4_sm120.attention.cache import random_cache
 
+    key = (n, page, str(device))
+    if pool is not None and key in pool:
+        return pool[key]
+    view = random_cache(n, page, generator=g, mode="bytes").view.to(device)
+    if pool is not None:
+        pool[key] = view
+    return view
+
+
+def attention_case(layout: str, T: int, H: int, device, seed: int = 0, sizes: Optional[Dict[str, int]] = None,
+                   pool: Optional[dict] = None) -> dict:
+    """Inputs of one attention call: ``q [T,1,H,512]`` bf16 and the keyword arguments SGLang passes (caches in the
+    real page layout, some invalid slots, per-row lengths, a sink). The caches hold a fixed number of pages
+    whatever ``T`` (rows draw their candidates from them), so a case of many rows stays cheap to build; ``pool``
+    (a dict) shares them between the cases of one check."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
-    sz = _sizes(torch.device(device))
+    sz = sizes or _sizes(torch.device(device))
     K1 = sz["K1"]
-    main = random_cache(T + 1, SWA_PAGE, generator=g, mode="bytes")
-    idx = torch.stack([torch.randperm((T + 1) * SWA_PAGE, generator=g)[:K1] for _ in range(T)]).to(torch.int32)
+    n_main = max(2, -(-2 * K1 // SWA_PAGE))
+    main = _pages(n_main, SWA_PAGE, g, device, pool)
+    idx = torch.randint(0, n_main * SWA_PAGE, (T, K1), generator=g, dtype=torch.int32)
     idx[:, -1] = -1                                   # an invalid slot in every row
-    kw = dict(k_cache=main.view.to(device), indices=idx.view(T, 1, K1).to(device),
+    kw = dict(k_cache=main, indices=idx.view(T, 1, K1).to(device),
               topk_length=torch.full((T,), K1, dtype=torch.int32).to(device))
     if layout != "swa":
         page = C4_PAGE if layout == "swa_c4" else C128_PAGE
         K2 = sz[layout]
         pages = -(-2 * K2 // page)
-        extra = random_cache(pages, page, generator=g, mode="bytes")
-        e = torch.stack([torch.randperm(pages * page, generator=g)[:K2] for _ in range(T)]).to(torch.int32)
-        kw.update(extra_k_cache=extra.view.to(device), extra_indices_in_kvcache=e.view(T, 1, K2).to(device),
-                  extra_topk_length=torch.tensor([K2 - 1 - (t % 3) for t in range(T)], dtype=torch.int32).to(device))
+        extra = _pages(pages, page, g, device, pool)
+        e = torch.randint(0, pages * page, (T, K2), generator=g, dtype=torch.int32)
+        kw.update(extra_k_cache=extra, extra_indices_in_kvcache=e.view(T, 1, K2).to(device),
+                  extra_topk_length=(K2 - 1 - torch.arange(T, dtype=torch.int32) % 3).to(device))
     q = torch.randn(T, 1, H, 512, generator=g).to(torch.bfloat16).to(device)
     kw.update(attn_sink=torch.randn(H, generator=g).to(device), head_dim_v=512, softmax_scale=512 ** -0.5)
     return {"q": q, "kw": kw, "K1": K1, "K2": kw["extra_indices_in_kvcache"].shape[-1] if layout != "swa" else 0}
@@ -122,67 +159,170 @@ def stock_reference(q, kw):
                                     kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"))[0]
 
 
-def _check_one(layout: str, H: int, launch, qk, device, seed: int) -> dict:
+def sample_rows(T: int) -> List[int]:
+    """The rows of a ``T``-row case compared with the reference: all up to :data:`SAMPLE_ROWS`, else the first
+    two, the last two and rows spread evenly between."""
+    if T <= SAMPLE_ROWS:
+        return list(range(T))
+    inner = SAMPLE_ROWS - 4
+    mid = [2 + (T - 4) * (i + 1) // (inner + 1) for i in range(inner)]
+    return sorted({0, 1, T - 2, T - 1, *mid})
+
+
+def _row_slice(kw: dict, rows) -> dict:
+    out = dict(kw)
+    for k in ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length"):
+        if out.get(k) is not None:
+            out[k] = out[k][rows]
+    return out
+
+
+def call_launches(layout: str, T: int, H: int, K1: int, K2: int, route, device) -> tuple:
+    """The launches a call of ``T`` rows runs through our kernel with ``route``'s launch keys and QK mode: per row
+    chunk, ``(layout, H, qk, resolved launch keys, split count == 1, split count % 16 == 0)`` (Triton compiles
+    those integer specializations separately). Host-only (the launch resolution; no GPU work)."""
+    from dsv4_sm120.attention import config as C
+    from dsv4_sm120.attention import launch as L
+
+    from .attention import _device_facts
+
+    qk = C.qk_mode(route.qk)
+    ov = dict(C.env_overrides(), **L.CONFIG_OVERRIDE)
+    if route.launch:
+        ov.update(C.launch_overrides(route.launch))
+    cap = int(settings.get("DSV4_SM120_ATTN_WS_MB") * (1 << 20) / 4)
+    keys = []
+    for _, _, launch in L.row_chunks(int(H), int(T), int(K1), int(K2), _device_facts(device), qk, ov,
+                                     L.interpreting(), cap):
+        S = launch.plan[0] + launch.plan[2]
+        keys.append((layout, int(H), qk, tuple(sorted(launch.config.items())), S == 1, S % 16 == 0))
+    return tuple(dict.fromkeys(keys))
+
+
+def plan_attention(heads: Sequence[int], rows: Iterable[int], device, sizes: Dict[str, int],
+                   skip: Optional[dict] = None, layouts: Optional[Sequence[str]] = None) -> List[dict]:
+    """The cases of the attention check: per head count and layout our kernel serves, the smallest row count of
+    ``rows`` for each launch (:func:`call_launches`) not yet in ``skip``. Each case lists every row count
+    whose launches include one of its new launches (``rows``), the rows that step aside if it fails."""
+    from . import attention as A
+
+    skip = skip or {}
+    cases: List[dict] = []
+    rows = sorted({int(t) for t in rows if int(t) > 0})
+    for H in sorted({int(h) for h in heads if h}):
+        for lay in [x for x in A.LAYOUTS if layouts is None or x in layouts]:
+            mine: List[dict] = []
+            for T in rows:
+                r = A.call_route(T, lay, H)
+                if r.backend != "dsv4":
+                    continue
+                try:
+                    keys = call_launches(lay, T, H, sizes["K1"], sizes.get(lay, 0), r, device)
+                except Exception as e:  # noqa: BLE001 - no launch: the case runs and fails like a serving call
+                    keys = ((lay, H, "error", T, type(e).__name__),)
+                new = [k for k in keys if k not in skip and not any(k in c["new"] for c in mine)]
+                if new:
+                    mine.append({"layout": lay, "H": H, "T": T, "route": r, "keys": keys, "new": new, "rows": [T]})
+                for c in mine:
+                    if c["T"] != T and any(k in c["new"] for k in keys):
+                        c["rows"].append(T)
+            cases.extend(mine)
+    return cases
+
+
+def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optional[dict] = None) -> dict:
+    import torch
+
     from dsv4_sm120.attention.reference import rel_fro
 
     from .attention import ours
 
-    c = attention_case(layout, ROWS, H, device, seed)
-    shape = (f"{layout} T={ROWS} H={H} K={c['K1']}" + (f"+{c['K2']}" if c["K2"] else "")
+    layout, H, T, r = case["layout"], case["H"], case["T"], case["route"]
+    launch, qk = r.launch, r.qk
+    t0 = time.monotonic()
+    c = attention_case(layout, T, H, device, seed, sizes, pool)
+    shape = (f"{layout} T={T} H={H} K={c['K1']}" + (f"+{c['K2']}" if c["K2"] else "")
              + f" launch={launch or 'default'}" + (" qk=fp8" if qk == "fp8" else ""))
     tol = ATTN_TOL_FP8QK if qk == "fp8" else ATTN_TOL
-    res = {"kernel": "attention", "shape": shape, "tol": tol, "err": None, "ok": False, "error": None}
+    res = {"kernel": "attention", "shape": shape, "layout": layout, "H": H, "T": T, "rows": list(case["rows"]),
+           "launches": len(case["new"]), "tol": tol, "err": None, "ok": False, "error": None}
     try:
         out = ours(c["q"], H, c["kw"], launch, qk)
-        ref = stock_reference(c["q"], c["kw"])
-        err = rel_fro(out[:, :, :H], ref[:, :, :H])
+        pick = torch.tensor(sample_rows(T), dtype=torch.long, device=c["q"].device)
+        ref = stock_reference(c["q"][pick], _row_slice(c["kw"], pick))
+        err = rel_fro(out[pick][:, :, :H], ref[:, :, :H])
         res["err"] = err
         res["ok"] = err <= tol          # NaN compares False
         if not res["ok"]:
             res["error"] = f"relative error {err:.3g} > tolerance {tol:g}"
     except Exception as e:  # noqa: BLE001 - any failure of ours means the stock path serves
         res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    res["seconds"] = time.monotonic() - t0
     return res
 
 
-def run(heads: Sequence[int], device, force: bool = False) -> List[dict]:
-    """The attention self-check (module doc), once per process (``force``: again). Returns its cases."""
+def run(heads: Sequence[int], device, force: bool = False, rows: Optional[Iterable[int]] = None,
+        context_len: Optional[int] = None, label: str = "", layouts: Optional[Sequence[str]] = None) -> List[dict]:
+    """The attention self-check (module doc) over ``rows`` (default: ``T = 2``) for ``heads`` and ``layouts``
+    (default: all three). Launches checked earlier in this process are not run again; without ``rows``, it runs
+    once per process (``force``: again). Returns the cases of this process so far."""
     with _lock:
         if not enabled():
             return []
-        if _state["attention"] is not None and not force:
+        if rows is None and _state["attention"] is not None and not force:
             return _state["attention"]
+        if force:
+            _state["checked"] = {}
         from . import attention as A
         t0 = time.monotonic()
-        cases: List[dict] = []
-        heads = sorted({int(h) for h in heads if h})
-        layouts = [lay for lay in A.LAYOUTS if A.uses_ours(lay)] if heads else []
-        if not layouts:
+        import torch
+
+        device = torch.device(device)
+        sizes = _sizes(device, context_len)
+        rows = [ROWS] if rows is None else sorted({int(t) for t in rows})
+        checked: Dict[tuple, Optional[str]] = _state["checked"]      # launch -> None (passed) or why it failed
+        cases_so_far: List[dict] = [] if force or _state["attention"] is None else list(_state["attention"])
+        plan = plan_attention(heads, rows, device, sizes, skip=checked, layouts=layouts) if heads else []
+        if not plan and not cases_so_far:
             logger.info("dsv4_sm120 self-check: our attention kernel does not serve here; nothing to check")
-        failed = None
-        for H in heads:
-            for i, lay in enumerate(layouts):
-                for launch, qk in A.our_launches(lay):
-                    r = _check_one(lay, H, launch, qk, device, seed=1000 * H + i)
-                    cases.append(r)
-                    if not r["ok"]:
-                        failed = r
-                        break
-                if failed:
-                    break
-            if failed:
-                break
-        _state["attention"] = cases
-        dt = time.monotonic() - t0
+        new_cases, pool = [], {}
+        for i, case in enumerate(plan):
+            res = _check_one(case, device, seed=1000 * case["H"] + 10 * A.LAYOUTS.index(case["layout"]) + i,
+                             sizes=sizes, pool=pool)
+            new_cases.append(res)
+            for k in case["new"]:
+                checked[k] = None if res["ok"] else f"{res['shape']}: {res['error']}"
+        _state["attention"] = cases_so_far + new_cases
+        failed = [c for c in new_cases if not c["ok"]]
+        for c, case in zip(new_cases, plan):
+            if c["ok"]:
+                continue
+            logger.error("dsv4_sm120 self-check: our attention kernel FAILED at %s: %s; rows %s of %s H=%d step aside "
+                         "to SGLang's stock path (their launch), the other rows keep our kernel", c["shape"],
+                         c["error"], _rows_text(c["rows"]), c["layout"], c["H"])
+            for T in c["rows"]:
+                A.step_aside(T, c["layout"], c["H"], A.attention_route(T, c["layout"]), device, c["error"],
+                             during="self-check", log=False)
+        all_cases = _state["attention"]
+        if all_cases and all(not c["ok"] for c in all_cases) and A.disabled("attention") is None:
+            logger.error("dsv4_sm120 self-check: every launch of our attention kernel failed; disabled in this "
+                         "process, SGLang's stock path serves instead")
+            A.disable("attention", f"{failed[0]['shape']}: {failed[0]['error']}" if failed else "self-check failed")
         if failed:
-            logger.error("dsv4_sm120 self-check: our attention kernel FAILED at %s: %s; disabled in this process, "
-                         "SGLang's stock path serves instead", failed["shape"], failed["error"])
-            A.disable("attention", f"{failed['shape']}: {failed['error']}")
             A.relog()
-        elif cases:
-            logger.info("dsv4_sm120 self-check: attention ok (%d shapes, max error %.2g) in %.2f s", len(cases),
-                        max(c["err"] for c in cases), dt)
-        return cases
+        dt = time.monotonic() - t0
+        if new_cases:
+            ok = [c for c in new_cases if c["ok"]]
+            logger.info("dsv4_sm120 self-check%s: attention %d launches over rows %s: %d ok (max error %s), %d failed, "
+                        "in %.2f s", f" ({label})" if label else "", len(new_cases), _rows_text(rows), len(ok),
+                        f"{max(c['err'] for c in ok):.2g}" if ok else "-", len(failed), dt)
+        return _state["attention"]
+
+
+def _rows_text(rows) -> str:
+    rows = sorted(rows)
+    return ",".join(map(str, rows)) if len(rows) <= 12 else f"{','.join(map(str, rows[:6]))},...,{rows[-1]} " \
+        f"({len(rows)} counts)"
 
 
 def model_heads(model) -> List[int]:
@@ -193,29 +333,55 @@ def model_heads(model) -> List[int]:
                    if hasattr(m, "n_local_heads") and hasattr(m, "compress_ratio")})
 
 
+def model_layouts(model) -> List[str]:
+    """The layouts of the model's attention layers (compress ratio 0 -> ``swa``, 4 -> ``swa_c4``, 128 ->
+    ``swa_c128``; an MTP draft model has only ``swa``); all three when a ratio is not one of those."""
+    names = {0: "swa", 4: "swa_c4", 128: "swa_c128"}
+    ratios = {getattr(m, "compress_ratio", None) for m in model.modules()
+              if hasattr(m, "n_local_heads") and hasattr(m, "compress_ratio")} if model is not None else set()
+    if not ratios or any(r not in names for r in ratios):
+        return list(names.values())
+    return [names[r] for r in sorted(ratios)]
+
+
 def before_graph_capture(model_runner=None) -> List[dict]:
-    """Called by the patched backend before CUDA-graph capture: log the attention decisions and run the self-check
-    with the model's per-rank head counts on the runner's device."""
+    """Called by the patched backend's ``init_cuda_graph_state`` (patch 0002) before CUDA-graph capture: log the
+    attention decisions. The check itself runs at the start of each runner's capture loop, with the rows it
+    captures (:func:`run_for_runner`, from :mod:`.graphs`)."""
     from . import attention
 
     attention.log_decisions()
-    return run_for_runner(model_runner)
+    return []
 
 
-def run_for_runner(model_runner) -> List[dict]:
-    """:func:`run` with the heads of ``model_runner.model`` on its device (the hook before graph capture)."""
-    if model_runner is None or not enabled():
-        return []
+def _runner_device(model_runner):
     import torch
 
-    heads = model_heads(getattr(model_runner, "model", None))
     dev = getattr(model_runner, "device", "cuda")
-    device = torch.device(dev, int(model_runner.gpu_id)) if str(dev) == "cuda" and hasattr(model_runner, "gpu_id") \
-        else torch.device(dev)
+    if str(dev) == "cuda" and hasattr(model_runner, "gpu_id"):
+        return torch.device(dev, int(model_runner.gpu_id))
+    return torch.device(dev)
+
+
+def _context_len(model_runner) -> Optional[int]:
+    for obj in (getattr(model_runner, "model_config", None), getattr(model_runner, "server_args", None)):
+        v = getattr(obj, "context_len", None) or getattr(obj, "context_length", None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def run_for_runner(model_runner, rows: Optional[Iterable[int]] = None, label: str = "") -> List[dict]:
+    """:func:`run` with the heads of ``model_runner.model`` on its device, over ``rows`` (the rows a CUDA-graph
+    runner captures) and the c128 candidates of its context length."""
+    if model_runner is None or not enabled():
+        return []
+    heads = model_heads(getattr(model_runner, "model", None))
     if not heads:
         skipped("no attention layer with n_local_heads found in the model")
         return []
-    return run(heads, device)
+    return run(heads, _runner_device(model_runner), rows=rows, context_len=_context_len(model_runner), label=label,
+               layouts=model_layouts(model_runner.model) if rows is not None else None)
 
 
 # ---------------------------------------------------------------------------- MoE
@@ -268,8 +434,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
             other = "bf16" if first == "fp4" else "fp4"
             logger.error("dsv4_sm120 self-check: our MoE kernel (path %s) FAILED at %s: %s; trying its %s path",
                          first, shape, res["error"], other)
-            settings.put("DSV4_SM120_MOE_PATH", other)    # this process: every later call takes that path
-            _state["moe_fallback"] = other
+            _switch_moe_path(other)
             err2, why2 = attempt(other)
             res.update(fallback=other, fallback_err=err2, fallback_error=why2)
             if why2 is not None:
@@ -286,5 +451,120 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
         return res
 
 
+def _switch_moe_path(other: str) -> None:
+    settings.put("DSV4_SM120_MOE_PATH", other)    # this process: every later call takes that path
+    _state["moe_fallback"] = other
+    _state["moe_fallbacks"] = int(_state.get("moe_fallbacks", 0)) + 1
+
+
 def moe_fallback_active() -> bool:
     return bool(_state.get("moe_fallback"))
+
+
+def moe_fallback_count() -> int:
+    """How many times our MoE kernel switched to its other path in this process (0 or 1)."""
+    return int(_state.get("moe_fallbacks", 0))
+
+
+def moe_step_aside(shape: str, why: str, device) -> None:
+    """A serving call of our MoE kernel raised (``why``) at ``shape``: switch this process to the kernel's other
+    compute path (the weights stay as loaded, which both paths read) and log it once; when the other path is the
+    one that raised, stop the server with one line (SystemExit) naming the CUTLASS runner."""
+    from dsv4_sm120.moe.fused_moe import default_path
+
+    with _lock:
+        if moe_fallback_active():
+            raise SystemExit(f"dsv4_sm120: our MoE kernel fails on this GPU at {shape} on its {_state['moe_fallback']} "
+                             f"path too ({why}); restart with DSV4_SM120_MOE_BACKEND=flashinfer_cutlass")
+        first = default_path(device)
+        other = "bf16" if first == "fp4" else "fp4"
+        _switch_moe_path(other)
+    logger.error("dsv4_sm120: our MoE kernel (path %s) failed while serving at %s: %s; this process serves on its %s "
+                 "path from now on", first, shape, why, other)
+
+
+# ---------------------------------------------------------------------------- timing command
+
+def default_capture_bs(max_bs: int, speculative: bool) -> List[int]:
+    """The decode batch sizes SGLang 0.5.23 captures up to ``--cuda-graph-max-bs-decode`` by default: without
+    speculation 1, 2, 4, 8, 12, then steps of 8 to 256, 16 to 512, 32 above; with it every size to 8, steps of 2
+    to 32, 4 to 64, 8 to 256, 16 above; ``max_bs`` itself always."""
+    if speculative:
+        bs = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8), *range(272, max_bs + 1, 16)]
+    else:
+        bs = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    bs = [b for b in bs if b <= max_bs]
+    return bs if max_bs in bs else bs + [max_bs]
+
+
+def runner_rows(capture_bs: Sequence[int], draft_tokens: int) -> List[tuple]:
+    """``(label, rows, layouts)`` of the CUDA-graph runners a server captures: without speculation the decode
+    runner (rows = batch sizes, every layout); with ``draft_tokens`` > 1 the target-verify runner (batch sizes x
+    draft tokens, every layout) and the MTP draft's decode and draft-extend runners (batch sizes, and batch sizes
+    x draft tokens; its one layer is SWA only)."""
+    bs = sorted({int(b) for b in capture_bs})
+    if draft_tokens <= 1:
+        return [("decode", bs, None)]
+    d = int(draft_tokens)
+    return [("target-verify", [b * d for b in bs], None), ("draft decode", bs, ["swa"]),
+            ("draft extend", [b * d for b in bs], ["swa"])]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m dsv4_sm120.sglang_glue.selfcheck",
+        description="Run the startup self-check of our attention kernel (every launch the CUDA-graph capture rows "
+                    "reach) for given heads, capture sizes and draft tokens, without SGLang (float64 reference), and "
+                    "print what it ran and its seconds. Run it twice: the second run is the warm-Triton-cache cost "
+                    "of a server start.")
+    ap.add_argument("--time", action="store_true", help="print the seconds per case and in total (the default)")
+    ap.add_argument("--heads", default="16", help="per-rank query heads, comma-separated (64 / TP; default 16)")
+    ap.add_argument("--max-bs", type=int, default=16,
+                    help="--cuda-graph-max-bs-decode (default 16, the serve scripts' MAX_RUNNING)")
+    ap.add_argument("--capture-bs", default="", help="the capture batch sizes, comma-separated (default: SGLang's "
+                                                      "schedule up to --max-bs)")
+    ap.add_argument("--draft-tokens", type=int, default=0,
+                    help="MTP draft tokens per request (0: no speculation; SGLang's default with MTP is 4)")
+    ap.add_argument("--context-len", type=int, default=0,
+                    help="context length (sets the c128 candidates; default: 64 candidates)")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args(argv)
+    import torch
+
+    from dsv4_sm120.sglang_glue import attention as A
+    from dsv4_sm120.sglang_glue import selfcheck as S
+
+    heads = [int(h) for h in a.heads.split(",") if h.strip()]
+    bs = ([int(b) for b in a.capture_bs.split(",") if b.strip()] if a.capture_bs
+          else S.default_capture_bs(a.max_bs, a.draft_tokens > 1))
+    device = torch.device(a.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device {name}; heads {heads}; capture batch sizes {bs}; draft tokens {a.draft_tokens}; "
+          f"context {a.context_len or '-'}")
+    t0 = time.monotonic()
+    A.log_decisions()
+    before = 0
+    for label, rows, layouts in S.runner_rows(bs, a.draft_tokens):
+        t1 = time.monotonic()
+        cases = S.run(heads, device, rows=rows, context_len=a.context_len or None, label=label, layouts=layouts)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        new = cases[before:]
+        before = len(cases)
+        print(f"{label}: rows {S._rows_text(rows)}: {len(new)} launches in {time.monotonic() - t1:.2f} s")
+        for c in new:
+            print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['shape']:<58} rows {S._rows_text(c['rows']):<28} "
+                  f"err {c['err'] if c['err'] is None else format(c['err'], '.2g')!s:<8} {c['seconds']:.3f} s"
+                  + (f"  {c['error']}" if c["error"] else ""))
+    total = time.monotonic() - t0
+    failed = [c for c in (S.results()["attention"] or []) if not c["ok"]]
+    print(f"self-check total: {before} launches, {len(failed)} failed, {total:.2f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
