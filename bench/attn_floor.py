@@ -65,7 +65,7 @@ def _gather_list(acc_a, acc_b, acc_c, cache, idx_row, j0, j1, P, PBW, BLOCK_N: t
     return acc_a, acc_b, acc_c
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s1", "S"])  # split counts: one compile whatever the plan
 def gather_floor_kernel(q_ptr, out_ptr, QW, QCH,
                         main_ptr, idx1_ptr, idx1_stride, len1_ptr, K1, P1, PBW1, c1, s1,
                         extra_ptr, idx2_ptr, idx2_stride, len2_ptr, K2, P2, PBW2, c2,
@@ -191,7 +191,7 @@ def reference_checksum(q, k_cache, indices, topk_length=None, extra_k_cache=None
         lists.append((extra_k_cache, extra_indices_in_kvcache, extra_topk_length, False))
     for cache, ind, ln, is_main in lists:
         words, P, PBW = _words(cache)
-        flat = words.reshape(-1).to(torch.int64)
+        flat = words.reshape(-1)
         idx = _indices(ind).to(torch.int64)
         n = _lengths(ln, idx).to(torch.int64).clamp(max=idx.shape[1])
         j = torch.arange(idx.shape[1], device=idx.device)
@@ -202,6 +202,6 @@ def reference_checksum(q, k_cache, indices, topk_length=None, extra_k_cache=None
         sc = page * PBW + P * ROW_WORDS + off * SCALE_WORDS
         pos = torch.cat([row[..., None] + torch.arange(ROW_WORDS, device=idx.device),
                          sc[..., None] + torch.arange(SCALE_WORDS, device=idx.device)], -1)   # [T, K, 146]
-        vals = flat[pos] * valid[..., None]
+        vals = flat[pos].to(torch.int64) * valid[..., None]
         total += vals.reshape(T, -1).sum(1)
     return total & 0xFFFFFFFF
