@@ -257,3 +257,20 @@ def test_fp8_driver_dry_run_and_no_gpu(tmp_path):
                        env=env, timeout=300)
     assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "f.csv").exists()
+
+
+def test_floor_rows_keep_the_attention_columns(tmp_path):
+    """The gather floor is an impl row and its share a notes key: the attention columns stay those of the committed
+    results file (whose rows all stay readable), and a table renders the floor next to the impls it bounds."""
+    committed = REPO / "bench" / "results" / "attention.csv"
+    assert next(csv.reader([committed.read_text().split("\n", 1)[0]])) == R.columns("attention")
+    assert R.read_rows(committed)
+    path = tmp_path / "attention.csv"
+    rows = [_row(case="spec_h16_c4", impl="gather-floor", batch=96, us=19.1, rel_err=None,
+                 notes="layers=4; checksum=ok; plan=S=2 (1+1),BLOCK_N=16,waves=8,num_warps=4"),
+            _row(case="spec_h16_c4", batch=96, us=34.2, notes="layers=4; floor_share=0.558")]
+    R.append_rows(path, "attention", rows)
+    back = R.read_rows(path)
+    assert [r["impl"] for r in back] == ["gather-floor", "ours-bf16"] and "floor_share=0.558" in back[1]["notes"]
+    table = R.render_table("attention", back, "NVIDIA H200")
+    assert "| gather-floor | default | 19.1" in table and "| ours-bf16 | default | 34.2" in table
