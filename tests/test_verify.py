@@ -156,6 +156,14 @@ def test_first_divergence_and_verdicts():
     assert vr.compare_speed({"runs": [{"concurrency": 1, "error": "boom"}]}, meas(100)) is None
 
 
+
+def test_mtp_verdict_says_each_part_once():
+    comps = vr.build_comparisons({"ours": {"stages": {}}, "mtp": {"stages": {}}}, {}, 16)
+    (mtp,) = comps
+    assert mtp["verdict"].count("greedy: not run") == 1, mtp["verdict"]
+    assert mtp["verdict"].startswith("greedy: not run (vs the non-speculative path); accuracy: not measured")
+
+
 # ---- command line
 
 def test_dry_run_starts_nothing_and_prints_every_stage(venv, tmp_path):
@@ -369,3 +377,28 @@ def test_accuracy_through_sglangs_gsm8k_helper(venv, tmp_path):
     assert acc["accuracy"] == pytest.approx(1 / 3, abs=1e-3), acc
     md = (out / "report.md").read_text()
     assert "| ours | 33.3% |" in md
+
+
+def test_a_box_wide_preflight_refusal_stops_before_the_other_variants(venv, tmp_path):
+    """Without a GPU (here: an nvidia-smi that fails) the first variant's preflight refuses the start; the
+    variants after it are not tried (they would be refused the same way), and the run says so in one line."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver'\n"
+                   "exit 9\n")
+    smi.chmod(0o755)
+    venv.update(MODEL_PATH=str(model_dir(tmp_path, mtp=True)), NVIDIA_SMI=str(smi),
+                PREFLIGHT_SKIP="patches,nixl,p2p,ucx")      # the stand-ins' default skips the GPU check
+    out = tmp_path / "verify"
+    t0 = time.monotonic()
+    r = verify(venv, "--stages", "greedy", "--out-dir", str(out))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 120
+    assert re.findall(r"not starting .*", r.stdout) == [
+        "not starting stock, mtp: the preflight refused ours on this box's own check (gpu), which no variant changes"]
+    assert "ours: the deployment did not start (preflight: nvidia-smi failed (exit 9)" in r.stdout, r.stdout
+    assert "stock: starting" not in r.stdout and not (out / "stock").exists() and not (out / "mtp").exists()
+    rep = json.loads((out / "report.json").read_text())
+    assert list(rep["variants"]) == ["ours"] and rep["not_started"] == ["stock", "mtp"]
+    assert rep["variants"]["ours"]["start"]["preflight_checks"] == ["gpu"]
+    assert "ours: nothing to stop (no deployment was started)" in r.stdout and "stopping the deployment" not in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr

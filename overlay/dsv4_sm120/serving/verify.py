@@ -69,6 +69,10 @@ VARIANTS: Dict[str, Tuple[str, Dict[str, str], str]] = {
     "mtp": ("mtp", {}, "speculative decoding (serve/serve_dsv4_mtp.sh), our choices; vs the non-speculative ours"),
 }
 SCRIPTS = {"base": "serve/serve_dsv4_tp4.sh", "mtp": "serve/serve_dsv4_mtp.sh"}
+# Preflight checks whose result does not depend on the variant's switches (the box, its GPUs, ports, NIXL, the
+# checkout's patches, the model): when one of them refuses a start, every later variant would be refused too.
+# "python" is the serving environment check, which the preflight runs before the named checks.
+BOX_WIDE_CHECKS = ("python", "ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router")
 
 
 class UsageError(Exception):
@@ -97,6 +101,7 @@ class Verify:
         self.accuracy_note = ""
         self.gsm8k: Optional[Path] = None
         self.teardown_lines: List[str] = []
+        self.skipped_variants: List[str] = []       # not started after a box-wide preflight refusal
 
     # ---- output
     def say(self, msg: str) -> None:
@@ -200,10 +205,22 @@ class Verify:
             self.say(f"{v}: deployment ready after {time.monotonic() - t0:.0f} s")
             return None
         st = sv.read_state(self.serve_dir(v)) or {}
-        why = st.get("message") or ("timed out" if rc is None else f"the serve script exited with code {rc}")
+        refusal = preflight_refusal(vdir / "deploy.log") if rc is not None else None
+        why = st.get("message") or (refusal["why"] if refusal else None) or \
+            ("timed out" if rc is None else f"the serve script exited with code {rc}")
         res["start"] = {"ok": False, "seconds": round(time.monotonic() - t0, 1), "error": why,
                         "log": str(vdir / "deploy.log")}
+        if refusal:
+            res["start"]["preflight_checks"] = refusal["checks"]
         return f"{v}: the deployment did not start ({why}; see {vdir / 'deploy.log'})"
+
+    def box_wide_refusal(self, v: str) -> Optional[str]:
+        """The failed checks (text) when variant v's start was refused only by variant-independent preflight
+        checks; None otherwise."""
+        checks = ((self.results.get(v) or {}).get("start") or {}).get("preflight_checks")
+        if checks is None or not set(checks) <= set(BOX_WIDE_CHECKS):
+            return None
+        return ", ".join(checks)
 
     def deployment_problem(self, v: str) -> Optional[str]:
         st = sv.read_state(self.serve_dir(v))
@@ -217,12 +234,19 @@ class Verify:
         """Stop variant v's deployment, whatever state its start reached."""
         sdir = self.serve_dir(v)
         grace = float(self.plans[v].settings["STOP_GRACE_S"])
-        self.say(f"{v}: stopping the deployment ({sdir})")
         # A supervisor that the start spawned but that has not yet written its state: stop it by its pid
         # (from the start's output), after which its state (if any) tells stop_run the rest.
         log = self.run_dir / v / "deploy.log"
         m = re.findall(r"supervisor detached \(pid (\d+)\)", log.read_text(errors="replace")) if log.exists() else []
         st = sv.read_state(sdir)
+        if not m and st is None and not (sdir / "state.json").exists():
+            line = f"{v}: nothing to stop (no deployment was started)"
+            self.teardown_lines.append(line)
+            self.say(line)
+            if self.live == v:
+                self.live = None
+            return
+        self.say(f"{v}: stopping the deployment ({sdir})")
         if m and not (st and st.get("supervisor_pid")):
             pid = int(m[-1])
             try:
@@ -409,7 +433,7 @@ class Verify:
                "model": first.settings["MODEL_PATH"], "run_dir": str(self.run_dir), "standin": first.standin,
                "stages": self.stages, "variants": self.results, "descriptions": descriptions,
                "accuracy_note": self.accuracy_note, "first_tokens": self.a.first_tokens,
-               "interrupted": interrupted, "failures": list(self.failures)}
+               "interrupted": interrupted, "failures": list(self.failures), "not_started": self.skipped_variants}
         if interrupted:
             rep["failures"].append(f"interrupted by signal {interrupted}")
         rep["comparisons"] = vr.build_comparisons(self.results, descriptions, self.a.first_tokens, self.accuracy_note)
@@ -426,8 +450,15 @@ class Verify:
                      f"stages {', '.join(self.stages)}")
             if "accuracy" in self.stages:
                 self.prepare_gsm8k()
-            for v in self.variants:
+            for i, v in enumerate(self.variants):
                 self.run_variant(v)
+                checks = self.box_wide_refusal(v)
+                rest = self.variants[i + 1:]
+                if checks and rest:
+                    self.say(f"not starting {', '.join(rest)}: the preflight refused {v} on this box's own "
+                             f"check{'s' if ',' in checks else ''} ({checks}), which no variant changes")
+                    self.skipped_variants = rest
+                    break
         except Interrupted as e:
             self.stopping = True
             interrupted = e.signum
@@ -479,6 +510,22 @@ class Verify:
 
 
 # ---- helpers
+
+def preflight_refusal(log: Path) -> Optional[dict]:
+    """What a start's output says when its preflight refused it: {"why": the first failure (+ how many more),
+    "checks": the failed checks' names ("python" when it failed before the named checks)}; None when the
+    preflight did not refuse it."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    if not re.search(r"^\[serve\] refused to start: \d+ preflight failure", text, re.M):
+        return None
+    lines = re.findall(r"^\[serve\] preflight: (.+)$", text, re.M)
+    checks = list(dict.fromkeys(re.findall(r"preflight (\w+): FAILED", text))) or ["python"]
+    why = (f"preflight: {lines[0]}" + (f" (and {len(lines) - 1} more)" if len(lines) > 1 else "")
+           if lines else "the preflight refused it")
+    return {"why": why, "checks": checks}
 
 def client_failure(what: str, rc: Optional[int], log: Path) -> str:
     """The error of a client stage that did not succeed (``rc`` None: it ran out of time)."""

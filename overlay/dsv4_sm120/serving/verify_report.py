@@ -97,11 +97,14 @@ def compare_speed(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
     return {"per_concurrency": per} if per else None
 
 
-def verdict(greedy: Optional[dict], acc: Optional[dict], speed: Optional[dict], accuracy_note: str = "") -> str:
-    """One line: equal greedy tokens? accuracy within noise? faster? and which side to keep."""
-    parts = []
+def verdict(greedy: Optional[dict], acc: Optional[dict], speed: Optional[dict], accuracy_note: str = "",
+            lead: str = "") -> str:
+    """One line: equal greedy tokens? accuracy within noise? faster? and which side to keep. ``lead`` goes first
+    (the MTP variant's first-tokens target); it also stands for the greedy part when greedy did not run."""
+    parts = [lead] if lead else []
     if greedy is None:
-        parts.append("greedy: not run")
+        if not lead:
+            parts.append("greedy: not run")
     elif greedy["all_identical"]:
         parts.append("greedy tokens identical")
     else:
@@ -160,7 +163,7 @@ def build_comparisons(variants: Dict[str, dict], descriptions: Dict[str, str], f
             head = ("greedy: not run" if greedy is None else
                     f"first {first_tokens} tokens {'identical' if target else 'DIFFER'} on "
                     f"{'all' if target else 'some'} prompts")
-            row["verdict"] = head + " (vs the non-speculative path); " + verdict(greedy, acc, speed, accuracy_note)
+            row["verdict"] = verdict(greedy, acc, speed, accuracy_note, lead=head + " (vs the non-speculative path)")
         else:
             row["verdict"] = verdict(greedy, acc, speed, accuracy_note)
         out.append(row)
