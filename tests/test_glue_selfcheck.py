@@ -4,8 +4,9 @@
   against the float64 reference; with ``DSV4_SM120_TEST_SELFCHECK_FAULT=moe`` its first path is wrong, the check
   catches it and the process serves on the kernel's other path (its output then matches the reference); when no
   path passes the server stops with one line naming the CUTLASS runner;
-* attention: an exception in our kernel disables it (the route goes to SGLang's stock dispatcher) and is logged
-  with the kernel, the shape and the error; ``DSV4_SM120_SELFCHECK=0`` skips the check.
+* attention: an exception in our kernel at every launch the check runs disables it (every route goes to SGLang's
+  stock dispatcher), logged with the kernel, the shape and the error; ``DSV4_SM120_SELFCHECK=0`` skips the check
+  (per-launch fallbacks: tests/test_glue_fallback.py).
 The same check with a wrong attention kernel through the patched SGLang: tests/test_glue_selfcheck_sglang.py."""
 
 from __future__ import annotations
@@ -116,11 +117,13 @@ def test_attention_exception_disables_our_kernel(fresh, caplog):
     fresh.setattr(A, "ours", broken)
     with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
         cases = S.run([16], torch.device("cpu"))
-    assert len(cases) == 1 and not cases[0]["ok"] and cases[0]["shape"].startswith("swa T=2 H=16 K=16")
-    assert "RuntimeError: out of resources" in cases[0]["error"]
+    # every layout's launch runs and fails: the whole kernel is disabled (what the evidence says)
+    assert [c["shape"].split(" K=")[0] for c in cases] == ["swa T=2 H=16", "swa_c4 T=2 H=16", "swa_c128 T=2 H=16"]
+    assert all(not c["ok"] and "RuntimeError: out of resources" in c["error"] for c in cases)
     assert D.disabled("attention").startswith("swa T=2 H=16")
     assert {D.attention_route(t, lay).backend for t in (1, 64) for lay in D.LAYOUTS} == {D.STOCK}
     assert any("attention kernel FAILED at swa T=2 H=16" in x and "out of resources" in x for x in caplog.messages)
+    assert any("every launch of our attention kernel failed; disabled" in x for x in caplog.messages)
     assert S.run([16], torch.device("cpu")) is cases      # once per process
 
 
