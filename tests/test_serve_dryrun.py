@@ -27,9 +27,11 @@ def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), che
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith(("PREFILL_", "DECODE_", "ROUTER_", "SPEC_", "NCCL_")) or k in
                    ("MODEL_PATH", "NODE_ROLE", "DRY_RUN", "DETACH", "FP8_GEMM_BACKEND", "DSV4_SM120_SERVE_STANDIN",
-                    "RUN_DIR", "LOG_DIR", "MAX_RUNNING", "CONTEXT_LEN"))}
+                    "RUN_DIR", "LOG_DIR", "MAX_RUNNING", "CONTEXT_LEN", "PREFLIGHT_SKIP", "HF_HUB_CACHE",
+                    "HUGGINGFACE_HUB_CACHE", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))}
     env["VENV"] = VENV
     env["RUN_DIR"] = "/tmp/dsv4-dry-run-dir"
+    env["HF_HOME"] = "/nonexistent/dsv4-hf-home"     # no Hugging Face cache unless a test brings one
     env.update(extra_env or {})
     r = subprocess.run(["bash", str(SERVE / script), *args], capture_output=True, text=True, env=env, timeout=60)
     if check:
@@ -424,7 +426,9 @@ def test_dry_run_prints_commands_first_then_a_compact_environment(outputs):
     # one line per environment variable, none twice
     env_keys = [x.split(" ", 2)[1].split("=", 1)[0] for x in base if x.startswith("env ")]
     assert len(env_keys) == len(set(env_keys)) and "NCCL_PROTO" in env_keys, env_keys
-    assert len(base) < 30, len(base)
+    # the plan is compact; the preflight's lines follow it
+    first = next(i for i, x in enumerate(base) if x.startswith(("preflight ", "# preflight")))
+    assert first < 30 and all(x.startswith(("preflight ", "# preflight")) for x in base[first:]), base
 
 
 def test_internal_variables_are_not_shown_as_settings(outputs):
@@ -464,3 +468,112 @@ def test_stop_refuses_unknown_options(tmp_path):
     r = subprocess.run(["bash", str(SERVE / "stop.sh"), "--bogus"], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, LOG_DIR=str(tmp_path)))
     assert r.returncode == 2 and "usage: serve/stop.sh" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------- the dry run's preflight
+
+sys.path.insert(0, str(REPO / "overlay"))
+from dsv4_sm120.serving import preflight as pf  # noqa: E402
+from dsv4_sm120.serving.config import build_plan  # noqa: E402
+
+
+def preflight_status(out: str) -> dict:
+    """check name -> the rest of its `preflight NAME: ...` line."""
+    return dict(x[len("preflight "):].split(": ", 1) for x in out.splitlines() if x.startswith("preflight "))
+
+
+def test_dry_run_runs_the_checks_that_need_no_gpu_and_lists_the_rest(outputs):
+    for name in ("base", "mtp", "fp8"):
+        st = preflight_status(outputs[name])
+        assert set(st) == {"env", "python", *pf.CHECKS}, st
+        assert st["env"] == "ok" and st["model"].startswith("ok (the published config.json"), st
+        not_run = {k for k, v in st.items() if v.startswith("not run (dry run: ")}
+        assert not_run == {"python", "ports", "gpu", "patches", "nixl", "p2p", "ucx", "router", "profile"}, st
+    assert "the checks that need no GPU follow the plan" in outputs["base"].splitlines()[0]
+    # a router-only host runs no server: nothing to read
+    assert preflight_status(outputs["mn_decode"])["model"].startswith("ok (the published")
+    r = dry_run("serve_dsv4_tp4.sh", {"NODE_ROLE": "router", "MODEL_PATH": "/nonexistent/ckpt"})
+    assert preflight_status(r.stdout)["model"] == "ok (no server on this host)", r.stdout
+    # PREFLIGHT_SKIP applies as at start; an unknown name is the start's configuration error
+    r = dry_run("serve_dsv4_tp4.sh", {"PREFLIGHT_SKIP": "model", "MODEL_PATH": "/nonexistent/ckpt"})
+    assert preflight_status(r.stdout)["model"] == "skipped"
+    r = dry_run("serve_dsv4_tp4.sh", {"PREFLIGHT_SKIP": "gpus"}, check=False)
+    assert r.returncode == 2 and "PREFLIGHT_SKIP: unknown check(s) gpus" in r.stderr and "Traceback" not in r.stderr
+
+
+def _model_dir(root: Path, kind: str) -> str:
+    d = root / kind
+    if kind == "llama":
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    elif kind == "garbage":
+        d.mkdir()
+        (d / "config.json").write_text("<html>not json</html>")
+    elif kind == "no_config":
+        d.mkdir()
+    return str(d)      # "missing": never created
+
+
+# The settings a start refuses that a dry run must refuse too: (environment, text of the one failure line).
+# MODEL_PATH values naming a kind are directories made by _model_dir. The retired name and the typo are spelled in
+# two parts (tests/test_settings.py flags every retired or unknown name written out in the tree).
+RETIRED = "SGLANG_" + "DSV4_SM120_DISABLE"
+TYPO = "DSV4_SM120_" + "ATTN_BAKEND"
+REFUSED = {
+    "missing": ({"MODEL_PATH": "missing"}, "does not exist and is not a Hugging Face id"),
+    "no_config": ({"MODEL_PATH": "no_config"}, "has no readable config.json"),
+    "llama": ({"MODEL_PATH": "llama"}, "model_type is 'llama', expected deepseek_v4"),
+    "garbage": ({"MODEL_PATH": "garbage"}, "config.json is not valid JSON"),
+    "invalid_value": ({"DSV4_SM120_ATTN_BACKEND": "bogus"}, "DSV4_SM120_ATTN_BACKEND='bogus' is not valid"),
+    "retired_name": ({RETIRED: "1"}, f"{RETIRED} was renamed to DSV4_SM120_DISABLE"),
+    "typo": ({TYPO: "dsv4"}, f"{TYPO} is not a dsv4_sm120 setting"),
+    "expandable": ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"},
+                   "PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:512,expandable_segments:True' turns on "
+                   "expandable_segments"),
+    "expandable_new_name": ({"PYTORCH_ALLOC_CONF": "expandable_segments:true"}, "PYTORCH_ALLOC_CONF="),
+}
+
+
+@pytest.mark.parametrize("script", ["serve_dsv4_tp4.sh", "serve_dsv4_mtp.sh"])
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_dry_run_refuses_what_the_preflight_refuses(case, script, tmp_path, monkeypatch):
+    env, needle = REFUSED[case]
+    env = {k: (_model_dir(tmp_path, v) if k == "MODEL_PATH" else v) for k, v in env.items()}
+    r = dry_run(script, env, check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, (r.returncode, r.stdout, r.stderr)
+    failure = [x for x in r.stderr.splitlines() if needle in x]
+    assert len(failure) == 1, r.stderr
+    # the line the real start's preflight refuses with, from the same check functions
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for k, v in env.items():
+        if k != "MODEL_PATH":
+            monkeypatch.setenv(k, v)
+    plan = build_plan({"VENV": VENV, "RUN_DIR": str(tmp_path / "run"), "NVIDIA_SMI": "/nonexistent/nvidia-smi",
+                       "PREFLIGHT_SKIP": "ports,gpu,patches,nixl,numa,p2p,ucx,router,profile",
+                       "MODEL_PATH": env.get("MODEL_PATH", "deepseek-ai/DeepSeek-V4-Flash")}, "base")
+    lines = pf.run_preflight(plan, say=lambda _: None)
+    assert len(lines) == 1 and needle in lines[0], lines
+    if script == "serve_dsv4_tp4.sh":
+        # the plan is still printed (cmd lines for external checks), then the failing check and why
+        assert set(commands(r.stdout)) == {"prefill", "decode", "router"}, r.stdout
+        assert r.returncode == 1 and failure == [f"[serve] preflight: {lines[0]}"], r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("[serve] dry run: 1 preflight failure(s)"), r.stderr
+        st = preflight_status(r.stdout)
+        assert st["model" if "MODEL_PATH" in env else "env"] == "FAILED", st
+    elif "MODEL_PATH" in env:
+        # the MTP plan needs the config to choose its flags: the same line, as a configuration error
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"[serve] configuration error: {lines[0]}"], \
+            r.stderr
+    else:
+        assert r.returncode == 1 and failure == [f"[serve] preflight: {lines[0]}"], r.stderr
+
+
+def test_dry_run_passes_an_allocator_setting_without_expandable_segments():
+    for v in ("expandable_segments:False", "max_split_size_mb:512"):
+        r = dry_run("serve_dsv4_tp4.sh", {"PYTORCH_CUDA_ALLOC_CONF": v})
+        assert preflight_status(r.stdout)["env"] == "ok"
+    # only NIXL registers the KV cache this way
+    r = dry_run("serve_dsv4_tp4.sh", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                      "TRANSFER_BACKEND": "mooncake"})
+    assert preflight_status(r.stdout)["env"] == "ok", r.stdout + r.stderr

@@ -1,5 +1,6 @@
 """The serve plan passes the machine profile's MXFP4 MoE runner to SGLang: ``--moe-runner-backend <winner>`` on
-both servers when MODEL_PATH has MXFP4 routed experts (a Hub id counts as the released MXFP4 checkpoint), a
+both servers when MODEL_PATH has MXFP4 routed experts (its config.json, local or in the local Hugging Face cache,
+or the published DeepSeek-V4-Flash; a Hub id whose format is unknown here gets no flag), a
 profile matches the decode GPU's nvidia-smi name and the serving python's versions, it has a ``moe.mxfp4``
 winner that is a valid SGLang choice, and no ``*_EXTRA_ARGS`` already carries the flag. Otherwise nothing is
 added. The dry run says which and why (``# moe runner: ...``); the commands parse with SGLang's own parser."""
@@ -17,6 +18,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from dsv4_sm120.calibrate import profile as P  # noqa: E402
 from dsv4_sm120.serving import config as C  # noqa: E402
 from pcie_box import make_smi  # noqa: E402
+from test_model_config import MXFP4, NVFP4, hf_cache  # noqa: E402
 from test_serve_dryrun import commands, dry_run, server_argv  # noqa: E402
 
 GPU = "NVIDIA RTX PRO 6000 Blackwell Server Edition"    # what pcie_box's fake nvidia-smi names every GPU
@@ -161,9 +163,64 @@ def test_no_flag_without_a_usable_profile_or_with_nvfp4(tmp_path):
     assert moe_args(plan_text(tmp_path, d)) == {"prefill": ["marlin"], "decode": ["marlin"]}
     out = plan_text(tmp_path, d, MODEL_PATH=str(nvfp4_checkpoint(tmp_path / "nvfp4")))
     assert moe_args(out) == {"prefill": [], "decode": []}, out
-    assert "no MXFP4 routed experts" in moe_line(out), moe_line(out)
+    assert "not added: NVFP4 routed experts" in moe_line(out), moe_line(out)
 
     # no nvidia-smi: no GPU name, no profile
     out = plan_text(tmp_path, d, NVIDIA_SMI="/nonexistent/nvidia-smi")
     assert moe_args(out) == {"prefill": [], "decode": []}, out
     assert moe_line(out) == "# moe runner: SGLang default (no GPU name from nvidia-smi, so no machine profile applies)"
+
+
+def test_hub_id_format_comes_from_the_hugging_face_cache_or_gets_no_flag(tmp_path):
+    """An NVFP4 checkpoint named by its Hub id must not get the MXFP4 winner: its config.json is read from the local
+    Hugging Face cache, and a Hub id whose format is not known here gets no flag."""
+    d = tmp_path / "profiles"
+    save_profile(d, {1: "marlin", 4: "marlin"}, P.running_versions())
+    hub = tmp_path / "hf" / "hub"
+    repo = "someone/DeepSeek-V4-Flash-NVFP4"
+    kv = {"HF_HOME": str(tmp_path / "hf"), "MODEL_PATH": repo}
+
+    out = plan_text(tmp_path, d, **kv)                                   # not downloaded: format unknown
+    assert moe_args(out) == {"prefill": [], "decode": []}, out
+    assert moe_line(out) == (f"# moe runner: not added: the MoE format of MODEL_PATH={repo} is unknown here (a Hub id "
+                             f"not in the local Hugging Face cache); SGLang picks the runner from the checkpoint it "
+                             f"loads"), moe_line(out)
+
+    snap = hf_cache(hub, repo, NVFP4)                                     # downloaded: NVFP4, no flag
+    out = plan_text(tmp_path, d, **kv)
+    assert moe_args(out) == {"prefill": [], "decode": []}, out
+    assert f"not added: NVFP4 routed experts (config.json in the local Hugging Face cache ({snap}/config.json))" \
+        in moe_line(out), moe_line(out)
+    assert "preflight model: ok (config.json in the local Hugging Face cache" in out, out
+
+    (snap / "config.json").write_text(json.dumps(MXFP4))     # the cached config decides: MXFP4
+    out = plan_text(tmp_path, d, **kv)
+    assert moe_args(out) == {"prefill": ["marlin"], "decode": ["marlin"]}, out
+
+    # HF_HUB_CACHE names the hub directory itself and wins over HF_HOME
+    other = tmp_path / "other-hub"
+    hf_cache(other, repo, NVFP4)
+    out = plan_text(tmp_path, d, HF_HUB_CACHE=str(other), **kv)
+    assert moe_args(out) == {"prefill": [], "decode": []} and str(other) in moe_line(out), moe_line(out)
+
+    # the published DeepSeek-V4-Flash, not downloaded: its experts are MXFP4
+    out = plan_text(tmp_path, d, HF_HOME=str(tmp_path / "empty"), MODEL_PATH="deepseek-ai/DeepSeek-V4-Flash")
+    assert moe_args(out) == {"prefill": ["marlin"], "decode": ["marlin"]}, out
+
+
+def test_unusable_config_concludes_nothing(tmp_path):
+    """A config.json that is not JSON gets no conclusion about its experts; the dry run fails on it."""
+    d = tmp_path / "profiles"
+    save_profile(d, {1: "marlin"}, P.running_versions())
+    ck = tmp_path / "garbage"
+    ck.mkdir()
+    (ck / "config.json").write_text("<html>")
+    smi = tmp_path / "smi" / "nvidia-smi"
+    smi.parent.mkdir()
+    make_smi(smi)
+    r = dry_run("serve_dsv4_tp4.sh", {"NVIDIA_SMI": str(smi), "DSV4_SM120_PROFILE_DIR": str(d), "NUMA_BIND": "0",
+                                      "FP8_GEMM_BACKEND": "cutlass", "MODEL_PATH": str(ck)}, check=False)
+    assert r.returncode == 1 and "config.json is not valid JSON" in r.stderr, r.stderr
+    assert moe_args(r.stdout) == {"prefill": [], "decode": []}, r.stdout
+    assert moe_line(r.stdout) == "# moe runner: not added: MODEL_PATH's config.json cannot be used (the model check " \
+        "says why)", moe_line(r.stdout)

@@ -64,6 +64,27 @@ def test_gpu_check_runs_nvidia_smi(tmp_path):
     assert pf.check_gpu(plan_for(NODE_ROLE="router")) == []   # no GPUs needed on a router-only host
 
 
+def test_busy_and_doubled_ports_name_their_variable():
+    """A busy port's line names the variable that moves it; every port the plan binds has one."""
+    import socket
+
+    from dsv4_sm120.serving.config import PORT_VARIABLES, VARIABLES, ConfigError
+
+    binds = {what for p in plan_for().procs for _, _, what in p.binds}
+    assert binds == set(PORT_VARIABLES) and set(PORT_VARIABLES.values()) <= set(VARIABLES), binds
+    for var in ("ROUTER_PORT", "BOOTSTRAP_PORT", "ROUTER_PROMETHEUS_PORT"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            out = pf.check_ports(plan_for(**{var: str(port)}))
+        assert len(out) == 1 and out[0].startswith(f"port {port} on 127.0.0.1 (") and "is already in use" in out[0]
+        assert out[0].endswith(f"or set {var} to a free port"), out
+    with pytest.raises(ConfigError) as e:
+        plan_for(ROUTER_PROMETHEUS_PORT="30000")
+    assert "router HTTP (ROUTER_PORT) and router metrics (ROUTER_PROMETHEUS_PORT)" in str(e.value), e.value
+
+
 def test_model_check(tmp_path):
     assert pf.check_model(plan_for()) == []                          # the default HF id
     out = pf.check_model(plan_for(MODEL_PATH=str(tmp_path / "missing")))

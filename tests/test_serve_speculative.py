@@ -25,6 +25,12 @@ DSPARK_0731 = {"dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_
 BLOCK = random.Random().randint(2, 9)          # a fresh block size each run: the flags must follow the config
 
 
+def config_dir(d: Path, text: str) -> Path:
+    d.mkdir()
+    (d / "config.json").write_text(text)
+    return d
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
@@ -40,6 +46,9 @@ def ckpts(tmp_path_factory):
         "none": write_dsv4_config(root / "none", num_nextn_predict_layers=0),
         "empty_dir": (root / "empty_dir").mkdir() or root / "empty_dir",
         "hf_home": (root / "hf").mkdir() or root / "hf",
+        "garbage": config_dir(root / "garbage", "{not json"),
+        "llama": config_dir(root / "llama", json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})),
+        "missing": root / "no" / "such" / "checkpoint",
     }
 
 
@@ -145,12 +154,43 @@ def test_knobs_override_the_defaults(ckpts):
     ("mtp", {"SPEC_ALGORITHM": "medusa"}, "SPEC_ALGORITHM='medusa'"),
     ("mtp", {"SPEC_DSPARK_BLOCK_SIZE": "x"}, "not an integer"),
     ("hub", {}, "cannot read its config.json"),
+    ("garbage", {}, "config.json is not valid JSON"),
+    ("llama", {}, "model_type is 'llama', expected deepseek_v4"),
+    ("missing", {}, "does not exist and is not a Hugging Face id"),
+    ("garbage", {"SPEC_ALGORITHM": "EAGLE"}, "config.json is not valid JSON"),
 ])
 def test_bad_settings_are_one_line_errors(ckpts, model, env, needle):
     r = run(ckpts, "someone/unknown-v4" if model == "hub" else ckpts[model], env, check=False)
     assert r.returncode == 2, r.stdout
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("model,misleading", [
+    ("garbage", "no readable config.json"),                  # it is readable, just not JSON
+    ("llama", "carries no draft model"),                     # it is not DeepSeek-V4 at all
+    ("missing", "Hugging Face cache"),                       # an absolute path is no Hub id to download
+])
+def test_bad_model_directories_get_the_base_preflights_line(ckpts, model, misleading):
+    """The MTP script refuses a checkpoint its base script's preflight refuses, with the preflight's own line."""
+    from dsv4_sm120.serving import preflight as pf
+    from dsv4_sm120.serving.config import build_plan
+
+    r = run(ckpts, ckpts[model], check=False)
+    (line,) = r.stderr.strip().splitlines()
+    plan = build_plan({"MODEL_PATH": str(ckpts[model]), "RUN_DIR": "/tmp/x", "NVIDIA_SMI": "/nonexistent"}, "base")
+    (want,) = pf.check_model(plan)
+    assert r.returncode == 2 and line == f"[serve] configuration error: {want}", (line, want)
+    assert misleading not in line and "download" not in line, line
+
+
+def test_hub_id_draft_is_read_from_the_hugging_face_cache(ckpts, tmp_path):
+    from test_model_config import hf_cache
+
+    cfg = json.loads((ckpts["dspark"] / "config.json").read_text())
+    hf_cache(tmp_path / "hf" / "hub", "someone/dspark-v4", cfg)
+    s = spec_of(run(ckpts, "someone/dspark-v4", {"HF_HOME": str(tmp_path / "hf")}).stdout)
+    assert s[:4] == ["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", str(BLOCK)], s
 
 
 def test_base_script_ignores_the_draft(ckpts):

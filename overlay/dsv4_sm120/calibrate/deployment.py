@@ -4,20 +4,19 @@ TP = the number of ``DECODE_GPUS`` (the decode server runs the calibrated decode
 64 / TP, MTP draft tokens = ``SPEC_NUM_DRAFT_TOKENS``, context = ``CONTEXT_LEN`` (sets the c128 candidate
 count), all through :mod:`dsv4_sm120.serving.config` (``VARIABLES`` defaults, same validation). The MoE
 format and expert shapes come from ``MODEL_PATH``'s ``config.json``: ``quantization_config.moe_quant_algo ==
-NVFP4`` (e.g. ``make convert-nvfp4`` output) -> ``nvfp4``, otherwise the released MXFP4 experts. When
-MODEL_PATH is not a local directory (a Hugging Face id not downloaded here) the released DeepSeek-V4-Flash
-shapes are used and the plan says so.
+NVFP4`` (e.g. ``make convert-nvfp4`` output) -> ``nvfp4``, otherwise the released MXFP4 experts; read through
+:mod:`dsv4_sm120.model_config` (a local directory, or a Hugging Face id's config.json in the local Hugging Face
+cache). When neither has it (a Hugging Face id not downloaded here) the released DeepSeek-V4-Flash shapes are
+used and the plan says so.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
+from dsv4_sm120 import model_config
 from dsv4_sm120.serving.config import ConfigError, parse_gpus, settings_from_env
 
 # DeepSeek-V4-Flash (released config.json)
@@ -61,28 +60,21 @@ class Deployment:
         return d
 
 
-def moe_format(config: Mapping) -> str:
-    qc = config.get("quantization_config") or {}
-    return "nvfp4" if str(qc.get("moe_quant_algo", "")).upper() == "NVFP4" else "mxfp4"
+moe_format = model_config.moe_format_of
 
 
 def read_model_config(model_path: str) -> tuple:
-    """(config dict, source text). Local directory: its config.json (errors are DeploymentError); otherwise
-    the released DeepSeek-V4-Flash values."""
-    p = Path(os.path.expanduser(model_path))
-    if p.is_dir():
-        f = p / "config.json"
-        try:
-            cfg = json.loads(f.read_text())
-        except OSError as e:
-            raise DeploymentError(f"MODEL_PATH={model_path}: cannot read config.json ({e.strerror})") from None
-        except ValueError as e:
-            raise DeploymentError(f"MODEL_PATH={model_path}: config.json is not valid JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise DeploymentError(f"MODEL_PATH={model_path}: config.json is not an object")
-        return cfg, str(f)
+    """(config dict, source text), read by ``dsv4_sm120.model_config``: a local directory's config.json, or a Hub
+    id's from the local Hugging Face cache (a config that cannot be read is a DeploymentError); otherwise the
+    released DeepSeek-V4-Flash values."""
+    mc = model_config.read(model_path)
+    if mc.where in ("local", "hub-cache"):
+        if mc.problem:
+            raise DeploymentError(mc.problem)
+        return mc.config, mc.source
     cfg = dict(FLASH, architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4")
-    return cfg, f"MODEL_PATH={model_path} is not a local directory: released DeepSeek-V4-Flash shapes (MXFP4 experts)"
+    return cfg, (f"MODEL_PATH={model_path} is not a local directory nor in the local Hugging Face cache: released "
+                 f"DeepSeek-V4-Flash shapes (MXFP4 experts)")
 
 
 def _draft_tokens(s: Dict[str, str]) -> int:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from .. import settings
+from .. import model_config, settings
 from .envfiles import EnvFileError, load_env_dir
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-Flash"
@@ -77,6 +77,10 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "WARMUP_TIMEOUT_S": ("600", "seconds the warm-up request may take before the start fails"),
 }
 
+
+# Proc.binds' names -> the variable that sets each port.
+PORT_VARIABLES = {"prefill HTTP": "PREFILL_PORT", "prefill bootstrap": "BOOTSTRAP_PORT", "decode HTTP": "DECODE_PORT",
+                  "router HTTP": "ROUTER_PORT", "router metrics": "ROUTER_PROMETHEUS_PORT"}
 
 PASS_THROUGH = re.compile(r"^(SGLANG_|DSV4_SM120_|NCCL_|UCX_|NIXL_|TORCH_NCCL_|CUDA_DEVICE_ORDER$)")
 # Variables the scripts, the tests and the stand-ins use among themselves: never listed as user settings.
@@ -231,6 +235,11 @@ MXFP4_RUNNER_FLAGS = {"flashinfer_mxfp4": "flashinfer_mxfp4", "deep_gemm": "deep
 MOE_FLAG = "--moe-runner-backend"
 
 
+def port_variable(what: str) -> str:
+    """The variable that sets the port of a bind named ``what`` (``Proc.binds``)."""
+    return PORT_VARIABLES.get(what, "the port's variable")
+
+
 def user_moe_flag(s: Dict[str, str]) -> Optional[str]:
     """The first of SERVER/PREFILL/DECODE_EXTRA_ARGS that passes --moe-runner-backend, or None."""
     for k in ("SERVER_EXTRA_ARGS", "PREFILL_EXTRA_ARGS", "DECODE_EXTRA_ARGS"):
@@ -239,28 +248,25 @@ def user_moe_flag(s: Dict[str, str]) -> Optional[str]:
     return None
 
 
-def checkpoint_is_mxfp4(model_path: str) -> Tuple[bool, str]:
-    """(MXFP4 routed experts?, what was read): MODEL_PATH's config.json as calibrate reads it; a path that is
-    not a local directory (a Hub id) counts as the released MXFP4 checkpoint."""
-    from dsv4_sm120.calibrate.deployment import DeploymentError, moe_format, read_model_config
-
-    try:
-        cfg, src = read_model_config(model_path)
-    except DeploymentError as e:
-        return False, str(e)
-    return moe_format(cfg) == "mxfp4", src
-
-
-def mxfp4_moe_runner(model_path: str, device_name: Optional[str],
-                     user_flag: Optional[str]) -> Tuple[Optional[str], str]:
+def mxfp4_moe_runner(model_path: str, device_name: Optional[str], user_flag: Optional[str],
+                     model: Optional[model_config.ModelConfig] = None) -> Tuple[Optional[str], str]:
     """The --moe-runner-backend for an MXFP4 checkpoint (None = add nothing: SGLang's default or the user's
     flag) and why: the ``moe.mxfp4`` winner of the machine profile matching ``device_name`` and this
-    process's versions (the serving python's), through :func:`dsv4_sm120.calibrate.profile.overall`."""
+    process's versions (the serving python's), through :func:`dsv4_sm120.calibrate.profile.overall`. Only for a
+    checkpoint known to have MXFP4 routed experts (``model_config``: its config.json, local or in the Hugging
+    Face cache, or a published Hub id); an unknown format gets no flag."""
     if user_flag:
         return None, f"your {MOE_FLAG} in {user_flag} wins"
-    mx, src = checkpoint_is_mxfp4(model_path)
-    if not mx:
-        return None, f"not added: no MXFP4 routed experts ({src}); the patched SGLang picks the NVFP4 runner itself"
+    mc = model if model is not None else model_config.read(model_path)
+    fmt = mc.moe_format
+    if mc.problems():
+        return None, "not added: MODEL_PATH's config.json cannot be used (the model check says why)"
+    if fmt is None:
+        return None, (f"not added: the MoE format of MODEL_PATH={model_path} is unknown here ({mc.source}); "
+                      f"SGLang picks the runner from the checkpoint it loads")
+    if fmt != "mxfp4":
+        return None, (f"not added: {fmt.upper()} routed experts ({mc.source}); the patched SGLang picks the NVFP4 "
+                      f"runner itself")
     if device_name is None:
         return None, "SGLang default (no GPU name from nvidia-smi, so no machine profile applies)"
     import logging
@@ -323,7 +329,7 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         from .speculative import SpecError, spec_flags
 
         try:
-            spec, spec_reason = spec_flags(s)
+            spec, spec_reason = spec_flags(s, environ)
         except SpecError as e:
             raise ConfigError(str(e))
         # --enable-metrics: the speculation counters make measure report accepted tokens per step
@@ -331,11 +337,12 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     dev = None
     servers = "decode" in roles or "prefill" in roles
     user_moe = user_moe_flag(s)
-    want_moe = servers and user_moe is None and checkpoint_is_mxfp4(s["MODEL_PATH"])[0]
+    model = model_config.read(s["MODEL_PATH"], environ) if servers else None
+    want_moe = servers and user_moe is None and model.moe_format == "mxfp4"
     if servers and (s["FP8_GEMM_BACKEND"].strip() in ("auto", "") or want_moe):
         dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0])
     fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo, dev)
-    moe, moe_reason = (mxfp4_moe_runner(s["MODEL_PATH"], dev, user_moe) if servers
+    moe, moe_reason = (mxfp4_moe_runner(s["MODEL_PATH"], dev, user_moe, model) if servers
                        else (None, "no server on this host"))
     cal_argv, cal_env = calibrate_command(s, python, roles, pg, dg)
 
@@ -436,7 +443,8 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         for h, port, what in p.binds:
             key = (_url_host(h), port)
             if key in seen:
-                raise ConfigError(f"port {port} is configured twice on {h}: {seen[key]} and {what}")
+                raise ConfigError(f"port {port} is configured twice on {h}: {seen[key]} ({port_variable(seen[key])}) "
+                                  f"and {what} ({port_variable(what)}): set one of them to another port")
             seen[key] = what
 
     remote = {}
@@ -503,7 +511,8 @@ def render_dry_run(plan: Plan) -> str:
     then the environment the servers get on top of the inherited one, the settings that differ from
     their defaults, and where health checks, logs and the router are."""
     out = [f"# dsv4_sm120 serve plan: variant={plan.variant} roles={','.join(plan.roles)}"
-           f"{' STANDIN' if plan.standin else ''} (dry run: nothing started, no preflight)"]
+           f"{' STANDIN' if plan.standin else ''} (dry run: nothing started; the checks that need no GPU follow "
+           f"the plan)"]
     if plan.calibrate_argv:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.calibrate_env.items())
         out.append(f"cmd calibrate: {prefix} {shlex.join(plan.calibrate_argv)}")   # CALIBRATE=1: before preflight

@@ -6,7 +6,7 @@
 
 Configuration is by environment variables (``vars`` lists them; ``docs/serving.md``).
 Exit codes: 0 ok / stopped on request, 1 preflight or runtime failure (everything torn
-down), 2 configuration error.
+down; for a dry run: one of the checks that need no GPU failed), 2 configuration error.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .. import settings
 from ..fileio import atomic_write_text
 from . import supervisor as sv
 from .config import VARIABLES, ConfigError, Plan, build_plan, render_dry_run, repo_root
-from .preflight import run_preflight
+from .preflight import run_dry_checks, run_preflight
 
 
 def _say(msg: str) -> None:
@@ -61,6 +61,26 @@ def print_header(plan: Plan) -> None:
         _say(f"{p.role}: " + " ".join([f"{k}={v}" for k, v in p.env.items()] + p.argv))
 
 
+def dry_run(plan: Plan) -> int:
+    """Print the plan, then run the preflight's checks that need no GPU (``run_dry_checks``). 0 when they pass,
+    1 when one fails (each failure one line on stderr, as a start's preflight prints it), 2 for a bad
+    PREFLIGHT_SKIP."""
+    print(render_dry_run(plan))
+    try:
+        failures = run_dry_checks(plan, say=print)
+    except ValueError as e:
+        print(f"[serve] configuration error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    if failures:
+        for f in failures:
+            print(f"[serve] preflight: {f}", file=sys.stderr)
+        print(f"[serve] dry run: {len(failures)} preflight failure(s); a start with these settings would refuse",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_start(a) -> int:
     env = dict(os.environ)
     if a.dry_run:
@@ -71,8 +91,7 @@ def cmd_start(a) -> int:
         print(f"[serve] configuration error: {e}", file=sys.stderr)
         return 2
     if env.get("DRY_RUN", "0") not in ("", "0"):
-        print(render_dry_run(plan))
-        return 0
+        return dry_run(plan)
     detach = a.detach or env.get("DETACH", "0") not in ("", "0")
     print_header(plan)
     try:

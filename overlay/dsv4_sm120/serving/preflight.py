@@ -2,12 +2,16 @@
 
 Checks (names usable in ``PREFLIGHT_SKIP``):
   python   the environment's python exists (never skippable)
-  env      the overlay's attention variables parse (DSV4_SM120_ATTN_CONFIG, DSV4_SM120_ATTN_QK; never skippable:
-           a typo would otherwise surface only after the model has loaded)
-  ports    every port this host will bind is free, no port configured twice
+  env      the servers' settings are valid (``dsv4_sm120.settings.validate``: invalid values, retired names,
+           unknown DSV4_SM120_* names, e.g. DSV4_SM120_ATTN_CONFIG's keys) and no PYTORCH_CUDA_ALLOC_CONF /
+           PYTORCH_ALLOC_CONF turns on expandable_segments under NIXL (never skippable: a typo would otherwise
+           surface only after the model has loaded)
+  ports    every port this host will bind is free (a port configured twice is a configuration error)
   gpu      nvidia-smi sees the chosen GPUs, compute capability 12.x, enough free memory
-  model    MODEL_PATH is a readable checkpoint directory with config.json whose safetensors shards match
-           model.safetensors.index.json (every header read and checked, no tensor data), or a Hugging Face id
+  model    MODEL_PATH is a readable checkpoint directory with a DeepSeek-V4 config.json whose safetensors shards
+           match model.safetensors.index.json (every header read and checked, no tensor data), or a Hugging Face
+           id (whose config.json, when it is in the local Hugging Face cache, must be DeepSeek-V4's;
+           ``dsv4_sm120.model_config``)
   patches  the environment's SGLang is patched with this repo's series (``dsv4_sm120.patching status``)
   nixl     ``import nixl`` works with a UCX backend and moves DSv4 KV pages intact (``nixl_check``)
   numa     prints each server's NUMA placement (``topology``; never fails)
@@ -24,7 +28,9 @@ Checks (names usable in ``PREFLIGHT_SKIP``):
            run the default choices. With ``CALIBRATE=1`` the calibration runs first (``calibrate_first``);
            its failure stops the start
 
-A check may also print notes (``preflight NAME: ...``) that do not stop the start.
+A check may also print notes (``preflight NAME: ...``) that do not stop the start. A dry run runs the checks
+that need no GPU, NIXL, serving environment or port (``run_dry_checks``: env, model without the shard headers,
+numa) and lists the others as not run.
 """
 
 from __future__ import annotations
@@ -37,14 +43,14 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .. import model_config
 from ..safetensors_index import INDEX_FILE, scan_checkpoint
-from .config import Plan
+from .config import Plan, port_variable
 from .pcie_checks import check_numa, check_p2p, check_ucx
 
 CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router", "profile")
 STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx")
 MODEL_PROBLEMS_SHOWN = 5
-HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def skipped_checks(plan: Plan) -> List[str]:
@@ -87,7 +93,7 @@ def check_ports(plan: Plan) -> List[str]:
         for host, port, what in p.binds:
             if port_in_use(host, port):
                 out.append(f"port {port} on {host} ({what}) is already in use: stop what holds it "
-                           f"(serve/stop.sh for an earlier deployment) or choose another port")
+                           f"(serve/stop.sh for an earlier deployment) or set {port_variable(what)} to a free port")
     return out
 
 
@@ -153,33 +159,24 @@ def check_gpu(plan: Plan) -> List[str]:
 
 # ---------------------------------------------------------------------------- model
 
-def check_model(plan: Plan) -> List[str]:
+def check_model(plan: Plan, weights: bool = True) -> List[str]:
+    """MODEL_PATH's config.json (``dsv4_sm120.model_config``: a local directory, or a Hub id read from the local
+    Hugging Face cache when it is there) and, with ``weights``, a local directory's safetensors shards."""
     if not any(p.role in ("prefill", "decode") for p in plan.procs):
         return []
     mp = plan.settings["MODEL_PATH"]
-    path = Path(os.path.expanduser(mp))
-    if path.exists():
-        if not path.is_dir():
-            return [f"MODEL_PATH={mp} is not a directory"]
-        cfg = path / "config.json"
-        if not cfg.is_file() or not os.access(cfg, os.R_OK):
-            return [f"MODEL_PATH={mp} has no readable config.json"]
-        try:
-            data = json.loads(cfg.read_text())
-        except (OSError, ValueError) as e:
-            return [f"MODEL_PATH={mp}: config.json is not valid JSON ({e})"]
-        if not str(data.get("model_type", "")).startswith("deepseek_v4"):
-            return [f"MODEL_PATH={mp}: model_type is {data.get('model_type')!r}, expected deepseek_v4"]
-        has_weights = any(path.glob("*.safetensors")) or (path / INDEX_FILE).exists()
-        if not has_weights:
-            return [] if plan.standin else [f"MODEL_PATH={mp}: no *.safetensors weights in the directory"]
-        # Shard headers against the index (8 bytes + JSON per shard, no tensor data): an empty,
-        # truncated or inconsistent checkpoint fails here instead of minutes into the load.
-        _, problems = scan_checkpoint(path, max_problems=MODEL_PROBLEMS_SHOWN)
-        return [f"MODEL_PATH={mp}: {x}" for x in problems]
-    if mp.startswith(("/", ".", "~")) or not HF_ID.match(mp):
-        return [f"MODEL_PATH={mp} does not exist and is not a Hugging Face id (org/name)"]
-    return []
+    mc = model_config.read(mp)
+    problems = mc.problems()
+    if problems or mc.where != "local" or not weights:
+        return problems
+    path = mc.directory
+    has_weights = any(path.glob("*.safetensors")) or (path / INDEX_FILE).exists()
+    if not has_weights:
+        return [] if plan.standin else [f"MODEL_PATH={mp}: no *.safetensors weights in the directory"]
+    # Shard headers against the index (8 bytes + JSON per shard, no tensor data): an empty,
+    # truncated or inconsistent checkpoint fails here instead of minutes into the load.
+    _, problems = scan_checkpoint(path, max_problems=MODEL_PROBLEMS_SHOWN)
+    return [f"MODEL_PATH={mp}: {x}" for x in problems]
 
 
 # ---------------------------------------------------------------------------- patches
@@ -261,15 +258,38 @@ def check_python(plan: Plan) -> List[str]:
     return []
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def check_alloc_conf(plan: Plan, env: Dict[str, str]) -> List[str]:
+    """A PyTorch allocator setting with ``expandable_segments:True`` in the servers' environment, under the NIXL
+    transfer backend: the KV cache then lives in CUDA VMM allocations, and NIXL's memory registration wants it off
+    (SGLang 0.5.23 reads both variables the same way, ``disaggregation/mooncake/utils.py``)."""
+    if plan.settings.get("TRANSFER_BACKEND", "nixl") != "nixl" or \
+            not any(p.role in ("prefill", "decode") for p in plan.procs):
+        return []
+    out = []
+    for var in ALLOC_CONF_VARS:
+        for item in (env.get(var) or "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                out.append(f"{var}={env[var]!r} turns on expandable_segments, which NIXL's memory registration of "
+                           f"the KV cache wants off: remove expandable_segments:True from {var} (or set "
+                           f"expandable_segments:False)")
+    return out
+
+
 def check_overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> List[str]:
     """The problems the patched SGLang's startup would stop at (``dsv4_sm120.settings.validate`` of the
-    servers' environment: the caller's plus serve/env/*.env), reported before anything starts."""
+    servers' environment: the caller's plus serve/env/*.env: invalid values, retired names, unknown
+    ``DSV4_SM120_*`` names), and an allocator setting the KV transfer cannot work with (``check_alloc_conf``),
+    reported before anything starts."""
     from .. import settings
 
     env = dict(os.environ if base is None else base)
     for k, v, _ in plan.common_env:
         env.setdefault(k, v)
-    return settings.validate(env)
+    return settings.validate(env) + check_alloc_conf(plan, env)
 
 
 # ---------------------------------------------------------------------------- machine profile
@@ -369,6 +389,57 @@ RUNNERS: Dict[str, Callable] = {
     "patches": check_patches, "nixl": check_nixl, "router": check_router,
     "numa": check_numa, "p2p": check_p2p, "ucx": check_ucx, "profile": check_profile,
 }
+
+
+# The checks a dry run leaves to the start, and why: each needs the serving environment, the GPUs, NIXL or the
+# ports themselves. The dry run runs the rest: env, model (config.json, not the shard headers) and numa.
+NOT_IN_DRY_RUN = {
+    "python": "needs the serving environment",
+    "ports": "binds each port to see that it is free; that none is configured twice is checked with the plan",
+    "gpu": "needs nvidia-smi and the GPUs",
+    "patches": "asks the serving environment's SGLang",
+    "nixl": "moves KV pages through NIXL",
+    "p2p": "copies between the GPUs",
+    "ucx": "moves KV pages between the GPUs through NIXL/UCX",
+    "router": "needs the serving environment",
+    "profile": "needs nvidia-smi and the serving environment",
+}
+
+
+def _model_note(plan: Plan) -> str:
+    """What the dry run's model check read, for its ok line."""
+    if not any(p.role in ("prefill", "decode") for p in plan.procs):
+        return "no server on this host"
+    mc = model_config.read(plan.settings["MODEL_PATH"])
+    if mc.where == "local":
+        return f"{mc.source}; the shard headers are read at start"
+    if mc.where == "hub":
+        return "a Hugging Face id not in the local Hugging Face cache: SGLang downloads it at start"
+    return mc.source
+
+
+def run_dry_checks(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
+    """The dry run's part of the preflight (the same check functions and failure lines as ``run_preflight``):
+    the servers' settings and allocator (env), MODEL_PATH's config.json (model) and the NUMA placement (numa);
+    every other check is listed as not run. Returns the failure lines (empty = a start would get past these)."""
+    skip = skipped_checks(plan)
+    say("# preflight, the checks that need no GPU (a start runs them again, with the rest):")
+    failures = check_overlay_env(plan)
+    say(f"preflight env: {'ok' if not failures else 'FAILED'}")
+    say(f"preflight python: not run (dry run: {NOT_IN_DRY_RUN['python']})")
+    for name in CHECKS:
+        if name in skip:
+            say(f"preflight {name}: skipped")
+        elif name == "model":
+            res = check_model(plan, weights=False)
+            say("preflight model: FAILED" if res else f"preflight model: ok ({_model_note(plan)})")
+            failures += res
+        elif name == "numa":
+            say("preflight numa: ok (the numa lines above)" if any(p.numa for p in plan.procs)
+                else "preflight numa: ok")
+        else:
+            say(f"preflight {name}: not run (dry run: {NOT_IN_DRY_RUN[name]})")
+    return failures
 
 
 def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:

@@ -20,24 +20,14 @@ Defaults (docs/speculative.md says where each comes from): EAGLE 3 steps / 4 dra
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from .. import model_config
 
 DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
-DSPARK_SUBFOLDER = "dspark"
 ALGORITHMS = {"auto": "auto", "eagle": "EAGLE", "nextn": "EAGLE", "mtp": "EAGLE", "dspark": "DSPARK"}
 EAGLE_DEFAULT_STEPS = 3
-
-# Hub checkpoints whose draft is known without reading their config (a dry run or a first start
-# before the download): the fields their published config.json carries.
-KNOWN_CHECKPOINTS: Dict[str, dict] = {
-    "deepseek-ai/DeepSeek-V4-Flash": {"num_nextn_predict_layers": 1},
-    "deepseek-ai/DeepSeek-V4-Flash-0731": {"dspark_block_size": 5, "dspark_noise_token_id": 128799,
-                                           "dspark_target_layer_ids": [40, 41, 42]},
-}
 
 
 class SpecError(ValueError):
@@ -54,48 +44,21 @@ class DraftInfo:
     has_mtp: bool = False
 
 
-def _read_json(p: Path) -> Optional[dict]:
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) else None
+def load_checkpoint_config(model: str, environ: Optional[Mapping[str, str]] = None) -> Tuple[Optional[dict], bool, str]:
+    """(config.json as a dict or None, has a dspark/ subfolder, where it was found), read by
+    ``dsv4_sm120.model_config`` (local directory, local Hugging Face cache, published Hub ids). A MODEL_PATH whose
+    config cannot be used is a SpecError with the serve preflight's model line."""
+    mc = model_config.read(model, environ)
+    problems = mc.problems()
+    if problems:
+        raise SpecError(problems[0])
+    if mc.config is None:
+        return None, False, ""
+    return mc.config, mc.has_dspark_subfolder, mc.source
 
 
-def _hub_cached(model: str, name: str) -> Optional[Path]:
-    """The file from the local Hugging Face cache (never the network), or None."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        p = try_to_load_from_cache(model, name)
-    except Exception:                          # malformed repo ids and the like: not cached
-        return None
-    return Path(p) if isinstance(p, str) and os.path.isfile(p) else None
-
-
-def load_checkpoint_config(model: str) -> Tuple[Optional[dict], bool, str]:
-    """(config.json as a dict or None, has a dspark/ subfolder, where it was found)."""
-    local = Path(os.path.expanduser(model))
-    if local.is_dir():
-        cfg = _read_json(local / "config.json")
-        if cfg is None:
-            raise SpecError(f"MODEL_PATH={model}: no readable config.json in that directory")
-        return cfg, (local / DSPARK_SUBFOLDER / "config.json").is_file(), f"{local / 'config.json'}"
-    cached = _hub_cached(model, "config.json")
-    if cached is not None:
-        cfg = _read_json(cached)
-        if cfg is not None:
-            return cfg, _hub_cached(model, f"{DSPARK_SUBFOLDER}/config.json") is not None, \
-                "config.json in the local Hugging Face cache"
-    if model in KNOWN_CHECKPOINTS:
-        return dict(KNOWN_CHECKPOINTS[model]), False, "the published config.json of this Hub id"
-    return None, False, ""
-
-
-def detect_draft(model: str) -> DraftInfo:
-    cfg, subfolder, source = load_checkpoint_config(model)
+def detect_draft(model: str, environ: Optional[Mapping[str, str]] = None) -> DraftInfo:
+    cfg, subfolder, source = load_checkpoint_config(model, environ)
     if cfg is None:
         return DraftInfo(kind=None, source="")
     # the loader reads text_config for multimodal wrappers; DeepSeek-V4 keeps the keys at the top
@@ -129,7 +92,7 @@ def _int(settings: Dict[str, str], key: str, lo: int, hi: int) -> Optional[int]:
     return v
 
 
-def spec_flags(settings: Dict[str, str]) -> Tuple[List[str], str]:
+def spec_flags(settings: Dict[str, str], environ: Optional[Mapping[str, str]] = None) -> Tuple[List[str], str]:
     """SGLang flags for the speculative variant (the same on prefill and decode) and a one-line why.
 
     Both servers get the same flags: under PD, 0.5.23 registers the draft pool's SWA state as its
@@ -142,7 +105,7 @@ def spec_flags(settings: Dict[str, str]) -> Tuple[List[str], str]:
     want = ALGORITHMS.get(want_txt.lower())
     if want is None:
         raise SpecError(f"SPEC_ALGORITHM={want_txt!r}: expected auto, EAGLE (= NEXTN, MTP) or DSPARK")
-    info = detect_draft(model)
+    info = detect_draft(model, environ)
     if want == "auto":
         if not info.source:
             raise SpecError(f"MODEL_PATH={model}: cannot read its config.json here (not a local directory, not in "
