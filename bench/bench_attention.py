@@ -540,7 +540,8 @@ def time_floor(args, torch, layers, qs, check_rows, bytes_call):
     """The gather floor at one point: each plan of FLOOR_WAVES timed as the impls are (graph replay over the
     layers), the fastest kept; its checksum of the check rows compared with torch's sum of the same bytes.
     -> (row fields us, gbps, notes; the floor's us or None)."""
-    sys.path.insert(0, HERE)
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     import attn_floor as F
 
     notes = [f"layers={args.layers}"]
