@@ -206,7 +206,7 @@ def test_measure_reports_accepted_tokens_per_step_and_accept_rate(tmp_path, monk
     try:
         rc = measure.main(["--router", srv.url, "--decode-url", srv.url, "--concurrency", "1,2,4", "--python",
                            str(fake_py), "--out-dir", str(out), "--log-dir", str(tmp_path / "nologs"),
-                           "--model", "m"])
+                           "--model", str(make_tokenizer(tmp_path / "tok"))])
     finally:
         srv.close()
     assert rc == 0
@@ -241,3 +241,90 @@ def test_spec_metrics_without_counters():
     (port,) = free_ports(1)
     assert spec_metrics.snapshot(f"http://127.0.0.1:{port}", timeout=2) is None   # nobody there
     assert spec_metrics.server_spec(f"http://127.0.0.1:{port}", timeout=2) == {}
+
+
+# --- what the load generator needs, and failing fast when it cannot run ------------------------------------------
+
+def test_tokenizer_problem_local_cached_offline_and_unreachable(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok")
+    assert measure.tokenizer_problem(str(tok), {}) is None
+    assert "does not exist" in measure.tokenizer_problem(str(tmp_path / "nope"), {})
+    (tmp_path / "empty").mkdir()
+    assert "holds none of tokenizer.json" in measure.tokenizer_problem(str(tmp_path / "empty"), {})
+    hub = tmp_path / "hub"
+    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    p = measure.tokenizer_problem("org/model", env)
+    assert p == f"org/model is not in the Hugging Face cache ({hub}) and HF_HUB_OFFLINE=1 forbids downloading it"
+    snap = hub / "models--org--model" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "tokenizer_config.json").write_text("{}")
+    assert measure.tokenizer_problem("org/model", env) is None
+    (closed,) = free_ports(1)
+    p = measure.tokenizer_problem("org/other", {"HF_HUB_CACHE": str(hub), "HF_ENDPOINT": f"http://127.0.0.1:{closed}"})
+    assert p.startswith(f"org/other is not in the Hugging Face cache ({hub}) and http://127.0.0.1:{closed} cannot be "
+                        "reached"), p
+
+
+def test_measure_refuses_an_unloadable_tokenizer_before_running(tmp_path, monkeypatch, capsys):
+    srv = _FakeDecode(4)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    try:
+        rc = measure.main(["--router", srv.url, "--python", str(tmp_path / "never-run"), "--out-dir", str(out),
+                           "--log-dir", str(tmp_path / "nologs"), "--model", "org/model"])
+    finally:
+        srv.close()
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists(), err
+    assert err.count("\n") == 1 and err.startswith("measure: the load generator needs the tokenizer of org/model: ")
+    assert "HF_HUB_OFFLINE=1 forbids downloading it" in err and "--model DIR" in err
+
+
+FAILING_LOADGEN = r'''
+import sys
+argv = sys.argv[1:]
+if argv[:1] == ["-c"]:
+    print("{}")
+    sys.exit(0)
+open(CALLS, "a").write(argv[argv.index("--max-concurrency") + 1] + "\n")
+print("Traceback (most recent call last):")
+print('  File "serving.py", line 1, in <module>')
+print("OSError: We couldn't connect to 'https://huggingface.co' to load the files")
+sys.exit(1)
+'''
+
+
+def test_measure_stops_after_the_load_generator_fails_and_shows_why(tmp_path, capsys):
+    calls = tmp_path / "calls"
+    fake_py = tmp_path / "fakepython"
+    fake_py.write_text(f"#!{sys.executable}\nCALLS = {str(calls)!r}\n" + FAILING_LOADGEN)
+    fake_py.chmod(0o755)
+    srv = _FakeDecode(4)
+    out = tmp_path / "a-results-directory-with-a-long-name" / ("x" * 60)
+    try:
+        rc = measure.main(["--router", srv.url, "--concurrency", "1,8,16", "--python", str(fake_py),
+                           "--out-dir", str(out), "--log-dir", str(tmp_path / "nologs"),
+                           "--model", str(make_tokenizer(tmp_path / "tok"))])
+    finally:
+        srv.close()
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert calls.read_text().split() == ["1"]                      # C=8 and C=16 were not tried
+    log = out / "bench_c1.log"
+    assert f"measure: C=1: the load generator exited 1; the end of {log}:" in err
+    assert "    OSError: We couldn't connect to 'https://huggingface.co' to load the files" in err
+    assert "measure: not running C=8,16: the same command would fail the same way" in err
+    table = (out / "table.txt").read_text()
+    assert f"load generator exited 1; see {log}" in table           # the whole path, not cut
+    res = json.loads((out / "results.json").read_text())
+    assert [r["concurrency"] for r in res["runs"]] == [1, 8, 16]
+    assert res["runs"][2]["error"] == "not run: the load generator failed at C=1"
+
+
+def test_default_results_directories_are_ignored_by_git():
+    for d in ("measure-20260101-000000", "profile-20260101-000000"):
+        r = subprocess.run(["git", "check-ignore", "-q", f"bench/results/{d}/results.json"], cwd=REPO)
+        assert r.returncode == 0, d
+    r = subprocess.run(["git", "check-ignore", "-q", "bench/results/attention.csv"], cwd=REPO)
+    assert r.returncode == 1

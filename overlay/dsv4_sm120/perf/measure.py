@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -102,6 +103,60 @@ def require_healthy_router(url: str, timeout: float = 120.0) -> None:
                            f"{st or 'no answer within %gs' % timeout}); check the servers' logs")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+HF_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _hf_cache_dir(env) -> Path:
+    """The Hugging Face hub cache as huggingface_hub finds it."""
+    for k in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(k):
+            return Path(os.path.expanduser(env[k]))
+    if env.get("HF_HOME"):
+        return Path(os.path.expanduser(env["HF_HOME"])) / "hub"
+    return Path(os.path.expanduser(env.get("XDG_CACHE_HOME") or "~/.cache")) / "huggingface" / "hub"
+
+
+def tokenizer_problem(model: str, environ=None, timeout: float = 10.0) -> Optional[str]:
+    """Why SGLang's load generator could not load ``model``'s tokenizer here (None: it can): a local directory
+    must hold the tokenizer files; a Hugging Face id must be in the local hub cache, or the hub must answer
+    (not with HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set)."""
+    env = os.environ if environ is None else environ
+    local = Path(os.path.expanduser(model))
+    if local.exists() or model.startswith(("/", ".", "~")) or not HF_ID.match(model):
+        if not local.is_dir():
+            return f"{model} is not a directory" if local.exists() else f"{model} does not exist"
+        if not any((local / f).is_file() for f in TOKENIZER_FILES):
+            return f"{model} holds none of {', '.join(TOKENIZER_FILES)}"
+        return None
+    cache = _hf_cache_dir(env)
+    snaps = cache / ("models--" + model.replace("/", "--")) / "snapshots"
+    if any((d / f).exists() for d in (snaps.iterdir() if snaps.is_dir() else []) for f in TOKENIZER_FILES):
+        return None
+    where = f"not in the Hugging Face cache ({cache})"
+    offline = [k for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+               if (env.get(k) or "").strip().lower() in ("1", "true", "yes", "on")]
+    if offline:
+        return f"{model} is {where} and {offline[0]}={env[offline[0]]} forbids downloading it"
+    endpoint = (env.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{endpoint}/api/models/{model}", timeout=timeout):
+            return None
+    except urllib.error.HTTPError as e:
+        return f"{model} is {where} and {endpoint} answered HTTP {e.code} for it"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return f"{model} is {where} and {endpoint} cannot be reached ({getattr(e, 'reason', e)})"
+
+
+def log_tail(path: Path, n: int = 5) -> List[str]:
+    """The last ``n`` non-empty lines of a log (empty when unreadable)."""
+    try:
+        lines = [x.rstrip() for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return []
+    return lines[-n:]
+
+
 def bench_cmd(python: str, router: str, model: str, c: int, input_len: int, output_len: int, num_prompts: int,
               out_file: str, dataset: str, seed: int, warmup: int) -> List[str]:
     return [python, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", router,
@@ -139,7 +194,7 @@ def render_table(runs: List[dict]) -> str:
     for r in runs:
         m = r.get("metrics") or {}
         if r.get("error"):
-            lines.append(f"{r['concurrency']:>4} {'FAIL':>5}  {r['error'][:90]}")
+            lines.append(f"{r['concurrency']:>4} {'FAIL':>5}  {r['error']}")
             continue
         spec = r.get("speculative") or {}
         # accepted tokens per step: this run's counter deltas; else the load generator's windowed server average
@@ -268,10 +323,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         router = (a.router or dep.get("router_url")
                   or f"http://127.0.0.1:{settings.get('ROUTER_PORT') or '30000'}").rstrip("/")
         require_healthy_router(router)
+        model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or settings.get("MODEL_PATH") \
+            or DEFAULT_MODEL
+        problem = tokenizer_problem(model)
+        if problem:
+            raise MeasureError(f"the load generator needs the tokenizer of {model}: {problem}; name a directory "
+                               f"that holds it ({hints.args('--model DIR')}) or make it reachable")
     except MeasureError as e:
         print(f"measure: {e}", file=sys.stderr)
         return 2
-    model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or settings.get("MODEL_PATH") or DEFAULT_MODEL
     python = serving_python(a.python)
     out_dir = a.out_dir or REPO / "bench" / "results" / time.strftime("measure-%Y%m%d-%H%M%S", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -283,7 +343,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"measure: speculative decoding {spec_info['algorithm']}, {spec_info.get('num_draft_tokens')} tokens "
               f"verified per step; acceptance from {decode_url}/metrics", flush=True)
     runs = []
-    for c in cs:
+    for i, c in enumerate(cs):
         n = max(a.prompts_per_level * c, a.min_prompts)
         raw = out_dir / f"bench_c{c}.jsonl"
         if raw.exists():
@@ -314,6 +374,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         except MeasureError as e:
             run["error"] = str(e)
         runs.append(run)
+        if rc not in (0, None):
+            # the load generator itself failed (not a slow or partial run): the next levels run the same command
+            # against the same deployment and would fail the same way
+            log = out_dir / f"bench_c{c}.log"
+            print(f"measure: C={c}: the load generator exited {rc}; the end of {log}:", file=sys.stderr)
+            for line in log_tail(log):
+                print(f"    {line}", file=sys.stderr)
+            rest = cs[i + 1:]
+            if rest:
+                print(f"measure: not running C={','.join(map(str, rest))}: the same command would fail the same way",
+                      file=sys.stderr)
+                runs += [{"concurrency": x, "error": f"not run: the load generator failed at C={c}"} for x in rest]
+            break
     result = {"schema": 1, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
               "router": router, "model": model, "input_len": a.input_len, "output_len": a.output_len,
               "dataset": a.dataset, "label": a.label, "environment": environment(python), "deployment": dep,

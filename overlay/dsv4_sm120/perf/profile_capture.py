@@ -157,6 +157,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return e.code
 
     model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or measure.DEFAULT_MODEL
+    problem = measure.tokenizer_problem(model)
+    if problem:
+        print(f"profile: the load generator needs the tokenizer of {model}: {problem}; name a directory that holds "
+              f"it ({hints.args('--model DIR')}) or make it reachable", file=sys.stderr)
+        return 2
     python = measure.serving_python(a.python)
     out_dir = a.out_dir or REPO / "bench" / "results" / time.strftime("profile-%Y%m%d-%H%M%S", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)
