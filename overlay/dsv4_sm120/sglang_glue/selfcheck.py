@@ -178,9 +178,11 @@ def _row_slice(kw: dict, rows) -> dict:
 
 
 def call_launches(layout: str, T: int, H: int, K1: int, K2: int, route, device) -> tuple:
-    """The launches a call of ``T`` rows runs through our kernel with ``route``'s launch keys and QK mode: per row
-    chunk, ``(layout, H, qk, resolved launch keys, split count == 1, split count % 16 == 0)`` (Triton compiles
-    those integer specializations separately). Host-only (the launch resolution; no GPU work)."""
+    """The kernel launches a call of ``T`` rows runs through our kernel with ``route``'s launch keys and QK mode:
+    per row chunk, the split kernel ``("split", layout, H, qk, its resolved keys, S == 1, S % 16 == 0)`` and the
+    combine kernel ``("combine", its resolved keys, S == 1, S % 16 == 0)`` (``S``: the split count, whose integer
+    specializations Triton compiles separately; the combine does not depend on the layout). Host-only (the launch
+    resolution; no GPU work)."""
     from dsv4_sm120.attention import config as C
     from dsv4_sm120.attention import launch as L
 
@@ -195,7 +197,10 @@ def call_launches(layout: str, T: int, H: int, K1: int, K2: int, route, device) 
     for _, _, launch in L.row_chunks(int(H), int(T), int(K1), int(K2), _device_facts(device), qk, ov,
                                      L.interpreting(), cap):
         S = launch.plan[0] + launch.plan[2]
-        keys.append((layout, int(H), qk, tuple(sorted(launch.config.items())), S == 1, S % 16 == 0))
+        split = tuple(sorted((k, v) for k, v in launch.config.items() if k not in C.COMBINE_KEYS))
+        comb = tuple(sorted((k, v) for k, v in launch.config.items() if k in C.COMBINE_KEYS))
+        keys.append(("split", layout, int(H), qk, split, S == 1, S % 16 == 0))
+        keys.append(("combine", int(H) % 16 == 0, comb, S == 1, S % 16 == 0))
     return tuple(dict.fromkeys(keys))
 
 
@@ -203,7 +208,8 @@ def plan_attention(heads: Sequence[int], rows: Iterable[int], device, sizes: Dic
                    skip: Optional[dict] = None, layouts: Optional[Sequence[str]] = None) -> List[dict]:
     """The cases of the attention check: per head count and layout our kernel serves, the smallest row count of
     ``rows`` for each launch (:func:`call_launches`) not yet in ``skip``. Each case lists every row count
-    whose launches include one of its new launches (``rows``), the rows that step aside if it fails."""
+    whose launches include one of its new launches (``rows``; ``other_rows``: ``(layout, T)`` of other layouts
+    that share its combine kernel), the rows that step aside if it fails."""
     from . import attention as A
 
     skip = skip or {}
@@ -220,12 +226,14 @@ def plan_attention(heads: Sequence[int], rows: Iterable[int], device, sizes: Dic
                     keys = call_launches(lay, T, H, sizes["K1"], sizes.get(lay, 0), r, device)
                 except Exception as e:  # noqa: BLE001 - no launch: the case runs and fails like a serving call
                     keys = ((lay, H, "error", T, type(e).__name__),)
-                new = [k for k in keys if k not in skip and not any(k in c["new"] for c in mine)]
+                new = [k for k in keys if k not in skip and not any(k in c["new"] for c in cases + mine)]
                 if new:
-                    mine.append({"layout": lay, "H": H, "T": T, "route": r, "keys": keys, "new": new, "rows": [T]})
-                for c in mine:
-                    if c["T"] != T and any(k in c["new"] for k in keys):
-                        c["rows"].append(T)
+                    mine.append({"layout": lay, "H": H, "T": T, "route": r, "keys": keys, "new": new, "rows": [T],
+                                 "other_rows": []})
+                for c in cases + mine:
+                    if (c["layout"], c["T"]) != (lay, T) and any(k in c["new"] for k in keys):
+                        (c["rows"] if c["layout"] == lay else c["other_rows"]).append(
+                            T if c["layout"] == lay else (lay, T))
             cases.extend(mine)
     return cases
 
@@ -245,6 +253,7 @@ def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optio
              + f" launch={launch or 'default'}" + (" qk=fp8" if qk == "fp8" else ""))
     tol = ATTN_TOL_FP8QK if qk == "fp8" else ATTN_TOL
     res = {"kernel": "attention", "shape": shape, "layout": layout, "H": H, "T": T, "rows": list(case["rows"]),
+           "other_rows": list(case.get("other_rows", [])),
            "launches": len(case["new"]), "tol": tol, "err": None, "ok": False, "error": None}
     try:
         out = ours(c["q"], H, c["kw"], launch, qk)
@@ -300,9 +309,9 @@ def run(heads: Sequence[int], device, force: bool = False, rows: Optional[Iterab
             logger.error("dsv4_sm120 self-check: our attention kernel FAILED at %s: %s; rows %s of %s H=%d step aside "
                          "to SGLang's stock path (their launch), the other rows keep our kernel", c["shape"],
                          c["error"], _rows_text(c["rows"]), c["layout"], c["H"])
-            for T in c["rows"]:
-                A.step_aside(T, c["layout"], c["H"], A.attention_route(T, c["layout"]), device, c["error"],
-                             during="self-check", log=False)
+            for lay, T in [(c["layout"], t) for t in c["rows"]] + [tuple(x) for x in c["other_rows"]]:
+                A.step_aside(T, lay, c["H"], A.attention_route(T, lay), device, c["error"], during="self-check",
+                             log=False)
         all_cases = _state["attention"]
         if all_cases and all(not c["ok"] for c in all_cases) and A.disabled("attention") is None:
             logger.error("dsv4_sm120 self-check: every launch of our attention kernel failed; disabled in this "
