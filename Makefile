@@ -130,8 +130,8 @@ serve: ## preflight, then PD-disaggregated TP4 prefill (GPU0-3) + TP4 decode (GP
 serve-mtp: ## the same with MTP speculative decoding
 	VENV=$(VENV) bash serve/serve_dsv4_mtp.sh
 
-stop: ## stop a running deployment (SIGTERM, then SIGKILL after a grace period)
-	bash serve/stop.sh
+stop: ## stop the running deployment, whatever LOG_DIR it was started with (SIGTERM, then SIGKILL after a grace period; RUN_DIR=... picks one of several)
+	bash serve/stop.sh $(RUN_DIR)
 
 measure: ## decode throughput at C=1,8,16 against the running deployment (JSON, table, PNG)
 	VENV=$(VENV) $(if $(wildcard $(PY)),$(PY),python3) bench/measure.py $(ARGS)

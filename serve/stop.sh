@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stop a running deployment: SIGTERM to its supervisor (which tears the parts down), then
 # SIGTERM / SIGKILL (after STOP_GRACE_S, default 30) to any recorded part still alive.
-#   serve/stop.sh             the newest run (LOG_DIR/latest)
+#   serve/stop.sh             the running deployment: LOG_DIR/latest, else the one started from this checkout with
+#                             another LOG_DIR (recorded in DSV4_SM120_CACHE/deployments)
 #   serve/stop.sh RUN_DIR     a given run directory
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"

@@ -48,6 +48,9 @@ def env(tmp_path):
         "ROUTER_PORT": str(rp), "ROUTER_PROMETHEUS_PORT": str(mp),
         "STOP_GRACE_S": "5", "HEALTH_TIMEOUT_S": "90", "DSV4_SM120_SERVE_POLL_S": "0.2",
         "DSV4_SM120_STANDIN_RECORD": str(tmp_path / "requests.jsonl"),
+        # this test's own record of running deployments (serving/runs.py): a stop without a run directory
+        # never finds another test's deployment
+        "DSV4_SM120_CACHE": str(tmp_path / "cache"),
     })
     for k in ("DRY_RUN", "DETACH", "RUN_DIR", "NODE_ROLE", "PREFLIGHT_SKIP"):
         e.pop(k, None)
@@ -324,3 +327,62 @@ def test_stand_ins_run_pinned_to_the_numa_node_of_their_gpus(env, tmp_path):
         s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
     assert s.returncode == 0
     assert not wait_gone(procs, 10)
+
+
+def test_stop_and_measure_find_a_deployment_started_with_another_log_dir(env, tmp_path, monkeypatch):
+    """`LOG_DIR=/x make serve`, then `make stop` with the default LOG_DIR: the start is recorded per checkout in
+    the project's cache, so stop (and measure / profile) find it and say where it is."""
+    other = dict(env, LOG_DIR=str(tmp_path / "elsewhere"), DETACH="1")
+    r = run_script(other, timeout=120)
+    procs = {}
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = state(other)
+        procs = all_run_processes(st)
+        run_dir = (Path(other["LOG_DIR"]) / "latest").resolve()
+        from dsv4_sm120.perf import measure
+
+        monkeypatch.setenv("DSV4_SM120_CACHE", env["DSV4_SM120_CACHE"])
+        assert measure.latest_run(env["LOG_DIR"]) == run_dir
+    finally:
+        s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert f"{Path(env['LOG_DIR']) / 'latest'} is not running" not in s.stdout       # nothing was ever there
+    assert f"the deployment running from this checkout is {run_dir}" in s.stdout, s.stdout
+    assert "stopped" in s.stdout
+    assert not wait_gone(procs, 10)
+    for k in ("PREFILL_PORT", "DECODE_PORT", "ROUTER_PORT"):
+        assert port_free(int(env[k])), k
+    s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=env, timeout=90)
+    assert s.returncode == 0 and "nothing to stop" in s.stdout, s.stdout + s.stderr
+
+
+def test_runs_find_prefers_log_dir_then_the_one_running_and_names_several(tmp_path, monkeypatch):
+    from dsv4_sm120.serving import runs
+
+    monkeypatch.setenv("DSV4_SM120_CACHE", str(tmp_path / "cache"))
+    me = {"supervisor_pid": os.getpid(), "supervisor_start": start_time(os.getpid()), "procs": []}
+    dead = {"supervisor_pid": 2 ** 22 + 7, "supervisor_start": "1", "procs": []}
+
+    def run(name, st):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "state.json").write_text(json.dumps(st))
+        assert runs.record(d) is None
+        return d
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert runs.find(logs) == (None, "")
+    old = run("old", dead)
+    os.symlink(old, logs / "latest")
+    a = run("a", me)
+    found, note = runs.find(logs)
+    assert found == a and note == f"{logs / 'latest'} is not running; the deployment running from this checkout is {a}"
+    assert not any(os.readlink(p) == str(old) for p in runs.record_dir().iterdir())   # the stopped run's record went
+    b = run("b", me)
+    found, note = runs.find(logs)
+    assert found is None and "2 deployments are running from this checkout" in note and str(a) in note and str(b) in note
+    (logs / "latest").unlink()
+    os.symlink(b, logs / "latest")
+    assert runs.find(logs) == (b, "")

@@ -50,11 +50,18 @@ class MeasureError(Exception):
     pass
 
 
-def latest_run(log_dir: Optional[str]) -> Optional[Path]:
+def latest_run(log_dir: Optional[str], prog: str = "measure") -> Optional[Path]:
+    """The deployment to measure: LOG_DIR/latest when it is running, else the one running deployment started from
+    this checkout with another LOG_DIR (``dsv4_sm120.serving.runs``; a line on stderr says so), else
+    LOG_DIR/latest as it is (None when there is none)."""
+    from ..serving import runs
+
     d = Path(os.path.expanduser(log_dir or settings.get("LOG_DIR") or "logs"))
     d = d if d.is_absolute() else REPO / d
-    latest = d / "latest"
-    return latest.resolve() if latest.exists() else None
+    run_dir, note = runs.find(d)
+    if note:
+        print(f"{prog}: {note}", file=sys.stderr)
+    return run_dir
 
 
 def read_json(p: Path) -> Optional[dict]:

@@ -125,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args(argv)
 
-    run_dir = measure.latest_run(a.log_dir)
+    run_dir = measure.latest_run(a.log_dir, "profile")
     dep = measure.deployment_info(run_dir)
     plan = measure.read_json(run_dir / "plan.json") if run_dir else None
     plan = plan or {}

@@ -21,6 +21,7 @@ from typing import List, Optional
 
 from .. import settings
 from ..fileio import atomic_write_text
+from . import runs
 from . import supervisor as sv
 from .config import VARIABLES, ConfigError, Plan, build_plan, render_dry_run, repo_root
 from .preflight import run_dry_checks, run_preflight
@@ -114,6 +115,9 @@ def cmd_start(a) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "plan.json", plan.to_json())
     _link_latest(plan)
+    note = runs.record(Path(plan.run_dir))
+    if note:
+        _say(f"note: {note}")
     if not detach:
         sv.LOG_FILE = str(run_dir / "supervisor.log")
         return sv.Supervisor(plan).run()
@@ -206,11 +210,17 @@ def cmd_stop(a) -> int:
     if a.run_dir:
         run_dir = Path(a.run_dir)
     else:
-        latest = _log_dir(os.environ) / "latest"
-        if not latest.exists():
-            _say(f"no deployment recorded under {latest.parent} (nothing to stop)")
+        log_dir = _log_dir(os.environ)
+        found, note = runs.find(log_dir)
+        if note:
+            _say(note)
+        if found is None and note:
+            print("[serve] stop one of them: serve/stop.sh RUN_DIR (or make stop RUN_DIR=...)", file=sys.stderr)
+            return 2
+        if found is None:
+            _say(f"no deployment recorded under {log_dir} (nothing to stop)")
             return 0
-        run_dir = latest.resolve()
+        run_dir = found
     grace = settings.get("STOP_GRACE_S") or VARIABLES["STOP_GRACE_S"][0]
     try:
         g = float(grace)
