@@ -7,7 +7,8 @@
 # foreground (Ctrl-C or serve/stop.sh stops everything).
 #
 # Options (everything else is an environment variable, see --help-vars and docs/serving.md):
-#   --dry-run     print the exact commands and their environment, start nothing (= DRY_RUN=1)
+#   --dry-run     print the exact commands and their environment and run the checks that need no GPU
+#                 (exit 1 when one fails); start nothing (= DRY_RUN=1)
 #   --detach      return once healthy, keep supervising in the background (= DETACH=1)
 #   --help-vars   list the variables with their defaults
 #   -h, --help    this text
