@@ -10,7 +10,9 @@ One subprocess (PYTHONPATH=<patched site>:overlay, TRITON_INTERPRET=1) checks:
   tensors untouched, ``apply`` returns the routed-experts output, which matches
   the float64 reference (dropped ids included); the fp4 path (sm_120's) through the same ``apply``
   matches the activation-quantized reference, with activations quantized once per row or in every program;
-and, as a control, that with the overlay disabled the name is rejected.
+and, as a control, that with the overlay disabled the name is rejected; with
+``DSV4_SM120_TEST_SELFCHECK_FAULT=moe-raise`` (our kernel raises on its first path) SGLang's
+``process_weights_after_loading`` reaches the self-check, which switches to the other path, and ``apply`` answers right.
 """
 
 from __future__ import annotations
@@ -100,7 +102,11 @@ PROBE = textwrap.dedent(r"""
     out["runner_is_none"] = method.runner is None
     out["layer_backend"] = method.get_moe_runner_backend(layer).value
     before = {n: p.data.clone() for n, p in layer.named_parameters()}
+    from dsv4_sm120.sglang_glue import selfcheck
     method.process_weights_after_loading(layer)
+    check = selfcheck.results()["moe"] or {}
+    out["moe_check"] = {k: check.get(k) for k in ("ok", "path", "error", "fallback", "fallback_error")}
+    out["moe_path_after_check"] = os.environ.get("DSV4_SM120_MOE_PATH")
     out["weights_untouched"] = all(torch.equal(before[n], p.data) for n, p in layer.named_parameters())
     out["up_proj_first"] = bool(method.load_up_proj_weight_first)
     x = (torch.randn((M, H)) * 2).to(torch.bfloat16)
@@ -114,6 +120,10 @@ PROBE = textwrap.dedent(r"""
     out["shape"] = list(y.shape)
     out["err"] = rel_err(y, ref)
     out["err_no_clamp"] = rel_err(y, moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=None))
+    if job.get("stop_after_apply"):
+        out["err_actquant"] = rel_err(y, moe_reference(x, **W, topk_weights=tw, topk_ids=ids, swiglu_limit=1.5,
+                                                       act_quant=True))
+        print("RESULT" + json.dumps(out)); sys.exit(0)
     # the sm_120 default path (fp4, activations quantized once per row) through the same SGLang entry point,
     # and the in-every-program form (DSV4_SM120_MOE_APRE=0): same bits, and the act-quant reference matched
     os.environ["DSV4_SM120_MOE_PATH"] = "fp4"
@@ -169,3 +179,19 @@ def test_overlay_disabled_rejects_the_backend_name(run_patched, hybrid_ckpt):
     assert out["default"] == "flashinfer_trtllm_routed"  # stock SGLang choice without the overlay
     assert out["flag_cutlass"] == "flashinfer_cutlass"
     assert out["flag_triton"].startswith("error"), out["flag_triton"]
+
+
+def test_moe_that_raises_in_prepare_layer_serves_on_its_other_path(run_patched, hybrid_ckpt):
+    # DSV4_SM120_TEST_SELFCHECK_FAULT=moe-raise: our MoE kernel raises on its first path; SGLang's
+    # process_weights_after_loading -> prepare_layer -> the self-check catches it, switches to the other path, and
+    # the method's apply then answers right
+    out = _probe(run_patched, {"ckpt": hybrid_ckpt, "layer": True, "stop_after_apply": True},
+                 env={"TRITON_INTERPRET": "1", "DSV4_SM120_TEST_SELFCHECK_FAULT": "moe-raise"})
+    chk = out["moe_check"]
+    assert chk["ok"] is False and "RuntimeError: planted test fault moe-raise" in chk["error"], chk
+    other = "bf16" if chk["path"] == "fp4" else "fp4"
+    assert chk["fallback"] == other and chk["fallback_error"] is None, chk
+    assert out["moe_path_after_check"] == other
+    assert out["combine_type"] == "StandardCombineInput"
+    # the other path's own accuracy: bf16 matches the reference, fp4 the activation-quantized reference
+    assert (out["err"] if other == "bf16" else out["err_actquant"]) < 3e-2, out
