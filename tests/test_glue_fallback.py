@@ -301,3 +301,16 @@ def test_fault_setting_values_are_validated():
         assert settings.validate({"DSV4_SM120_TEST_SELFCHECK_FAULT": ok}) == [], ok
     for bad in ("attention-raise-T=0", "attention-raise-T=x", "moe-prepare", "raise"):
         assert settings.validate({"DSV4_SM120_TEST_SELFCHECK_FAULT": bad}), bad
+
+
+def test_the_timing_command_runs_the_check_and_prints_its_seconds(fresh, capsys):
+    assert S.main(["--time", "--device", "cpu", "--heads", "8", "--capture-bs", "1,2", "--draft-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "capture batch sizes [1, 2]; draft tokens 2" in out
+    assert "target-verify: rows 2,4: 3 launches in" in out and "draft decode: rows 1,2:" in out
+    assert out.count("  ok   ") == 3 and "self-check total: 3 launches, 0 failed," in out
+    fresh.setenv("DSV4_SM120_TEST_SELFCHECK_FAULT", "attention-raise")
+    S.reset()
+    A.reset()
+    assert S.main(["--device", "cpu", "--heads", "8", "--capture-bs", "1"]) == 1
+    assert "FAIL" in capsys.readouterr().out
