@@ -10,10 +10,13 @@ and are called from here.
   the active overlay version and patch series.
 * :mod:`.attention` (patch 0002): the DeepSeek-V4 backend's sm_120 sparse-attention call and the model's
   head count, routed per row bucket and layout from the machine profile (``make calibrate``), an explicit
-  setting, or the default.
-* :mod:`.selfcheck` (patch 0002, before CUDA-graph capture; :mod:`.moe` at its first layer): each of our
-  kernels that will serve is run once against the stock implementation; a failing one is disabled in the
-  process and the stock path serves.
+  setting, or the default; a call of our kernel that raises is answered by the stock path and the rows of its
+  launch stay there for the rest of the process.
+* :mod:`.selfcheck` (:mod:`.graphs` at each CUDA-graph capture loop; :mod:`.moe` at its first layer): every
+  launch of our kernels that the captured rows reach is run once against the stock implementation; a failing
+  launch steps aside to the stock path for its rows (the MoE: to its other compute path).
+* :mod:`.graphs` (patch 0006): the capture loop's hooks: the self-check over the rows it captures, and a second
+  capture of a size whose capture raised after one of our kernels stepped aside during it.
 * :mod:`.moe` (patches 0003, 0005): the MoE runner for hybrid FP8 + NVFP4 checkpoints, the MTP draft
   experts' MXFP4 method, and the ``dsv4_triton_nvfp4`` runner backend.
 * :mod:`.fp8` (patch 0004): where SGLang's FP8 block-GEMM config lookup finds the project's tuned configs.
