@@ -132,7 +132,9 @@ PROBE = textwrap.dedent(r'''
     os.environ["DSV4_SM120_PROFILE_DIR"] = ""          # ours for every row
     selfcheck.reset(); decisions.reset(); logs.clear()
     graphs = import_glue("graphs")
+    out["heads_before_raise"] = heads(4)
     out["first_call"] = call(4, 3)
+    out["heads_after_raise"] = heads(4)
     captured = []
     def capture_one(bs, forward, *a):
         n0 = graphs.fallbacks()
@@ -189,6 +191,7 @@ def test_profile_routing_and_self_check_through_patched_sglang(run_patched, tmp_
     # a first call that raises: SGLang's stock dispatcher answers it, bit for bit, and one line says why
     first = out["first_call"]
     assert first["ours"] == 0 and first["torch"] == 1 and first["equals_stock"] and first["err"] < 1e-2, first
+    assert out["heads_before_raise"] == 8 and out["heads_after_raise"] == 64   # then SGLang's own head count
     raised = [x for x in out["raise_logs"] if "our attention kernel failed (serving)" in x]
     assert any("swa_c4 T=4 H=8" in x and "RuntimeError: planted test fault attention-raise-T=4" in x for x in raised)
     # the capture loop: the check (T=2, the smallest captured rows) passed; the size with 4 rows raised inside the
