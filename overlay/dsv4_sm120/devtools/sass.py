@@ -111,8 +111,9 @@ def split_kernel_source(fn, cst: Dict[str, object], acc: str = "*bf16"):
 
 def moe_gemm_source(fn, which: int, cst: Dict[str, object]):
     """``ASTSource`` of the MoE GEMM ``fn`` (``which`` 1: ``_gemm1_kernel``, 2: ``_gemm2_kernel``) with
-    constexprs ``cst`` (left-out ones take their declared defaults, as in a launch without grouping). ``APRE`` true types the pre-quantized activation pointers; false passes them as ``None``.
-    Pointers, strides, ``H`` and ``I`` are 16-divisible, as in every launch."""
+    constexprs ``cst`` (left-out ones take their declared defaults, as in a launch without grouping). ``APRE``
+    true types the pre-quantized activation pointers; false passes them as ``None``. Pointers, strides, ``H``
+    and ``I`` are 16-divisible, as in every launch."""
     sig = dict(MOE_GEMM1_SIG if which == 1 else MOE_GEMM2_SIG)
     cst = with_defaults(fn, cst)
     if cst.get("APRE"):

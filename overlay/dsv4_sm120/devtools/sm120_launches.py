@@ -51,7 +51,8 @@ class Launch:
     @property
     def key(self) -> str:
         parts = [self.kernel] + [f"{k}={v}" for k, v in sorted(self.constexprs.items())]
-        parts += [f"{k}={v}" for k, v in sorted(self.options.items())] + [f"{k}:{v}" for k, v in sorted(self.sig.items())]
+        parts += [f"{k}={v}" for k, v in sorted(self.options.items())]
+        parts += [f"{k}:{v}" for k, v in sorted(self.sig.items())]
         return ",".join(parts)
 
 
