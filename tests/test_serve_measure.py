@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -283,6 +284,7 @@ def test_measure_refuses_an_unloadable_tokenizer_before_running(tmp_path, monkey
 
 FAILING_LOADGEN = r'''
 import sys
+import time
 argv = sys.argv[1:]
 if argv[:1] == ["-c"]:
     print("{}")
@@ -328,3 +330,28 @@ def test_default_results_directories_are_ignored_by_git():
         assert r.returncode == 0, d
     r = subprocess.run(["git", "check-ignore", "-q", "bench/results/attention.csv"], cwd=REPO)
     assert r.returncode == 1
+
+
+def test_stop_after_measure_is_quick(env, tmp_path):
+    """After make measure (SGLang's real load generator through the router), every part of the stand-in deployment
+    exits on SIGTERM: the stop takes seconds, not the SIGKILL grace period."""
+    tok = make_tokenizer(tmp_path / "tok")
+    (tok / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    e = dict(env, MODEL_PATH=str(tok), STOP_GRACE_S="30")
+    r = subprocess.run(["bash", str(SERVE / "serve_dsv4_tp4.sh")], capture_output=True, text=True,
+                       env=dict(e, DETACH="1"), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        m = subprocess.run([sys.executable, str(MEASURE), "--concurrency", "2", "--input-len", "16", "--output-len",
+                            "6", "--prompts-per-level", "2", "--min-prompts", "4", "--python", sys.executable,
+                            "--out-dir", str(tmp_path / "results")],
+                           capture_output=True, text=True, timeout=240, env=dict(e, HF_HUB_OFFLINE="1"))
+    finally:
+        t0 = time.monotonic()
+        s = subprocess.run(["bash", str(SERVE / "stop.sh")], capture_output=True, text=True, env=e, timeout=90)
+        took = time.monotonic() - t0
+    assert m.returncode == 0, m.stdout + m.stderr
+    assert s.returncode == 0, s.stdout + s.stderr
+    sup_log = "".join(p.read_text() for p in Path(env["LOG_DIR"]).glob("*/supervisor.log"))
+    assert "SIGKILL" not in s.stdout + sup_log, s.stdout + sup_log[-3000:]
+    assert took < 10, (took, s.stdout)

@@ -386,3 +386,42 @@ def test_runs_find_prefers_log_dir_then_the_one_running_and_names_several(tmp_pa
     (logs / "latest").unlink()
     os.symlink(b, logs / "latest")
     assert runs.find(logs) == (b, "")
+
+
+# Makes every threading.Event.wait hold the event's lock while it sleeps: a signal handler that takes that lock
+# (Event.set) then deadlocks, as it does when SIGTERM arrives in the moment the main thread holds the lock.
+HOLD_EVENT_LOCK = '''
+import threading, time
+def _wait(self, timeout=None):
+    with self._cond:
+        time.sleep(0.2 if timeout is None else min(timeout, 0.2))
+        return self._flag
+threading.Event.wait = _wait
+'''
+
+
+def test_stand_in_exits_on_sigterm_whatever_its_main_thread_holds(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOLD_EVENT_LOCK)
+    (port,) = free_ports(1)
+    e = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_SM120_STANDIN_")}
+    e["PYTHONPATH"] = os.pathsep.join((str(site), str(Path(__file__).resolve().parents[1] / "overlay")))
+    log = tmp_path / "standin.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "dsv4_sm120.serving.standin", "--port", str(port),
+                              "--disaggregation-mode", "decode"], stderr=f, env=e)
+    try:
+        t0 = time.monotonic()
+        while "serving on" not in log.read_text() and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        p.kill()
+        p.wait()
+    assert rc == 0, f"the stand-in did not exit within 5 s of SIGTERM (rc {rc}): {log.read_text()[-500:]}"
+    assert "[standin decode] stopped" in log.read_text()

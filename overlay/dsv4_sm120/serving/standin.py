@@ -246,6 +246,14 @@ def make_handler(role: str, model: str, served: str, ready_at: float, args: argp
     return H
 
 
+_stop_requested = 0     # the signal that asked the stand-in to stop (0: none yet)
+
+
+def _on_stop_signal(signum, _frame) -> None:
+    global _stop_requested
+    _stop_requested = signum
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.serving.standin",
                                  description="Stand-in for an SGLang server: answers health checks and records requests.")
@@ -289,11 +297,13 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{' + bootstrap ' + str(args.disaggregation_bootstrap_port) if role == 'prefill' else ''} (pid {os.getpid()})",
           file=sys.stderr, flush=True)
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # The handlers only set a flag: a signal handler that takes a lock (threading.Event.set) deadlocks when the
+    # signal arrives while this thread holds that lock, and the process then ignores SIGTERM until SIGKILL.
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, _on_stop_signal)
     t0 = time.time()
-    while not stop.wait(0.05):
+    while not _stop_requested:
+        time.sleep(0.05)
         if exit_after and time.time() - t0 >= exit_after:
             print(f"[standin {role}] exiting with code 4 after {exit_after:g} s as asked", file=sys.stderr, flush=True)
             os._exit(4)
@@ -303,7 +313,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for s in servers:
         s.shutdown()
     print(f"[standin {role}] stopped", file=sys.stderr, flush=True)
-    return 0
+    # handler threads may still be writing to clients: exit now rather than wait for them in the interpreter's
+    # shutdown
+    os._exit(0)
 
 
 if __name__ == "__main__":
