@@ -7,26 +7,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _e4m3_bf16, _k_scale, _k_tile, _store_partial, _token_rows
+from .common import (
+    _acc_tiles_init,
+    _e4m3_bf16,
+    _k_scales,
+    _k_tiles,
+    _mma_operand,
+    _online_softmax,
+    _softmax_init,
+    _store_partial,
+    _store_softmax_state,
+    _token_rows,
+)
 
 
 @triton.jit
 def _raw_block(cache, row, valid, sbase, rope_off, lanes):
     # one candidate block as stored: the seven e4m3 nope tiles, their UE8M0 scales, then the bf16 rope tile
-    k0 = _k_tile(cache, row, valid, 0, lanes)
-    k1 = _k_tile(cache, row, valid, 1, lanes)
-    k2 = _k_tile(cache, row, valid, 2, lanes)
-    k3 = _k_tile(cache, row, valid, 3, lanes)
-    k4 = _k_tile(cache, row, valid, 4, lanes)
-    k5 = _k_tile(cache, row, valid, 5, lanes)
-    k6 = _k_tile(cache, row, valid, 6, lanes)
-    c0 = _k_scale(cache, sbase, valid, 0)
-    c1 = _k_scale(cache, sbase, valid, 1)
-    c2 = _k_scale(cache, sbase, valid, 2)
-    c3 = _k_scale(cache, sbase, valid, 3)
-    c4 = _k_scale(cache, sbase, valid, 4)
-    c5 = _k_scale(cache, sbase, valid, 5)
-    c6 = _k_scale(cache, sbase, valid, 6)
+    k0, k1, k2, k3, k4, k5, k6 = _k_tiles(cache, row, valid, lanes)
+    c0, c1, c2, c3, c4, c5, c6 = _k_scales(cache, sbase, valid)
     rope = tl.load(cache.to(tl.pointer_type(tl.bfloat16)) + rope_off[:, None] + lanes[None, :], mask=valid[:, None],
                    other=0.0)
     return k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope
@@ -46,9 +45,7 @@ def _kdec(k8, ksc, INTERP: tl.constexpr, KCVT: tl.constexpr):
 def _kdec_block(k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, INTERP: tl.constexpr,
                 KCVT: tl.constexpr):
     # a raw block (_raw_block) -> its seven decoded nope tiles and the rope tile (fp32 under the interpreter)
-    kr = rope
-    if INTERP:
-        kr = rope.to(tl.float32)
+    kr = _mma_operand(rope, INTERP)
     return (_kdec(k0, c0, INTERP, KCVT), _kdec(k1, c1, INTERP, KCVT), _kdec(k2, c2, INTERP, KCVT),
             _kdec(k3, c3, INTERP, KCVT), _kdec(k4, c4, INTERP, KCVT), _kdec(k5, c5, INTERP, KCVT),
             _kdec(k6, c6, INTERP, KCVT), kr)
@@ -77,9 +74,7 @@ def _reg_body(
     hmask = offs_h < H
     lanes = tl.arange(0, 64)
     q_row = q_ptr + t64 * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
-    q_rope = tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0)
-    if INTERP:
-        q_rope = q_rope.to(tl.float32)
+    q_rope = _mma_operand(tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0), INTERP)
     # Q read once: Triton keeps loop-invariant dot operands in shared memory (one store before the loop,
     # ldmatrix per block) instead of a global re-read + store + barrier per tile and block
     q0 = _q_tile(q_row, hmask, 0, lanes, INTERP)
@@ -89,16 +84,8 @@ def _reg_body(
     q4 = _q_tile(q_row, hmask, 4, lanes, INTERP)
     q5 = _q_tile(q_row, hmask, 5, lanes, INTERP)
     q6 = _q_tile(q_row, hmask, 6, lanes, INTERP)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc4 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc5 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
+    m_i, l_i = _softmax_init(BLOCK_H)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _acc_tiles_init(BLOCK_H)
     if SPAN:
         # the main cache's part of [start, start + chunk), then the extra cache's; a part that is empty is
         # skipped (its prologue would still cost a masked block)
@@ -122,8 +109,7 @@ def _reg_body(
 
     base = (t64 * S + s) * HP + offs_h
     _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
-    tl.store(m_ws + base, m_i, mask=hmask)
-    tl.store(l_ws + base, l_i, mask=hmask)
+    _store_softmax_state(m_ws, l_ws, base, hmask, m_i, l_i)
 
 
 @triton.jit
@@ -175,17 +161,9 @@ def _reg_segment(
         qk = tl.dot(q4, tl.trans(kb4), qk)
         qk = tl.dot(q5, tl.trans(kb5), qk)
         qk = tl.dot(q6, tl.trans(kb6), qk)
-        qk = qk * sm_scale_log2
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2)
         a2 = alpha[:, None]
-        pb = p.to(tl.bfloat16)
-        if INTERP:
-            pb = pb.to(tl.float32)
+        pb = _mma_operand(p.to(tl.bfloat16), INTERP)
         acc_r = tl.dot(pb, kr, acc_r * a2)
         acc0 = tl.dot(pb, kb0, acc0 * a2)
         acc1 = tl.dot(pb, kb1, acc1 * a2)
@@ -194,7 +172,6 @@ def _reg_segment(
         acc4 = tl.dot(pb, kb4, acc4 * a2)
         acc5 = tl.dot(pb, kb5, acc5 * a2)
         acc6 = tl.dot(pb, kb6, acc6 * a2)
-        m_i = m_new
         valid = vn
         if DEC_LATE:
             n0_, n1_, n2_, n3_, n4_, n5_, n6_, d0_, d1_, d2_, d3_, d4_, d5_, d6_, nr_ = nxt
@@ -206,14 +183,10 @@ def _reg_segment(
     return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r
 
 
-
 @triton.jit
 def _q_tile(q_row, hmask, t: tl.constexpr, lanes, INTERP: tl.constexpr):
     # q tile t [BLOCK_H, 64] bf16 (fp32 under the interpreter)
-    qt = tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0)
-    if INTERP:
-        qt = qt.to(tl.float32)
-    return qt
+    return _mma_operand(tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0), INTERP)
 
 
 @triton.jit

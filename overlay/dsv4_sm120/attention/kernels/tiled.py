@@ -7,7 +7,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _e4m3_bf16, _k_scale, _k_tile, _k_tile_again, _store_partial, _token_rows, _ue8m0
+from .common import (
+    _acc_tiles_init,
+    _e4m3_bf16,
+    _k_scales,
+    _k_tile_again,
+    _k_tiles,
+    _mma_operand,
+    _online_softmax,
+    _softmax_init,
+    _store_partial,
+    _store_softmax_state,
+    _token_rows,
+    _ue8m0,
+)
 
 
 @triton.jit
@@ -43,6 +56,21 @@ def _pv_tile(acc, p, k8, ksc, INTERP: tl.constexpr, KCVT: tl.constexpr = False):
 
 
 @triton.jit
+def _qk_add_nope(qk, q_row, hmask, k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, lanes,
+                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
+                 KCVT: tl.constexpr, q8_row, qsc_row):
+    # qk + the seven nope tiles' _qk_tile products, added in tile order (k*: e4m3 tiles, c*: their UE8M0 scales)
+    qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
+    qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
+    qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
+    qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
+    qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
+    qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
+    qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
+    return qk
+
+
+@triton.jit
 def _tiled_body(
     q_ptr, stride_qt, stride_qh, t, s, g,
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
@@ -72,20 +100,10 @@ def _tiled_body(
     if FP8_QK:
         q8_row = q8_ptr + (t64 * HP + offs_h)[:, None] * 448
         qsc_row = qsc_ptr + (t64 * HP + offs_h)[:, None] * 14
-    q_rope = tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0)
-    if INTERP:
-        q_rope = q_rope.to(tl.float32)
+    q_rope = _mma_operand(tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0), INTERP)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc4 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc5 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc6 = tl.zeros([BLOCK_H, 64], tl.float32)
-    acc_r = tl.zeros([BLOCK_H, 64], tl.float32)
+    m_i, l_i = _softmax_init(BLOCK_H)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _acc_tiles_init(BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     if PREFETCH:
         # the first block's indices are read without waiting for the row length, and each block
@@ -95,13 +113,7 @@ def _tiled_body(
         # PREFETCH=2: the next block's UE8M0 scale bytes too (byte loads cannot be staged by cp.async,
         # so read in the block itself they wait a full memory round trip)
         vf, _r, sbf, _o = _token_rows(idx_next, start + offs_n < end, P, PB64, PB2_64)
-        n0s = _k_scale(cache, sbf, vf, 0)
-        n1s = _k_scale(cache, sbf, vf, 1)
-        n2s = _k_scale(cache, sbf, vf, 2)
-        n3s = _k_scale(cache, sbf, vf, 3)
-        n4s = _k_scale(cache, sbf, vf, 4)
-        n5s = _k_scale(cache, sbf, vf, 5)
-        n6s = _k_scale(cache, sbf, vf, 6)
+        n0s, n1s, n2s, n3s, n4s, n5s, n6s = _k_scales(cache, sbf, vf)
     for n0 in range(start, end, BLOCK_N):
         cand = n0 + offs_n
         inb = cand < end
@@ -115,59 +127,18 @@ def _tiled_body(
         if PREFETCH == 2:
             c0, c1, c2, c3, c4, c5, c6 = n0s, n1s, n2s, n3s, n4s, n5s, n6s
             vn, _rn, sbn, _on = _token_rows(idx_next, nxt < end, P, PB64, PB2_64)
-            n0s = _k_scale(cache, sbn, vn, 0)
-            n1s = _k_scale(cache, sbn, vn, 1)
-            n2s = _k_scale(cache, sbn, vn, 2)
-            n3s = _k_scale(cache, sbn, vn, 3)
-            n4s = _k_scale(cache, sbn, vn, 4)
-            n5s = _k_scale(cache, sbn, vn, 5)
-            n6s = _k_scale(cache, sbn, vn, 6)
-        rope = tl.load(cache_bf16 + rope_off[:, None] + lanes[None, :],
-                       mask=valid[:, None], other=0.0)
-        if INTERP:
-            rope = rope.to(tl.float32)
-        k0 = _k_tile(cache, row, valid, 0, lanes)
-        k1 = _k_tile(cache, row, valid, 1, lanes)
-        k2 = _k_tile(cache, row, valid, 2, lanes)
-        k3 = _k_tile(cache, row, valid, 3, lanes)
-        k4 = _k_tile(cache, row, valid, 4, lanes)
-        k5 = _k_tile(cache, row, valid, 5, lanes)
-        k6 = _k_tile(cache, row, valid, 6, lanes)
+            n0s, n1s, n2s, n3s, n4s, n5s, n6s = _k_scales(cache, sbn, vn)
+        rope = tl.load(cache_bf16 + rope_off[:, None] + lanes[None, :], mask=valid[:, None], other=0.0)
+        rope = _mma_operand(rope, INTERP)
+        k0, k1, k2, k3, k4, k5, k6 = _k_tiles(cache, row, valid, lanes)
         if PREFETCH != 2:
-            c0 = _k_scale(cache, sbase, valid, 0)
-            c1 = _k_scale(cache, sbase, valid, 1)
-            c2 = _k_scale(cache, sbase, valid, 2)
-            c3 = _k_scale(cache, sbase, valid, 3)
-            c4 = _k_scale(cache, sbase, valid, 4)
-            c5 = _k_scale(cache, sbase, valid, 5)
-            c6 = _k_scale(cache, sbase, valid, 6)
+            c0, c1, c2, c3, c4, c5, c6 = _k_scales(cache, sbase, valid)
         qk = tl.dot(q_rope, tl.trans(rope))
-        qk += _qk_tile(q_row, hmask, k0, c0, 0, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row,
-                       qsc_row)
-        qk += _qk_tile(q_row, hmask, k1, c1, 1, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row,
-                       qsc_row)
-        qk += _qk_tile(q_row, hmask, k2, c2, 2, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row,
-                       qsc_row)
-        qk += _qk_tile(q_row, hmask, k3, c3, 3, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row,
-                       qsc_row)
-        qk += _qk_tile(q_row, hmask, k4, c4, 4, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row,
-                       qsc_row)
-        qk += _qk_tile(q_row, hmask, k5, c5, 5, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row,
-                       qsc_row)
-        qk += _qk_tile(q_row, hmask, k6, c6, 6, lanes, BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row,
-                       qsc_row)
-        qk = qk * sm_scale_log2
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        qk = _qk_add_nope(qk, q_row, hmask, k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, lanes,
+                          BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
+        p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2)
         a2 = alpha[:, None]
-        if INTERP:
-            acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16).to(tl.float32), rope)
-        else:
-            acc_r = acc_r * a2 + tl.dot(p.to(tl.bfloat16), rope)
+        acc_r = acc_r * a2 + tl.dot(_mma_operand(p.to(tl.bfloat16), INTERP), rope)
         acc0 = _pv_tile(acc0 * a2, p, _k_tile_again(cache, row, valid, 0, lanes), c0, INTERP, KCVT)
         acc1 = _pv_tile(acc1 * a2, p, _k_tile_again(cache, row, valid, 1, lanes), c1, INTERP, KCVT)
         acc2 = _pv_tile(acc2 * a2, p, _k_tile_again(cache, row, valid, 2, lanes), c2, INTERP, KCVT)
@@ -175,13 +146,10 @@ def _tiled_body(
         acc4 = _pv_tile(acc4 * a2, p, _k_tile_again(cache, row, valid, 4, lanes), c4, INTERP, KCVT)
         acc5 = _pv_tile(acc5 * a2, p, _k_tile_again(cache, row, valid, 5, lanes), c5, INTERP, KCVT)
         acc6 = _pv_tile(acc6 * a2, p, _k_tile_again(cache, row, valid, 6, lanes), c6, INTERP, KCVT)
-        m_i = m_new
 
     base = (t64 * S + s) * HP + offs_h
     _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
-    tl.store(m_ws + base, m_i, mask=hmask)
-    tl.store(l_ws + base, l_i, mask=hmask)
-
+    _store_softmax_state(m_ws, l_ws, base, hmask, m_i, l_i)
 
 
 @triton.jit
