@@ -1,6 +1,6 @@
 """Launch configuration of the sparse MLA decode (dsv4_sm120.attention.config), on the CPU with injected device
 facts: the hand-written launch tables against the launches the rules in code chose before they became tables
-(tests/data/attention_launch_before_redesign.json), the tables' own shape, and the rules read as behaviour. The
+(tests/data/attention_launches_frozen.json), the tables' own shape, and the rules read as behaviour. The
 H200's own tables are generated from its launch sweep (tests/test_launch_sweep.py checks them against the results
 file); the H200's frozen launches are those of the architecture table, i.e. of a 132-SM Hopper GPU without a
 table of its own."""
@@ -16,7 +16,7 @@ import pytest
 from dsv4_sm120 import launch_tables as lt
 from dsv4_sm120.attention import DecodeInputError, config, plan_span
 
-FROZEN = Path(__file__).resolve().parent / "data" / "attention_launch_before_redesign.json"
+FROZEN = Path(__file__).resolve().parent / "data" / "attention_launches_frozen.json"
 H200 = config.Device("NVIDIA H200", (9, 0), 132)
 HOPPER_132 = config.Device("NVIDIA H100 SXM5 132-SM", (9, 0), 132)  # no table of its own: arch_sm_90's rules
 RTX_PRO_6000 = config.Device("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188)
