@@ -136,7 +136,7 @@ def test_head_count_follows_the_routes_of_the_three_layouts(tmp_path, env, versi
 def test_self_check_disable_sends_our_routes_to_stock(tmp_path, env, versions):
     write(tmp_path, {"attention.swa_c4": decision({4: "dsv4", 64: "triton"})}, versions)
     assert A.attention_route(2, "swa").backend == "dsv4"
-    assert A.uses_ours() and A.our_launches("swa_c4") == [(None, None)]
+    assert A.dsv4_serves_some_rows() and A.our_launches("swa_c4") == [(None, None)]
     A.disable("attention", "swa_c4 T=2 H=16: relative error 1 > tolerance 0.02")
     r = A.attention_route(2, "swa")
     assert r.backend == A.STOCK and "disabled by the self-check" in r.source and "relative error 1" in r.source

@@ -68,13 +68,13 @@ def _stock_recorder(monkeypatch):
 
 def _ours_counter(monkeypatch):
     calls = []
-    real = A.ours
+    real = A.run_dsv4_kernel
 
     def ours(q, num_heads, kw, launch=None, qk=None):
         calls.append(q.shape[0])
         return real(q, num_heads, kw, launch, qk)
 
-    monkeypatch.setattr(A, "ours", ours)
+    monkeypatch.setattr(A, "run_dsv4_kernel", ours)
     return calls
 
 
@@ -144,14 +144,14 @@ def test_the_self_check_plan_covers_every_launch_of_the_capture_rows(fresh):
 
 
 def test_a_failing_launch_in_the_self_check_takes_only_its_rows_to_stock(fresh, caplog):
-    real = A.ours
+    real = A.run_dsv4_kernel
 
     def ours(q, num_heads, kw, launch=None, qk=None):
         if A.layout_of(kw.get("extra_k_cache")) == "swa_c128":
             raise RuntimeError("out of resources: shared memory")
         return real(q, num_heads, kw, launch, qk)
 
-    fresh.setattr(A, "ours", ours)
+    fresh.setattr(A, "run_dsv4_kernel", ours)
     with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
         cases = S.run([8], torch.device("cpu"), rows=[1, 2, 4])
     by = {c["layout"]: c for c in cases}

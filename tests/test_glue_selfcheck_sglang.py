@@ -114,7 +114,7 @@ PROBE = textwrap.dedent(r'''
     selfcheck.reset(); decisions.reset(); logs.clear()
     kw = build(Case(T=2, H=8, K=16, extra="c4", extra_K=16, seed=5))
     q = kw.pop("q")
-    live = route.ours(q, 8, kw)
+    live = route.run_dsv4_kernel(q, 8, kw)
     out["fault_live_ratio"] = float(live.float().norm() / orig_torch(
         q, kw["k_cache"], kw["indices"], kw.get("topk_length"), kw.get("attn_sink"), 512, kw["softmax_scale"],
         kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"))[0].float().norm())

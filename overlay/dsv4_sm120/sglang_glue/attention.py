@@ -140,7 +140,7 @@ def attention_route(T: int, layout: str) -> Route:
     return r
 
 
-def uses_ours(layout: Optional[str] = None) -> bool:
+def dsv4_serves_some_rows(layout: Optional[str] = None) -> bool:
     """Whether some call (of ``layout``, or any) would run our attention kernel: at one row, the env's choice,
     or any bucket of the profile."""
     for lay in ([layout] if layout else LAYOUTS):
@@ -337,11 +337,6 @@ def relog() -> None:
 # ---------------------------------------------------------------------------- the calls SGLang makes
 
 
-def backend() -> str:
-    """``DSV4_SM120_ATTN_BACKEND``'s value (its default when unset; the profile may still decide: decisions)."""
-    return settings.get("DSV4_SM120_ATTN_BACKEND")
-
-
 def prefill_backend() -> str:
     return settings.get("DSV4_SM120_ATTN_PREFILL")
 
@@ -414,7 +409,7 @@ def test_fault() -> str:
     return (settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") or "").strip()
 
 
-def ours(q, num_heads: int, kw: dict, launch=None, qk=None):
+def run_dsv4_kernel(q, num_heads: int, kw: dict, launch=None, qk=None):
     """Our kernel on the real heads of ``q`` -> ``[T, 1, num_heads, 512]`` (what serving and the self-check
     call). ``DSV4_SM120_TEST_SELFCHECK_FAULT`` plants faults (tests): ``attention`` makes the result wrong,
     ``attention-raise`` makes every call raise and ``attention-raise-T=<n>`` the calls of n rows, before any launch
@@ -469,7 +464,7 @@ def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
     b = r.backend
     if b == "dsv4" and (is_decode_like(forward_mode) or prefill_backend() == "dsv4"):
         try:
-            return ours(q, num_heads, kw, r.launch, r.qk)
+            return run_dsv4_kernel(q, num_heads, kw, r.launch, r.qk)
         except Exception as e:  # noqa: BLE001 - any failure of ours: the stock path answers, the server keeps serving
             step_aside(q.shape[0], layout, num_heads, r, q.device, f"{type(e).__name__}: {str(e)[:300]}")
             return stock_dispatch(q, kw)

@@ -10,7 +10,7 @@ the kernel, the shape and the error. ``DSV4_SM120_SELFCHECK=0`` skips it.
   / + c128), every row count ``T`` is mapped to the launches a call of ``T`` rows runs (:func:`call_launches`:
   the resolved launch keys of each row chunk and whether its split count is 1 or a multiple of 16, the integer
   specializations Triton compiles separately), and the smallest ``T`` that reaches a launch not yet checked in
-  this process runs it: our kernel (the exact function serving calls, :func:`.attention.ours`) over random
+  this process runs it: our kernel (the exact function serving calls, :func:`.attention.run_dsv4_kernel`) over random
   caches in the real page layout (SWA pages of 256 tokens, c4 pages of 64, c128 pages of 2;
   :mod:`dsv4_sm120.attention.cache`) with the real candidate counts (SWA 128, c4 512, c128 from the context
   length), up to :data:`SAMPLE_ROWS` of its rows compared with SGLang's torch path ``_sm120_sparse_decode_fwd``
@@ -243,7 +243,7 @@ def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optio
 
     from dsv4_sm120.attention.reference import rel_fro
 
-    from .attention import ours
+    from .attention import run_dsv4_kernel
 
     layout, H, T, r = case["layout"], case["H"], case["T"], case["route"]
     launch, qk = r.launch, r.qk
@@ -256,7 +256,7 @@ def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optio
            "other_rows": list(case.get("other_rows", [])),
            "launches": len(case["new"]), "tol": tol, "err": None, "ok": False, "error": None}
     try:
-        out = ours(c["q"], H, c["kw"], launch, qk)
+        out = run_dsv4_kernel(c["q"], H, c["kw"], launch, qk)
         pick = torch.tensor(sample_rows(T), dtype=torch.long, device=c["q"].device)
         ref = stock_reference(c["q"][pick], _row_slice(c["kw"], pick))
         err = rel_fro(out[pick][:, :, :H], ref[:, :, :H])
