@@ -114,7 +114,7 @@ def test_attention_exception_disables_our_kernel(fresh, caplog):
     def broken(q, num_heads, kw, launch=None, qk=None):
         raise RuntimeError("out of resources: shared memory")
 
-    fresh.setattr(A, "ours", broken)
+    fresh.setattr(A, "run_dsv4_kernel", broken)
     with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
         cases = S.run([16], torch.device("cpu"))
     # every layout's launch runs and fails: the whole kernel is disabled (what the evidence says)
