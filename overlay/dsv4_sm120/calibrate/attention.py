@@ -23,7 +23,7 @@ from typing import List, Optional
 
 from .candidates import Candidate, Case, NotApplicable
 from .deployment import C4_PAGE, C128_PAGE, SWA_PAGE, Deployment
-from .. import settings
+from .. import settings, tolerances
 
 LAYOUTS = ("swa", "swa_c4", "swa_c128")
 VARIANTS = ("impl=tiled", "SPAN=0", "DEC_LATE=0", "BLOCK_N=64,num_warps=8,waves=1", "BLOCK_N=16", "KCVT=0")
@@ -117,13 +117,13 @@ class AttnCase(Case):
 
 
 class Ours(Candidate):
-    tol = 2e-2
+    tol = tolerances.ATTN_BF16
 
     def __init__(self, variant: str = "", qk: Optional[str] = None, device="cuda"):
         self.variant, self.qk, self.device = variant, qk, device
         self.name = "dsv4" + (f":{variant}" if variant else "") + ("+fp8qk" if qk == "fp8" else "")
         if qk == "fp8":
-            self.tol = 5e-2   # Q quantized to e4m3 per 32 (reference.quantize_q_mx)
+            self.tol = tolerances.ATTN_FP8QK
 
     def available(self):
         if importlib.util.find_spec("triton") is None:
@@ -173,7 +173,7 @@ class SGLangBackend(Candidate):
 
     def __init__(self, which: str, device="cuda"):
         self.name, self.device = which, device
-        self.tol = 2e-2
+        self.tol = tolerances.ATTN_BF16
         self._mod = self._why = None
 
     def _sglang_module(self):
@@ -231,7 +231,7 @@ class SGLangBackend(Candidate):
 class FlashMLA(Candidate):
     """FlashMLA's sparse FP8 decode (sm_90 / sm_100): a reference point; the sm_120 glue cannot route to it."""
 
-    name, eligible, tol = "flashmla", False, 2e-2
+    name, eligible, tol = "flashmla", False, tolerances.ATTN_BF16
 
     def __init__(self, device="cuda"):
         self.device = device

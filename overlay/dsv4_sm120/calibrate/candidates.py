@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Iterable, List, Optional
 
+from .. import tolerances
+
 
 @dataclass
 class Outcome:
@@ -62,7 +64,7 @@ class Candidate:
 
     name = "?"
     eligible = True
-    tol = 2e-2
+    tol = tolerances.BF16_RESULT
     batch = False   # True: measures every bucket itself (measure_all), e.g. in a subprocess
 
     def available(self) -> Optional[str]:

@@ -11,9 +11,10 @@ installed, and for an MXFP4 checkpoint shows what its ``make convert-nvfp4`` con
 routes to our kernel as the ``dsv4_triton_nvfp4`` runner).
 
 The gate compares sampled rows with a float64 reference of the same (dequantized) weights, SwiGLU clamp
-included. Tolerances follow the activation format: NVFP4 activations (the NVFP4 runners on sm_120) carry
-~15-20% relative error on random data, so the nvfp4 gate is 0.3; FP8 / MXFP8 / bf16 activations (the MXFP4
-runners) 0.08. A broken runner (wrong halves, missing clamp on large data, garbage) lands far above either.
+included. Tolerances follow the activation format (:data:`dsv4_sm120.tolerances.MOE`): NVFP4 activations (the
+NVFP4 runners on sm_120) carry ~15-20% relative error on random data, so the nvfp4 gate is 0.3; FP8 / MXFP8 /
+bf16 activations (the MXFP4 runners) 0.08. A broken runner (wrong halves, missing clamp on large data, garbage)
+lands far above either.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from typing import Dict, List, Optional
 
 from .candidates import Candidate, Case, Outcome, sample_rows
 from .deployment import Deployment
-from .. import settings
+from .. import settings, tolerances
+from ..paths import OVERLAY_DIR
 
 NVFP4_RUNNERS = ("flashinfer_cutlass", "dsv4_triton_nvfp4")
 MXFP4_RUNNERS = ("flashinfer_mxfp4", "deep_gemm", "marlin")
-TOL = {"nvfp4": 0.3, "mxfp4": 0.08}
+TOL = tolerances.MOE
 WORKER_TIMEOUT_S = settings.get("DSV4_SM120_CALIBRATE_MOE_TIMEOUT_S")
 
 
@@ -201,7 +203,7 @@ class SGLangRunner(Candidate):
 
     def measure_all(self, buckets: List[int], progress=None) -> Dict[int, Outcome]:
         env = dict(os.environ, **self.env)
-        overlay = str(Path(__file__).resolve().parents[2])
+        overlay = str(OVERLAY_DIR)
         env["PYTHONPATH"] = os.pathsep.join([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [overlay])
         try:
             r = subprocess.run([sys.executable, "-m", "dsv4_sm120.calibrate.moe_worker"],

@@ -15,7 +15,7 @@ the kernel, the shape and the error. ``DSV4_SM120_SELFCHECK=0`` skips it.
   :mod:`dsv4_sm120.attention.cache`) with the real candidate counts (SWA 128, c4 512, c128 from the context
   length), up to :data:`SAMPLE_ROWS` of its rows compared with SGLang's torch path ``_sm120_sparse_decode_fwd``
   (exact; the float64 reference where SGLang is absent). Tolerance: relative Frobenius error 2e-2 (5e-2 for
-  block-scaled QK), as ``make calibrate``'s gate. A launch that raises or misses takes the rows that reach it
+  block-scaled QK), as ``make calibrate``'s gate (:mod:`dsv4_sm120.tolerances`). A launch that raises or misses takes the rows that reach it
   to the stock path (:func:`.attention.step_aside`: their launch-table entry, before any capture); rows whose
   launches passed keep our kernel; when every launch checked fails, our kernel is disabled for every row.
   ``python -m dsv4_sm120.sglang_glue.selfcheck --time`` runs the same set for given heads, capture sizes and
@@ -42,13 +42,13 @@ import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from dsv4_sm120 import settings
+from dsv4_sm120 import settings, tolerances
 
 logger = logging.getLogger(__name__)
 
-ATTN_TOL = 2e-2
-ATTN_TOL_FP8QK = 5e-2
-MOE_TOL = 0.3
+ATTN_TOL = tolerances.ATTN_BF16
+ATTN_TOL_FP8QK = tolerances.ATTN_FP8QK
+MOE_TOL = tolerances.MOE["nvfp4"]
 ROWS = 2            # rows checked when the capture rows are unknown (no CUDA graphs)
 SAMPLE_ROWS = 8     # rows of a case compared with the reference (first, last and spread between)
 MOE_TOKENS = 2
