@@ -56,9 +56,11 @@ def test_gpu_check_runs_nvidia_smi(tmp_path):
     assert pf.check_gpu(p) == []
     p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, SMI_8.replace("12.0", "8.9")))
     assert len(pf.check_gpu(p)) == 8
-    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, "NVIDIA-SMI has failed", rc=9))
-    out = pf.check_gpu(p)
-    assert len(out) == 1 and "exit 9" in out[0]
+    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, "NVIDIA-SMI has failed because it couldn't communicate", rc=9))
+    out = pf.check_gpu(p)   # the tool's last line, as text (not a Python list)
+    assert out == ["nvidia-smi failed (exit 9): NVIDIA-SMI has failed because it couldn't communicate"], out
+    p = plan_for(NVIDIA_SMI=fake_smi(tmp_path, "", rc=3))
+    assert pf.check_gpu(p) == ["nvidia-smi failed (exit 3): no output"]
     out = pf.check_gpu(plan_for())
     assert len(out) == 1 and "nvidia-smi not found" in out[0]
     assert pf.check_gpu(plan_for(NODE_ROLE="router")) == []   # no GPUs needed on a router-only host

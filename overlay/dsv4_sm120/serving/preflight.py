@@ -149,7 +149,8 @@ def check_gpu(plan: Plan) -> List[str]:
     except subprocess.TimeoutExpired:
         return ["nvidia-smi did not answer within 30 s"]
     if r.returncode != 0:
-        return [f"nvidia-smi failed (exit {r.returncode}): {(r.stderr or r.stdout).strip().splitlines()[-1:] or ''}"]
+        last = ((r.stderr or r.stdout).strip().splitlines() or ["no output"])[-1].strip()
+        return [f"nvidia-smi failed (exit {r.returncode}): {last}"]
     try:
         gpus = parse_nvidia_smi(r.stdout)
     except ValueError as e:
