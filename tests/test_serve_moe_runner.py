@@ -15,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 sys.path.insert(0, str(REPO / "tests"))
+from dsv4_sm120 import moe_runner  # noqa: E402
 from dsv4_sm120.calibrate import profile as P  # noqa: E402
 from dsv4_sm120.serving import config as C  # noqa: E402
 from pcie_box import make_smi  # noqa: E402
@@ -90,8 +91,8 @@ def nvfp4_checkpoint(d: Path) -> Path:
 def test_runner_names_are_sglang_choices():
     from sglang.srt.arg_groups.choices import MOE_RUNNER_BACKEND_CHOICES
 
-    assert set(C.MXFP4_RUNNER_FLAGS) == set(RUNNERS)
-    assert set(C.MXFP4_RUNNER_FLAGS.values()) <= set(MOE_RUNNER_BACKEND_CHOICES)
+    assert set(moe_runner.MXFP4_RUNNER_FLAGS) == set(RUNNERS)
+    assert set(moe_runner.MXFP4_RUNNER_FLAGS.values()) <= set(MOE_RUNNER_BACKEND_CHOICES)
 
 
 def test_profile_winner_reaches_both_servers_and_parses(tmp_path, python_child):

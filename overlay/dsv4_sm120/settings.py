@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
+from dsv4_sm120 import moe_runner
+
 PREFIX = "DSV4_SM120_"
 READERS = ("runtime", "serve", "tools", "internal", "test")
 KINDS = ("choice", "bool", "int", "float", "path", "text")
@@ -164,11 +166,11 @@ _OURS: Tuple[Setting, ...] = (
     Setting("DSV4_SM120_ATTN_WS_MB", "float", "256",
             "workspace bound of one decode launch in MiB (longer calls are cut into row chunks)", "runtime",
             minimum=0, above=True),
-    Setting("DSV4_SM120_MOE_BACKEND", "choice", "auto",
+    Setting("DSV4_SM120_MOE_BACKEND", "choice", moe_runner.NVFP4_SETTING_DEFAULT,
             "MoE runner of NVFP4 checkpoints on sm_120 when `--moe-runner-backend` is auto: `auto` = the machine "
             "profile's runner, else `flashinfer_cutlass`; `dsv4_triton_nvfp4` = our Triton MoE; `stock` = "
             "SGLang's choice",
-            "runtime", choices=("auto", "flashinfer_cutlass", "dsv4_triton_nvfp4", "stock")),
+            "runtime", choices=moe_runner.NVFP4_SETTING_CHOICES),
     Setting("DSV4_SM120_MOE_PATH", "choice", "auto",
             "compute path of our NVFP4 MoE: `auto` = `fp4` on GPUs with FP4 MMA (sm_100, sm_120), else `bf16`",
             "runtime", choices=("auto", "fp4", "bf16")),

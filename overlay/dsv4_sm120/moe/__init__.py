@@ -8,7 +8,7 @@ Importing this package does not import torch or triton; the first call does.
 
 from __future__ import annotations
 
-BACKEND_NAME = "dsv4_triton_nvfp4"
+from ..moe_runner import TRITON_NVFP4_BACKEND as BACKEND_NAME  # the runner name SGLang knows it by
 
 __all__ = ["BACKEND_NAME", "nvfp4_fused_moe"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .. import model_config, settings
+from ..moe_runner import MOE_FLAG, mxfp4_runner
 from .envfiles import EnvFileError, load_env_dir
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-Flash"
@@ -228,13 +229,6 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
     return choice, (f"{choice}: {why}" if choice else f"SGLang default: {why}")
 
 
-# calibrate's MXFP4 runner names -> SGLang 0.5.23's --moe-runner-backend values (spelt the same today;
-# tests/test_serve_moe_runner.py checks every value against SGLang's own choices). A profile winner missing here
-# is never passed.
-MXFP4_RUNNER_FLAGS = {"flashinfer_mxfp4": "flashinfer_mxfp4", "deep_gemm": "deep_gemm", "marlin": "marlin"}
-MOE_FLAG = "--moe-runner-backend"
-
-
 def port_variable(what: str) -> str:
     """The variable that sets the port of a bind named ``what`` (``Proc.binds``)."""
     return PORT_VARIABLES.get(what, "the port's variable")
@@ -246,51 +240,6 @@ def user_moe_flag(s: Dict[str, str]) -> Optional[str]:
         if any(t == MOE_FLAG or t.startswith(MOE_FLAG + "=") for t in _split(k, s[k])):
             return k
     return None
-
-
-def mxfp4_moe_runner(model_path: str, device_name: Optional[str], user_flag: Optional[str],
-                     model: Optional[model_config.ModelConfig] = None) -> Tuple[Optional[str], str]:
-    """The --moe-runner-backend for an MXFP4 checkpoint (None = add nothing: SGLang's default or the user's
-    flag) and why: the ``moe.mxfp4`` winner of the machine profile matching ``device_name`` and this
-    process's versions (the serving python's), through :func:`dsv4_sm120.calibrate.profile.overall`. Only for a
-    checkpoint known to have MXFP4 routed experts (``model_config``: its config.json, local or in the Hugging
-    Face cache, or a published Hub id); an unknown format gets no flag."""
-    if user_flag:
-        return None, f"your {MOE_FLAG} in {user_flag} wins"
-    mc = model if model is not None else model_config.read(model_path)
-    fmt = mc.moe_format
-    if mc.problems():
-        return None, "not added: MODEL_PATH's config.json cannot be used (the model check says why)"
-    if fmt is None:
-        return None, (f"not added: the MoE format of MODEL_PATH={model_path} is unknown here ({mc.source}); "
-                      f"SGLang picks the runner from the checkpoint it loads")
-    if fmt != "mxfp4":
-        return None, (f"not added: {fmt.upper()} routed experts ({mc.source}); the patched SGLang picks the NVFP4 "
-                      f"runner itself")
-    if device_name is None:
-        return None, "SGLang default (no GPU name from nvidia-smi, so no machine profile applies)"
-    import logging
-
-    from dsv4_sm120.calibrate import profile as P
-
-    log = logging.getLogger(P.__name__)
-    level = log.level
-    log.setLevel(logging.ERROR)          # the reasons go into this line; the preflight warns about them
-    try:
-        prof, path, reasons = P.active_profile(device_name)
-        choice, source, detail = P.overall("moe.mxfp4", gpu=device_name)
-    finally:
-        log.setLevel(level)
-    if prof is None:
-        why = "; ".join(r for r in reasons if not r.startswith("warning:")) or "no reason given"
-        return None, f"SGLang default (no matching machine profile for {device_name}: {why})"
-    if source == "default":
-        return None, f"SGLang default (profile {path} has no moe.mxfp4 winner{': ' + detail if detail else ''})"
-    flag = MXFP4_RUNNER_FLAGS.get(choice)
-    if flag is None:
-        return None, (f"SGLang default (profile {path} picks {choice!r}, which is not a {MOE_FLAG} choice of "
-                      f"SGLang 0.5.23; skipped)")
-    return flag, f"{flag}: profile {path}{' (' + detail + ')' if detail else ''}"
 
 
 def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[float] = None) -> Plan:
@@ -342,7 +291,7 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     if servers and (s["FP8_GEMM_BACKEND"].strip() in ("auto", "") or want_moe):
         dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0])
     fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo, dev)
-    moe, moe_reason = (mxfp4_moe_runner(s["MODEL_PATH"], dev, user_moe, model) if servers
+    moe, moe_reason = (mxfp4_runner(s["MODEL_PATH"], dev, user_moe, model) if servers
                        else (None, "no server on this host"))
     cal_argv, cal_env = calibrate_command(s, python, roles, pg, dg)
 

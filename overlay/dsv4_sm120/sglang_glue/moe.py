@@ -3,16 +3,13 @@
 
 Patch 0003 calls two functions, through ``sglang.srt.dsv4_sm120_hook.import_glue("moe")``:
 
-* :func:`hybrid_nvfp4_moe_runner_backend` from the DeepSeek-V4 server-argument
-  override, when the user left ``--moe-runner-backend`` at ``auto`` and the
-  checkpoint is the hybrid format (``quantization_config`` with
-  ``moe_quant_algo: NVFP4``; e.g. the output of ``python -m dsv4_sm120.convert_nvfp4``).
-  Stock 0.5.23 forces ``flashinfer_trtllm_routed`` there, which only runs on
-  sm_100; on sm_120 this returns ``flashinfer_cutlass`` (ModelOpt NVFP4 through
-  FlashInfer's CUTLASS fused MoE, which has sm_120 kernels). The overlay's own Triton runner
-  (``dsv4_triton_nvfp4``) is opt-in: it missed its H200 targets and has not run
-  on sm_120 yet (docs/moe.md); ``make bench-moe`` on sm_120 decides, then
-  ``DSV4_SM120_MOE_BACKEND=dsv4_triton_nvfp4`` selects it.
+* :func:`hybrid_nvfp4_moe_runner_backend` from the DeepSeek-V4 server-argument override, when the user left
+  ``--moe-runner-backend`` at ``auto`` and the checkpoint is the hybrid format (``quantization_config`` with
+  ``moe_quant_algo: NVFP4``; e.g. the output of ``python -m dsv4_sm120.convert_nvfp4``). Stock 0.5.23 forces
+  ``flashinfer_trtllm_routed`` there, which only runs on sm_100; on sm_120 the answer is
+  :func:`dsv4_sm120.moe_runner.nvfp4_runner`'s (``DSV4_SM120_MOE_BACKEND``, then the machine profile's
+  ``moe.nvfp4`` runner, then ``flashinfer_cutlass``; that module states the order for both expert formats).
+  The choice is logged once, with its source.
 * :func:`draft_mxfp4_expert_method` from ``HybridFp8NvFp4Config.get_quant_method``
   for the MTP draft experts, which that format keeps in MXFP4. Stock 0.5.23 sends
   them to ``Mxfp4FlashinferTrtllmMoEMethod`` (TRT-LLM, sm_100 only); on sm_120
@@ -20,11 +17,7 @@ Patch 0003 calls two functions, through ``sglang.srt.dsv4_sm120_hook.import_glue
   uses for MXFP4 experts there (MXFP8 activations x MXFP4 weights).
 
 Both take plain values (no SGLang import), so they are testable on their own; on doubt they return the stock
-choice. ``DSV4_SM120_MOE_BACKEND`` = ``flashinfer_cutlass`` | ``dsv4_triton_nvfp4`` | ``stock`` (keep SGLang's
-own choice) forces the hybrid-NVFP4 runner on sm_120; ``auto`` (default) takes the machine profile's choice
-for decision ``moe.nvfp4`` (one runner per server: :func:`dsv4_sm120.calibrate.profile.overall`, the winner of
-the most token buckets), else ``flashinfer_cutlass``. An explicit ``--moe-runner-backend`` always wins over all
-of this. The choice is logged once, with its source.
+choice.
 
 Patch 0005 registers :data:`BACKEND_NAME` with SGLang (choices and runner backend names) and, in
 ``ModelOptNvFp4FusedMoEMethod`` when the layer's runner backend is ours, calls:
@@ -50,17 +43,10 @@ import logging
 
 from dsv4_sm120 import settings
 from dsv4_sm120.moe import BACKEND_NAME
+from dsv4_sm120.moe_runner import (ENV_BACKEND, SM120_NVFP4_BACKEND, STOCK_HYBRID_BACKEND,  # noqa: F401
+                                   TRITON_NVFP4_BACKEND, nvfp4_runner)
 
 logger = logging.getLogger(__name__)
-
-ENV_BACKEND = "DSV4_SM120_MOE_BACKEND"
-
-#: What stock SGLang 0.5.23 picks for the hybrid format (sm_100 only).
-STOCK_HYBRID_BACKEND = "flashinfer_trtllm_routed"
-#: The FlashInfer runner that runs ModelOpt NVFP4 MoE on sm_120.
-SM120_NVFP4_BACKEND = "flashinfer_cutlass"
-#: The overlay's Triton NVFP4 fused-MoE runner backend (dsv4_sm120.moe).
-TRITON_NVFP4_BACKEND = BACKEND_NAME
 
 #: Draft-expert (MXFP4) method names returned by draft_mxfp4_expert_method.
 DRAFT_CUTLASS = "flashinfer_cutlass_mxfp4"  # Mxfp4FlashinferCutlassMoEMethod
@@ -80,49 +66,16 @@ def hybrid_nvfp4_moe_runner_backend(
 
     Called only when ``--moe-runner-backend`` is ``auto``. ``stock`` is what
     SGLang would pick; it is returned unchanged off sm_120 (and on ROCm).
-    On sm_120: ``flashinfer_cutlass`` by default (``auto``);
-    ``DSV4_SM120_MOE_BACKEND=dsv4_triton_nvfp4`` selects the overlay's
-    Triton runner when :func:`backend_available`, ``stock`` keeps SGLang's.
+    On sm_120: :func:`dsv4_sm120.moe_runner.nvfp4_runner` with
+    ``DSV4_SM120_MOE_BACKEND`` and :func:`backend_available`.
     """
     if not is_sm120 or is_hip:
         return stock
-    choice = settings.get(ENV_BACKEND)
-    source = f"env {ENV_BACKEND}"
-    if choice == "auto":
-        # the machine profile's runner, else the path with measured sm_120 results (dsv4_triton_nvfp4 was slower
-        # than an FP8 MoE on the H200: bench/results/moe.csv)
-        choice, source, detail = profile_choice()
-        if choice not in (SM120_NVFP4_BACKEND, TRITON_NVFP4_BACKEND):
-            source = f"default: profile winner {choice!r} is not an NVFP4 runner on sm_120"
-            choice = SM120_NVFP4_BACKEND
-        elif detail:
-            source = f"{source}; {detail}"
-    if choice == "stock":
-        _log_decision(stock, source)
-        return stock
-    if choice == TRITON_NVFP4_BACKEND:
-        if backend_available():
-            _log_decision(TRITON_NVFP4_BACKEND, source)
-            return TRITON_NVFP4_BACKEND
-        logger.warning("%s=%s but that backend is not available; using %s",
-                       ENV_BACKEND, TRITON_NVFP4_BACKEND, SM120_NVFP4_BACKEND)
-        choice, source = SM120_NVFP4_BACKEND, f"{source}; {TRITON_NVFP4_BACKEND} not available"
-    _log_decision(SM120_NVFP4_BACKEND, source)
-    return SM120_NVFP4_BACKEND
-
-
-def profile_choice():
-    """``(runner, source, detail)`` of decision ``moe.nvfp4`` from the machine profile (default
-    ``flashinfer_cutlass``); never raises."""
-    from dsv4_sm120.calibrate import profile
-
-    try:
-        choice, source, detail = profile.overall("moe.nvfp4", SM120_NVFP4_BACKEND)
-    except Exception as e:  # noqa: BLE001 - a broken profile must not stop the server
-        return SM120_NVFP4_BACKEND, f"default: profile unreadable ({type(e).__name__}: {e})", ""
-    if source == "default":
-        source = profile.default_reason("moe.nvfp4")
-    return choice, source, detail
+    runner, source, warning = nvfp4_runner(settings.get(ENV_BACKEND), backend_available, stock)
+    if warning:
+        logger.warning("%s", warning)
+    _log_decision(runner, source)
+    return runner
 
 
 _logged: set = set()
