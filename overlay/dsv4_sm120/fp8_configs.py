@@ -22,7 +22,8 @@ The project directory is, in this order:
 :func:`recommended_fp8_gemm_backend` says whether ``--fp8-gemm-backend triton`` beats SGLang's
 default on a device: the machine profile's ``fp8_gemm`` decision when a profile matches the GPU and
 this environment's versions (``make calibrate``; :mod:`dsv4_sm120.calibrate.profile`), else the
-tuner's summary; the serve scripts call ``python -m dsv4_sm120.fp8_configs backend-args``.
+tuner's summary. The serve planner calls it (:func:`dsv4_sm120.serving.config.fp8_gemm_backend`, for
+``FP8_GEMM_BACKEND=auto``); ``python -m dsv4_sm120.fp8_configs backend-args`` prints its answer.
 
 This module imports neither torch nor SGLang at import time.
 """
