@@ -41,7 +41,7 @@ carry ``floor_share`` = floor us / their us; docs/attention.md "Gather floor").
 ``--variants 'A;B'``: launch-config texts set as ``attention.launch.CONFIG_OVERRIDE`` (the DSV4_SM120_ATTN_CONFIG
 syntax); each is timed next to the default at ``--variant-cases`` and recorded with that text as ``variant``.
 
-  python3 bench/bench_attention.py --cases tp4_decode --variants 'SPAN=0'
+  python3 bench/bench_attention.py --cases tp4_decode --variants 'spanning_splits=0'
   python3 bench/bench_attention.py --dry-run --cases all     # the rows it would write; no GPU needed
   python3 bench/bench_attention.py --cases launch --qk-modes bf16,fp8   # this GPU's launch-table sweep
 """
@@ -92,11 +92,12 @@ for _h in SPEC_HEADS:
 # (``bench/results_table.py launch attention``). Candidates spell out every key of their body; "auto" keys follow
 # the rules of attention.config. SWA128 + c4-512 (the TP4 decode layout) at every head count.
 LAUNCH_B = (1, 4, 16, 32, 64, 96, 128, 192, 256, 384, 512, 1024)
-REG = "impl=reg,BLOCK_H=16,BLOCK_N=32,num_warps=4,num_stages=1,maxnreg=0,waves=2,KCVT=1,DEC_LATE=1,SPAN=1,PART_BF16=1"
+REG = ("impl=reg,BLOCK_H=16,BLOCK_N=32,num_warps=4,num_stages=1,maxnreg=0,waves=2,e4m3_int_decode=1,late_decode=1,"
+       "spanning_splits=1,PART_BF16=1")
 TILED_AUTO = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxnreg=auto,waves=auto,PREFETCH=auto,"
-              "KCVT=1,PART_BF16=1")
-TILED_W2 = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxnreg=auto,waves=2,PREFETCH=0,KCVT=1,"
-            "PART_BF16=1")
+              "e4m3_int_decode=1,PART_BF16=1")
+TILED_W2 = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxnreg=auto,waves=2,PREFETCH=0,"
+            "e4m3_int_decode=1,PART_BF16=1")
 FLAT = "impl=flat,BLOCK_H={H},BLOCK_N=32,num_warps=8,num_stages=1,maxnreg=0,waves=2"
 LAUNCH_CANDIDATES = {  # (heads, qk) -> candidate launch texts
     (16, "bf16"): (REG, TILED_AUTO), (16, "fp8"): (TILED_AUTO, TILED_W2),

@@ -559,7 +559,10 @@ def test_reg_body_code_generation_for_sm90_and_sm120():
 
 def test_parse_config_accepts_the_documented_keys_and_refuses_typos():
     got = config.parse_config(" KCVT=1, maxnreg=0 ,impl=reg,waves=1.5,BLOCK_S=auto,BLOCK_N=32 ")
-    assert got == {"KCVT": 1, "maxnreg": 0, "impl": "reg", "waves": 1.5, "BLOCK_S": "auto", "BLOCK_N": 32}
+    assert got == {"e4m3_int_decode": 1, "maxnreg": 0, "impl": "reg", "waves": 1.5, "BLOCK_S": "auto", "BLOCK_N": 32}
+    # old spellings are read as the descriptive names (attention.key_aliases), new ones as themselves
+    assert config.parse_config("DEC_LATE=0,SPAN=1,e4m3_int_decode=0") == {"late_decode": 0, "spanning_splits": 1,
+                                                                          "e4m3_int_decode": 0}
     assert config.parse_config("") == {}
     for bad, needle in [("BLOCKN=32", "unknown key 'BLOCKN'"), ("impl=fast", "impl must be one of"),
                         ("KCVT", "key=value"), ("BLOCK_N=48", "power of two"), ("num_warps=0", "power of two"),

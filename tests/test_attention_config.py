@@ -15,6 +15,7 @@ import pytest
 
 from dsv4_sm120 import launch_tables as lt
 from dsv4_sm120.attention import DecodeInputError, config, plan_span
+from dsv4_sm120.attention.key_aliases import canonical
 
 FROZEN = Path(__file__).resolve().parent / "data" / "attention_launches_frozen.json"
 H200 = config.Device("NVIDIA H200", (9, 0), 132)
@@ -34,7 +35,8 @@ def _parts(text: str):
     if text == "error":
         return text
     keys, plan = text.split("|")
-    return dict(kv.split("=") for kv in keys.split(",")), plan
+    # the frozen texts spell the flags the old way (KCVT, DEC_LATE, SPAN): compared under their descriptive names
+    return {canonical(k): v for k, v in (kv.split("=") for kv in keys.split(","))}, plan
 
 
 def test_tables_give_the_launches_the_rules_gave():
@@ -117,7 +119,7 @@ def test_launch_rules_read_as_behaviour():
     4 (bf16) grid rows per SM; sm_120 never pipelines and keeps head blocks at <= 32 rows."""
     for T in (1, 4, 16, 64, 128, 528):
         L = config.resolve(16, T, 128, 512, HOPPER_132)
-        assert (L.config["impl"], L.config["BLOCK_N"], L.config["num_warps"], L.config["SPAN"]) == ("reg", 32, 4, 1)
+        assert (L.config["impl"], L.config["BLOCK_N"], L.config["num_warps"], L.config["spanning_splits"]) == ("reg", 32, 4, 1)
         assert L.plan[0] == plan_span(T, 1, 128, 512, 32, 132, 2.0)[0] and L.plan[2] == 0
     big = config.resolve(16, 529, 128, 8192, HOPPER_132).config
     assert (big["impl"], big["waves"], big["PREFETCH"], big["num_stages"], big["maxnreg"]) == ("tiled", 1.0, 2, 2, 0)

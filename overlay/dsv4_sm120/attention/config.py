@@ -38,6 +38,7 @@ from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 from .. import launch_tables as lt
 from .. import settings
 from . import plan as P
+from .key_aliases import canonical, canonical_entry
 
 KERNEL = "attention"
 IMPLS = ("tiled", "flat", "reg")
@@ -49,19 +50,20 @@ QK_MODES = ("auto", "bf16", "fp8")
 # sweep's candidates spell out every key, some of them "auto")
 KEYS = {
     "impl": "impl", "waves": "float_or_auto",
-    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "KCVT", "DEC_LATE", "SPAN", "PART_BF16")},
+    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "e4m3_int_decode", "late_decode", "spanning_splits",
+                           "PART_BF16")},
     **{k: "int_or_auto" for k in ("num_stages", "PREFETCH", "maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps",
                                   "combine_maxnreg")},
 }
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D")
 # flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body)
-MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "DEC_LATE": 1, "SPAN": 1, "PART_BF16": 1}
+MAX_VALUE = {"PREFETCH": 2, "e4m3_int_decode": 1, "late_decode": 1, "spanning_splits": 1, "PART_BF16": 1}
 
 # the keys each body reads (the resolved launch holds exactly these; absent flags are 0)
 COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "waves")
 COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
-BODY_KEYS = {"tiled": ("PREFETCH", "KCVT", "PART_BF16"), "reg": ("KCVT", "DEC_LATE", "SPAN", "PART_BF16"),
-             "flat": ()}
+BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
+             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": ()}
 
 # Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the
 # block sizes; only correctness is measured there)
@@ -91,9 +93,10 @@ class Launch(NamedTuple):
 
 
 def parse_config(text: str, source: str = "config") -> Dict[str, object]:
-    """``"KCVT=1,maxnreg=0,impl=reg"`` -> ``{"KCVT": 1, "maxnreg": 0, "impl": "reg"}``, validated: unknown keys,
-    malformed items and out-of-range values raise ``DecodeInputError`` naming ``source`` and the valid keys (a
-    typo must not silently leave the default in place)."""
+    """``"e4m3_int_decode=1,maxnreg=0,impl=reg"`` -> ``{"e4m3_int_decode": 1, "maxnreg": 0, "impl": "reg"}``,
+    validated: unknown keys, malformed items and out-of-range values raise ``DecodeInputError`` naming ``source``
+    and the valid keys (a typo must not silently leave the default in place). An old spelling of a key
+    (:data:`.key_aliases.ALIASES`, e.g. ``KCVT``) is read as its descriptive name."""
     out: Dict[str, object] = {}
     for item in (x.strip() for x in str(text).split(",")):
         if not item:
@@ -101,6 +104,7 @@ def parse_config(text: str, source: str = "config") -> Dict[str, object]:
         key, sep, val = (x.strip() for x in item.partition("="))
         if not sep or not key or not val:
             raise DecodeInputError(f"{source}: expected key=value items separated by commas, got {item!r}")
+        key = canonical(key)
         kind = KEYS.get(key)
         if kind is None:
             raise DecodeInputError(f"{source}: unknown key {key!r}; valid keys: {', '.join(sorted(KEYS))}")
@@ -209,7 +213,7 @@ def table_entry(H: int, T: int, qk: str, device: Device, impl: Optional[str] = N
         cfg = table[size]
     if impl is not None:
         cfg = dict(cfg, impl=impl)
-    return dict(cfg), f"{found.path.name}[{size}]"
+    return canonical_entry(cfg), f"{found.path.name}[{size}]"
 
 
 # ---- resolution
@@ -266,7 +270,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     if cfg.get("PREFETCH") == "auto":
         cfg["PREFETCH"] = _auto_prefetch(rows, nsm)
     HG = P.cdiv(H, int(cfg["BLOCK_H"]))
-    span = impl == "reg" and bool(int(cfg.get("SPAN", 0)))
+    span = impl == "reg" and bool(int(cfg.get("spanning_splits", 0)))
     plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]))
     s1, c1, s2, c2 = plan
     if cfg.get("num_stages", "auto") == "auto":

@@ -147,6 +147,7 @@ def _attention_shapes():
 
 def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str) -> List[Launch]:
     from ..attention.config import BODY_KEYS
+    from ..attention.key_aliases import CONSTEXPR
 
     impl = cfg["impl"]
     fp8 = qk == "fp8"
@@ -154,13 +155,13 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
                BLOCK_N=cfg["BLOCK_N"], FP8_QK=fp8, INTERP=False)
     for k in BODY_KEYS[impl]:
         if k != "PART_BF16":   # PART_BF16 is the workspace's dtype (the acc_ws pointer type), not a constexpr
-            cst[k] = bool(cfg[k]) if k != "PREFETCH" else int(cfg[k])
+            cst[CONSTEXPR.get(k, k)] = bool(cfg[k]) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg["maxnreg"]:
         opts["maxnreg"] = cfg["maxnreg"]
-    span = impl == "reg" and bool(cfg.get("SPAN"))
+    span = impl == "reg" and bool(cfg.get("spanning_splits"))
     need = {"ctas": max(1, int(cfg["waves"])) if span else 1}
     if fp8:
         need["mma"] = "fp8"
