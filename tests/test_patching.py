@@ -421,7 +421,7 @@ def test_setup_env_stamp_covers_the_environment_not_the_patch_tool(tmp_path):
     (venv / ".dsv4_env_stamp").write_text(stamp + "\n")
     r = run()
     assert r.returncode == 0 and "up to date" in r.stdout, r.stdout + r.stderr
-    with open(co / "overlay" / "dsv4_sm120" / "patching.py", "a") as fh:
+    with open(co / "overlay" / "dsv4_sm120" / "patching" / "__init__.py", "a") as fh:
         fh.write("\n# an edit to the patch tool\n")
     r = run()
     assert r.returncode == 0 and "up to date" in r.stdout, r.stdout + r.stderr

@@ -29,16 +29,10 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from dsv4_sm120.bench_rows import SHAPE_FIELDS, latest_rows, number, parse_date
 from dsv4_sm120.fileio import atomic_write_text
 
 HEAD = ("subject", "case", "variant", "impl")
-SHAPE_FIELDS = {
-    "attention": ("layout", "heads", "batch", "context"),
-    "moe": ("tokens", "hidden", "inter", "experts", "topk", "routing"),
-    "fp8": ("n", "k", "m"),
-    # prompt tokens, bytes one TP rank's KV pages of that prompt take, descriptors (pages) moved, GPU pair
-    "kv": ("prompt", "bytes", "descs", "src", "dst"),
-}
 TAIL = ("gpu", "torch", "triton", "cuda", "driver", "commit", "date", "command", "us", "gbps", "rel_err", "notes")
 NUMERIC = ("us", "gbps", "rel_err")
 # the shape field that becomes the table's columns
@@ -111,11 +105,6 @@ def _check_values(row: Dict[str, str], where: str) -> None:
     except ValueError:
         raise ResultsError(f"{where}: date must be ISO 8601 (e.g. 2026-11-30T07:43:21+00:00), "
                            f"got {row['date']!r}") from None
-
-
-def parse_date(text: str) -> datetime.datetime:
-    d = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return d if d.tzinfo else d.replace(tzinfo=datetime.timezone.utc)
 
 
 def _line(values: Sequence[str]) -> str:
@@ -201,31 +190,8 @@ def read_rows(path, subject: Optional[str] = None) -> List[Dict[str, str]]:
     return out
 
 
-def _norm_gpu(name: str) -> str:
-    return " ".join(name.replace("_", " ").lower().split())
-
-
 def gpus(rows: Iterable[Dict[str, str]]) -> List[str]:
     return sorted({r["gpu"] for r in rows if r["gpu"]})
-
-
-def latest_rows(rows: Iterable[Dict[str, str]], subject: str, gpu: Optional[str] = None) -> List[Dict[str, str]]:
-    """The newest row per (case, impl, variant, shape fields) on ``gpu`` (spaces and underscores alike, any
-    case; None = every GPU, then the GPU is part of the key). Newest = latest ``date``, then the later line."""
-    key_fields = ["case", "impl", "variant", *SHAPE_FIELDS[subject]] + ([] if gpu else ["gpu"])
-    best: Dict[tuple, Dict[str, str]] = {}
-    for r in rows:
-        if gpu and _norm_gpu(r["gpu"]) != _norm_gpu(gpu):
-            continue
-        k = tuple(r[f] for f in key_fields)
-        if k not in best or (parse_date(r["date"]), r.get("_line", 0)) >= (
-                parse_date(best[k]["date"]), best[k].get("_line", 0)):
-            best[k] = r
-    return list(best.values())
-
-
-def _num(text: str) -> Optional[float]:
-    return float(text) if text else None
 
 
 def _sort_key(v: str):
@@ -240,7 +206,7 @@ def _cell(r: Optional[Dict[str, str]], newest=None) -> str:
         return "-"
     if newest is not None and parse_date(r["date"]) < newest:
         return _cell(r) + " *"
-    us, gbps, err = _num(r["us"]), _num(r["gbps"]), _num(r["rel_err"])
+    us, gbps, err = number(r["us"]), number(r["gbps"]), number(r["rel_err"])
     if us is None:
         if "error=" in r["notes"]:
             return "failed"
@@ -296,8 +262,8 @@ def render_table(subject: str, rows: List[Dict[str, str]], gpu: str, all_variant
                 by_x = {r[x]: r for r in mine}
                 out.append(f"| {impl} | {variant} | " + " | ".join(_cell(by_x.get(v), newest) for v in xs)
                            + f" | {_when(mine)} |")
-            a = {r[x]: _num(r["us"]) for r in rs if r["impl"] == num and r["variant"] == DEFAULT_VARIANT}
-            b = {r[x]: _num(r["us"]) for r in rs if r["impl"] == den and r["variant"] == DEFAULT_VARIANT}
+            a = {r[x]: number(r["us"]) for r in rs if r["impl"] == num and r["variant"] == DEFAULT_VARIANT}
+            b = {r[x]: number(r["us"]) for r in rs if r["impl"] == den and r["variant"] == DEFAULT_VARIANT}
             if any(a.get(v) and b.get(v) for v in xs):
                 out.append(f"| {label} | default | " + " | ".join(
                     f"{a[v] / b[v]:.2f}" if a.get(v) and b.get(v) else "-" for v in xs) + " | |")

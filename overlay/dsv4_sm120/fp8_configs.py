@@ -7,7 +7,7 @@ SGLang 0.5.23 reads the Triton ``w8a8_block_fp8_matmul`` tile configs only from
 schema check are in :mod:`dsv4_sm120.fp8.configs`).  Patch
 ``0004-fp8-config-dir.patch`` makes ``get_w8a8_block_fp8_configs`` ask
 :func:`dsv4_sm120.sglang_glue.fp8.project_config_path` first, which looks in
-:func:`project_config_dir`; when that returns None SGLang's own directory is used as before.
+:func:`project_config_dir` (defined there); when that returns None SGLang's own directory is used as before.
 
 The project directory is, in this order:
 
@@ -31,7 +31,6 @@ This module imports neither torch nor SGLang at import time.
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import subprocess
 import sys
@@ -53,6 +52,8 @@ from dsv4_sm120.fp8.configs import (
     summary_file_stem,
     validate_config_table,
 )
+# where the patched SGLang looks (the glue's reader); re-exported with the rest of the config-file answers
+from dsv4_sm120.sglang_glue.fp8 import ENV_CONFIG_DIR, project_config_dir, project_config_path
 
 __all__ = [
     "ENV_CONFIG_DIR", "ENV_BACKEND", "project_config_dir", "load_summary",
@@ -61,39 +62,13 @@ __all__ = [
     "sglang_device_name", "summary_file_stem", "validate_config_table",
 ]
 
-logger = logging.getLogger(__name__)
-
-ENV_CONFIG_DIR = "DSV4_SM120_FP8_CONFIG_DIR"
 ENV_BACKEND = "DSV4_SM120_FP8_GEMM_BACKEND"
-
-_warned: set = set()
-
-
-def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
-    """The project's FP8 config directory (see module doc), or None when switched off / not found."""
-    env = settings.raw(ENV_CONFIG_DIR)
-    if env is not None:
-        if not env.strip():
-            return None
-        p = Path(env).expanduser()
-        if not p.is_dir() and str(p) not in _warned:
-            _warned.add(str(p))
-            logger.warning("%s=%s is not a directory; using SGLang's own FP8 GEMM configs", ENV_CONFIG_DIR, p)
-        return p if p.is_dir() else None
-    from dsv4_sm120.patching import applied_repo_root
-
-    repo = applied_repo_root(sglang_root)
-    candidates = [repo / "configs" / "fp8" if repo is not None else None,
-                  Path(__file__).resolve().parents[2] / "configs" / "fp8"]
-    for c in candidates:
-        if c is not None and c.is_dir():
-            return c
-    return None
 
 
 # --------------------------------------------------------------------------
 # Backend recommendation for the serve scripts
 # --------------------------------------------------------------------------
+
 
 def load_summary(device_name: str, config_dir: Optional[Path] = None) -> Optional[dict]:
     """The tuner's summary for ``device_name`` in ``config_dir`` (default: the project directory), or None."""
@@ -203,8 +178,6 @@ def _main(argv=None) -> int:
             d = project_config_dir()
             print(d if d is not None else "")
         elif a.cmd == "lookup":
-            from dsv4_sm120.sglang_glue.fp8 import project_config_path
-
             name = config_file_name(a.N, a.K, a.device_name)
             p = project_config_path(name)
             print(p if p else f"(not in project dir) {name}")

@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from . import bench_results as R
+from . import bench_rows as R
 from . import launch_tables as LT
 from . import tolerances
 
@@ -102,7 +102,7 @@ def winners(subject: str, rows: List[Dict[str, str]],
     for r in rows:
         parse(r["variant"])  # refuse an incomplete candidate even when it never wins
         shape, size = _shape_and_size(subject, r)
-        us, err = R._num(r["us"]), R._num(r["rel_err"])
+        us, err = R.number(r["us"]), R.number(r["rel_err"])
         if "error=" in r["notes"]:
             us = None
         measured[shape][size].append((us, err, r["variant"], r["impl"]))

@@ -25,7 +25,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Dict, NamedTuple, Optional, Tuple
 
-TABLE_DIR = Path(__file__).resolve().parent / "launch_tables"
+from .paths import PACKAGE_DIR
+
+TABLE_DIR = PACKAGE_DIR / "launch_tables"
 DEFAULT_DEVICE = "default"
 
 

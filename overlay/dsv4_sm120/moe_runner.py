@@ -26,28 +26,19 @@ MXFP4 experts (the released checkpoint) are decided by the serve planner, which 
 3. no flag: SGLang's default.
 
 :mod:`dsv4_sm120.settings` declares ``DSV4_SM120_MOE_BACKEND`` with :data:`NVFP4_SETTING_CHOICES` and
-:data:`NVFP4_SETTING_DEFAULT`. Imports nothing at load time (the profile and the model config when asked).
+:data:`NVFP4_SETTING_DEFAULT`; the runner names are :mod:`dsv4_sm120.moe_runner_names` (which the settings import,
+since this module reads the machine profile, which reads the settings). Imports nothing else at load time (the
+profile and the model config when asked).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
-ENV_BACKEND = "DSV4_SM120_MOE_BACKEND"
-MOE_FLAG = "--moe-runner-backend"
-
-#: What stock SGLang 0.5.23 picks for the hybrid format (sm_100 only).
-STOCK_HYBRID_BACKEND = "flashinfer_trtllm_routed"
-#: The FlashInfer runner that runs ModelOpt NVFP4 MoE on sm_120.
-SM120_NVFP4_BACKEND = "flashinfer_cutlass"
-#: The overlay's Triton NVFP4 fused-MoE runner backend (``dsv4_sm120.moe.BACKEND_NAME``).
-TRITON_NVFP4_BACKEND = "dsv4_triton_nvfp4"
-#: The NVFP4 runner when neither the setting nor the machine profile picks one.
-NVFP4_DEFAULT = SM120_NVFP4_BACKEND
-NVFP4_RUNNERS = (SM120_NVFP4_BACKEND, TRITON_NVFP4_BACKEND)
-#: ``DSV4_SM120_MOE_BACKEND``'s values and default.
-NVFP4_SETTING_CHOICES = ("auto", SM120_NVFP4_BACKEND, TRITON_NVFP4_BACKEND, "stock")
-NVFP4_SETTING_DEFAULT = "auto"
+# the names, re-exported: every name of the MoE runner decision is importable from here
+from dsv4_sm120.moe_runner_names import (ENV_BACKEND, MOE_FLAG, NVFP4_DEFAULT, NVFP4_RUNNERS,  # noqa: F401
+                                         NVFP4_SETTING_CHOICES, NVFP4_SETTING_DEFAULT, SM120_NVFP4_BACKEND,
+                                         STOCK_HYBRID_BACKEND, TRITON_NVFP4_BACKEND)
 
 # calibrate's MXFP4 runner names -> SGLang 0.5.23's --moe-runner-backend values (spelt the same today;
 # tests/test_serve_moe_runner.py checks every value against SGLang's own choices). A profile winner missing here

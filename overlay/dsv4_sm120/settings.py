@@ -4,7 +4,7 @@ Each setting is declared once here (name, type, valid values, default, meaning, 
 only through :func:`get` / :func:`raw`, which validate: a bad value is a :class:`SettingsError` whose one
 line names the variable and the valid values. Ours start with ``DSV4_SM120_``; the serve scripts'
 parameters (``MODEL_PATH``, ``PREFILL_GPUS``, ...) keep their short names and are declared in
-``dsv4_sm120.serving.config.VARIABLES``, which this registry includes as the group ``serve``.
+``dsv4_sm120.serve_variables.VARIABLES``, which this registry includes as the group ``serve``.
 
 Who reads a setting (``reader``):
 
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from dsv4_sm120 import moe_runner
+from dsv4_sm120 import moe_runner_names
+from dsv4_sm120.serve_variables import VARIABLES
 
 PREFIX = "DSV4_SM120_"
 READERS = ("runtime", "serve", "tools", "internal", "test")
@@ -118,7 +119,7 @@ _EMPTY = {"bool": False, "int": 0, "float": 0.0, "path": "", "text": "", "choice
 
 
 def _attention_launch(text: str) -> Optional[str]:
-    from dsv4_sm120.attention.config import DecodeInputError, parse_config
+    from dsv4_sm120.attention.keys import DecodeInputError, parse_config
 
     try:
         parse_config(text, "launch config")
@@ -166,11 +167,11 @@ _OURS: Tuple[Setting, ...] = (
     Setting("DSV4_SM120_ATTN_WS_MB", "float", "256",
             "workspace bound of one decode launch in MiB (longer calls are cut into row chunks)", "runtime",
             minimum=0, above=True),
-    Setting("DSV4_SM120_MOE_BACKEND", "choice", moe_runner.NVFP4_SETTING_DEFAULT,
+    Setting("DSV4_SM120_MOE_BACKEND", "choice", moe_runner_names.NVFP4_SETTING_DEFAULT,
             "MoE runner of NVFP4 checkpoints on sm_120 when `--moe-runner-backend` is auto: `auto` = the machine "
             "profile's runner, else `flashinfer_cutlass`; `dsv4_triton_nvfp4` = our Triton MoE; `stock` = "
             "SGLang's choice",
-            "runtime", choices=moe_runner.NVFP4_SETTING_CHOICES),
+            "runtime", choices=moe_runner_names.NVFP4_SETTING_CHOICES),
     Setting("DSV4_SM120_MOE_PATH", "choice", "auto",
             "compute path of our NVFP4 MoE: `auto` = `fp4` on GPUs with FP4 MMA (sm_100, sm_120), else `bf16`",
             "runtime", choices=("auto", "fp4", "bf16")),
@@ -283,10 +284,7 @@ _OURS: Tuple[Setting, ...] = (
 
 
 def _serve_settings() -> Tuple[Setting, ...]:
-    # The serve scripts' parameters are declared once, in serving.config.VARIABLES (imported here, not at module
-    # load: serving.config reads its own settings through this module).
-    from dsv4_sm120.serving.config import VARIABLES
-
+    # The serve scripts' parameters are declared once, in serve_variables.VARIABLES.
     return tuple(Setting(name, "text", default or "", help_, "serve") for name, (default, help_) in VARIABLES.items()
                  if name not in _BY_NAME_OURS)
 
@@ -341,7 +339,7 @@ def _cross_checks(env: Mapping[str, str]) -> List[str]:
     except SettingsError:
         return out  # reported on their own
     if qk == "fp8" and cfg_text:
-        from dsv4_sm120.attention.config import BF16_ONLY_IMPLS, parse_config
+        from dsv4_sm120.attention.keys import BF16_ONLY_IMPLS, parse_config
 
         impl = parse_config(cfg_text).get("impl")
         if impl in BF16_ONLY_IMPLS:

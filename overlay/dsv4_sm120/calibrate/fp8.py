@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ..paths import OVERLAY_DIR
 from .candidates import Outcome
 
 CANDIDATES = ("triton", "default")
@@ -37,7 +38,7 @@ def tuner_command(tp: int, out_dir: Path, quick: bool) -> List[str]:
 def run_tuner(tp: int, out_dir: Path, quick: bool, progress=None) -> Optional[str]:
     """Run the tuner; None on success, else the reason (its last stderr line)."""
     env = dict(os.environ)
-    overlay = str(Path(__file__).resolve().parents[2])
+    overlay = str(OVERLAY_DIR)
     env["PYTHONPATH"] = os.pathsep.join([overlay] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = tuner_command(tp, out_dir, quick)
     try:

@@ -25,7 +25,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Dict, List, Optional
 
 from .candidates import Candidate, Case, Outcome, sample_rows

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 from .. import settings
 from ..fileio import atomic_write_json
+from ..paths import CHECKOUT_DIR, CONFIGS_DIR, applied_repo_root
 
 logger = logging.getLogger(__name__)
 
@@ -65,21 +66,15 @@ def file_stem(gpu: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", gpu.strip().replace(" ", "_"))
 
 
-def _repo_from_manifest() -> Optional[Path]:
-    from dsv4_sm120.patching import applied_repo_root
-
-    return applied_repo_root()
-
-
 def profile_dir() -> Optional[Path]:
     """Where profiles live (module doc); None when switched off. The directory may not exist yet."""
     env = settings.raw(ENV_DIR)
     if env is not None:
         return Path(env).expanduser() if env.strip() else None
-    repo = _repo_from_manifest()
+    repo = applied_repo_root()
     if repo is not None and (repo / "configs").is_dir():
         return repo / "configs" / "profiles"
-    return Path(__file__).resolve().parents[3] / "configs" / "profiles"
+    return CONFIGS_DIR / "profiles"
 
 
 def profile_path(gpu: str, directory: Optional[Path] = None) -> Optional[Path]:
@@ -158,8 +153,7 @@ def _dist_version(name: str) -> Optional[str]:
 
 
 def _git_commit() -> Optional[str]:
-    root = Path(__file__).resolve().parents[3]
-    repo = _repo_from_manifest() or root
+    repo = applied_repo_root() or CHECKOUT_DIR
     try:
         r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                            text=True, timeout=10)

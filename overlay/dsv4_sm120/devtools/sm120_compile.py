@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from ..paths import cache_dir
 from . import sm120_launches as SL
 
 CHECK_VERSION = 1          # bump when what is recorded per launch changes
@@ -47,8 +48,6 @@ MMA_WHAT = {"fp4": "the native block-scaled FP4 MMA (OMMA.SF ... E2M1)",
 
 
 def cache_file(family: str) -> Path:
-    from ..patching import cache_dir
-
     return cache_dir() / "sm120-compile" / f"{family}.json"
 
 

@@ -31,6 +31,7 @@ from dsv4_sm120.fp8.configs import config_file_name, summary_file_stem
 from dsv4_sm120.fp8.errors import EXIT_USAGE, UsageError
 from dsv4_sm120.fp8.search import candidate_configs
 from dsv4_sm120.fp8.shapes import DEFAULT_MS, Shape, parse_ms, parse_shapes, shapes_for_tp
+from dsv4_sm120.paths import CONFIGS_DIR
 
 PROG = "python -m dsv4_sm120.tune_fp8"
 
@@ -38,7 +39,7 @@ PROG = "python -m dsv4_sm120.tune_fp8"
 def _repo_default_out() -> Optional[Path]:
     """Default ``--out-dir``: ``configs/fp8`` of the checkout this overlay runs from; else the directory
     patched SGLang reads (:func:`dsv4_sm120.fp8_configs.project_config_dir`)."""
-    d = Path(__file__).resolve().parents[3] / "configs"
+    d = CONFIGS_DIR
     if d.is_dir():
         return d / "fp8"
     from dsv4_sm120.fp8_configs import project_config_dir

@@ -21,9 +21,10 @@ from typing import List, Optional
 
 from .. import settings
 from ..fileio import atomic_write_text
+from ..paths import checkout_root
 from . import runs
 from . import supervisor as sv
-from .config import VARIABLES, ConfigError, Plan, build_plan, render_dry_run, repo_root
+from .config import VARIABLES, ConfigError, Plan, build_plan, render_dry_run
 from .preflight import run_dry_checks, run_preflight
 
 
@@ -33,7 +34,7 @@ def _say(msg: str) -> None:
 
 def _log_dir(environ) -> Path:
     d = Path(os.path.expanduser(settings.get("LOG_DIR", environ) or VARIABLES["LOG_DIR"][0]))
-    return d if d.is_absolute() else repo_root() / d
+    return d if d.is_absolute() else checkout_root() / d
 
 
 def _link_latest(plan: Plan) -> None:

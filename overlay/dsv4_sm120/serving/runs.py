@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .. import settings
+from ..paths import checkout_root
 from . import supervisor as sv
-from .config import repo_root
 
 
 def record_dir() -> Path:
     """This checkout's record of deployments in the project's cache."""
-    key = hashlib.sha256(str(repo_root()).encode()).hexdigest()[:16]
+    key = hashlib.sha256(str(checkout_root()).encode()).hexdigest()[:16]
     return Path(os.path.expanduser(settings.get("DSV4_SM120_CACHE"))) / "deployments" / key
 
 

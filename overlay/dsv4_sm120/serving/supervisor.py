@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import settings
 from ..fileio import atomic_write_text
+from ..paths import caller_environ
 from .config import Plan
 from .topology import apply_binding
 
@@ -279,14 +280,8 @@ class Supervisor:
 
     # -- lifecycle ----------------------------------------------------------
     def child_env(self, extra: Dict[str, str]) -> Dict[str, str]:
-        env = {k: v for k, v in os.environ.items()}
         # the launcher's own PYTHONPATH addition (the repo overlay) does not leak into SGLang
-        orig = settings.raw("DSV4_SM120_ORIG_PYTHONPATH")
-        if orig is not None:
-            if orig:
-                env["PYTHONPATH"] = orig
-            else:
-                env.pop("PYTHONPATH", None)
+        env = caller_environ()
         if self.plan.standin:
             ov = str(Path(self.plan.repo) / "overlay")
             env["PYTHONPATH"] = ov + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -46,12 +46,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import settings
 from ..fileio import atomic_write_text
+from ..paths import OVERLAY_DIR, PACKAGE_DIR, cache_dir, checkout_root
 from . import supervisor as sv
 from . import verify_report as vr
-from .config import VARIABLES, ConfigError, Plan, build_plan, repo_root
+from .config import VARIABLES, ConfigError, Plan, build_plan
 
-OVERLAY = Path(__file__).resolve().parents[2]
-PROMPTS = Path(__file__).resolve().parent / "verify_prompts.json"
+PROMPTS = PACKAGE_DIR / "serving" / "verify_prompts.json"
 STAGES = ("greedy", "accuracy", "measure", "profile")
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/test.jsonl"
 
@@ -271,7 +271,7 @@ class Verify:
     # ---- stages
     def client_env(self) -> Dict[str, str]:
         env = dict(self.env)
-        env["PYTHONPATH"] = str(OVERLAY) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = str(OVERLAY_DIR) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
 
     def run_client(self, v: str, stage: str, cmd: List[str],
@@ -552,8 +552,7 @@ def load_prompts(path: Optional[str]) -> List[dict]:
 
 
 def gsm8k_cache_path(url: str) -> Path:
-    cache = Path(os.path.expanduser(settings.get("DSV4_SM120_CACHE")))
-    return cache / "gsm8k" / f"{hashlib.sha256(url.encode()).hexdigest()[:12]}-test.jsonl"
+    return cache_dir() / "gsm8k" / f"{hashlib.sha256(url.encode()).hexdigest()[:12]}-test.jsonl"
 
 
 def fetch_gsm8k(data: Optional[str], url: str) -> Tuple[Optional[Path], str]:
@@ -664,7 +663,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "greedy" in stages:
             load_prompts(a.prompt_file)
         log_dir = Path(os.path.expanduser(settings.get("LOG_DIR", env) or VARIABLES["LOG_DIR"][0]))
-        log_dir = log_dir if log_dir.is_absolute() else repo_root() / log_dir
+        log_dir = log_dir if log_dir.is_absolute() else checkout_root() / log_dir
         run_dir = (a.out_dir or log_dir / time.strftime(f"verify-%Y%m%d-%H%M%S-{os.getpid()}", time.gmtime())).resolve()
         plans = {}
         for v in variants:

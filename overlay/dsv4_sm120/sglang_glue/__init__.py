@@ -26,6 +26,10 @@ Importing this package imports neither torch, Triton nor SGLang.
 
 from __future__ import annotations
 
+from . import attention, selfcheck
 from .startup import start
+
+# .selfcheck runs .attention's kernel, so .attention calls the first-call self-check through this reference
+attention.first_call_check = selfcheck.first_call
 
 __all__ = ["start"]

@@ -42,11 +42,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from dsv4_sm120 import settings
-
-from . import selfcheck
 
 logger = logging.getLogger(__name__)
 
@@ -438,15 +436,10 @@ def stock_dispatch(q, kw):
     return m.flash_mla_with_kvcache_sm120(q=q, **kw)[0]
 
 
-def _maybe_self_check(q, num_heads: int) -> None:
-    if q.device.type != "cuda" or selfcheck.done():
-        return
-    import torch
-
-    if torch.cuda.is_current_stream_capturing():
-        selfcheck.skipped("the first attention call is inside CUDA-graph capture")
-        return
-    selfcheck.run(heads=[num_heads], device=q.device)
+# The startup self-check of a call outside CUDA-graph capture (``check(q, num_heads)``):
+# :func:`.selfcheck.first_call`, set by the package (``sglang_glue/__init__.py``) since .selfcheck imports this
+# module.
+first_call_check: Optional[Callable] = None
 
 
 def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
@@ -457,7 +450,8 @@ def sparse_attention(forward_mode, *, q, num_heads: int, **kw):
     SGLang's stock dispatcher answers the call and the launch steps aside (:func:`step_aside`)."""
     if kw.get("softmax_scale") is None:
         kw["softmax_scale"] = q.shape[-1] ** (-0.5)
-    _maybe_self_check(q, num_heads)
+    if first_call_check is not None:
+        first_call_check(q, num_heads)
     log_decisions()
     layout = layout_of(kw.get("extra_k_cache"))
     r = call_route(q.shape[0], layout, num_heads)

@@ -3,8 +3,8 @@
 Patched ``get_w8a8_block_fp8_configs`` (``kernels/ops/gemm/fp8_kernel.py``) asks
 :func:`project_config_path` for the JSON it wants, under SGLang's own file name, before it reads
 SGLang's configs directory; None keeps SGLang's own. The project directory
-(:func:`dsv4_sm120.fp8_configs.project_config_dir`) is ``$DSV4_SM120_FP8_CONFIG_DIR`` when set (empty:
-none), else ``configs/fp8`` of the checkout the patches were applied from.
+(:func:`project_config_dir`) is ``$DSV4_SM120_FP8_CONFIG_DIR`` when set (empty: none), else ``configs/fp8`` of
+the checkout the patches were applied from, else that of the checkout holding this source tree.
 """
 
 from __future__ import annotations
@@ -15,12 +15,34 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from dsv4_sm120 import settings
 from dsv4_sm120.fp8.configs import parse_config_file_name, validate_config_table
-from dsv4_sm120.fp8_configs import project_config_dir
+from dsv4_sm120.paths import CONFIGS_DIR, applied_repo_root
 
 logger = logging.getLogger(__name__)
 
+ENV_CONFIG_DIR = "DSV4_SM120_FP8_CONFIG_DIR"
+
 _warned: set = set()
+
+
+def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
+    """The project's FP8 config directory (module doc), or None when switched off / not found."""
+    env = settings.raw(ENV_CONFIG_DIR)
+    if env is not None:
+        if not env.strip():
+            return None
+        p = Path(env).expanduser()
+        if not p.is_dir() and str(p) not in _warned:
+            _warned.add(str(p))
+            logger.warning("%s=%s is not a directory; using SGLang's own FP8 GEMM configs", ENV_CONFIG_DIR, p)
+        return p if p.is_dir() else None
+    repo = applied_repo_root(sglang_root)
+    candidates = [repo / "configs" / "fp8" if repo is not None else None, CONFIGS_DIR / "fp8"]
+    for c in candidates:
+        if c is not None and c.is_dir():
+            return c
+    return None
 
 
 def project_config_path(json_file_name: str, sglang_root: Optional[Path] = None) -> Optional[str]:

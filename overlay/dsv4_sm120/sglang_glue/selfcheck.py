@@ -85,6 +85,19 @@ def skipped(reason: str) -> None:
         logger.warning("dsv4_sm120 self-check: not run (%s); our kernels serve unchecked", reason)
 
 
+def first_call(q, num_heads: int) -> None:
+    """The attention self-check at the first call of :func:`.attention.sparse_attention` on a GPU (once per
+    process; skipped, with a warning, when that call is inside CUDA-graph capture)."""
+    if q.device.type != "cuda" or done():
+        return
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        skipped("the first attention call is inside CUDA-graph capture")
+        return
+    run(heads=[num_heads], device=q.device)
+
+
 # ---------------------------------------------------------------------------- attention
 
 def c128_topk(context_len: int) -> int:

@@ -1,0 +1,70 @@
+"""The launch keys a user may set for the sparse MLA decode and the parser that validates them.
+
+``parse_config`` reads ``DSV4_SM120_ATTN_CONFIG`` and ``bench --variants`` texts; :mod:`.config` resolves the
+parsed keys into a launch and :mod:`dsv4_sm120.settings` validates the setting with it. Imports nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+IMPLS = ("tiled", "flat", "reg")
+BF16_ONLY_IMPLS = ("reg",)
+
+# launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read
+# ("auto": resolved per launch as :mod:`.config`'s docstring describes, as a table entry's "auto" is; a launch
+# sweep's candidates spell out every key, some of them "auto")
+KEYS = {
+    "impl": "impl", "waves": "float_or_auto",
+    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "KCVT", "DEC_LATE", "SPAN", "PART_BF16")},
+    **{k: "int_or_auto" for k in ("num_stages", "PREFETCH", "maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps",
+                                  "combine_maxnreg")},
+}
+POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D")
+# flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body)
+MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "DEC_LATE": 1, "SPAN": 1, "PART_BF16": 1}
+
+
+class DecodeInputError(ValueError):
+    """Bad arguments to ``sparse_mla_decode`` (shape, dtype, layout) or a bad launch configuration."""
+
+
+def parse_config(text: str, source: str = "config") -> Dict[str, object]:
+    """``"KCVT=1,maxnreg=0,impl=reg"`` -> ``{"KCVT": 1, "maxnreg": 0, "impl": "reg"}``, validated: unknown keys,
+    malformed items and out-of-range values raise ``DecodeInputError`` naming ``source`` and the valid keys (a
+    typo must not silently leave the default in place)."""
+    out: Dict[str, object] = {}
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        key, sep, val = (x.strip() for x in item.partition("="))
+        if not sep or not key or not val:
+            raise DecodeInputError(f"{source}: expected key=value items separated by commas, got {item!r}")
+        kind = KEYS.get(key)
+        if kind is None:
+            raise DecodeInputError(f"{source}: unknown key {key!r}; valid keys: {', '.join(sorted(KEYS))}")
+        if kind == "impl":
+            if val not in IMPLS:
+                raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {val!r}")
+            out[key] = val
+            continue
+        if kind.endswith("_or_auto") and val == "auto":
+            out[key] = val
+            continue
+        is_float = kind.startswith("float")
+        try:
+            num = float(val) if is_float else int(val)
+        except ValueError:
+            raise DecodeInputError(f"{source}: {key} needs {'a number' if is_float else 'an integer'}"
+                                   f"{' or auto' if kind.endswith('_or_auto') else ''}, got {val!r}") from None
+        if key in MAX_VALUE and num > MAX_VALUE[key]:
+            raise DecodeInputError(f"{source}: {key}={val} is out of range (0..{MAX_VALUE[key]})")
+        if num < 0 or (is_float and not num > 0) or (key in POW2_KEYS and (num < 1 or num & (num - 1))):
+            raise DecodeInputError(f"{source}: {key}={val} is out of range"
+                                   + (" (a power of two)" if key in POW2_KEYS else ""))
+        if key == "BLOCK_D" and num > 512:
+            raise DecodeInputError(f"{source}: BLOCK_D={val} is out of range (a power of two <= 512)")
+        if key == "BLOCK_S" and num < 1:
+            raise DecodeInputError(f"{source}: BLOCK_S={val} is out of range (>= 1)")
+        out[key] = num
+    return out
