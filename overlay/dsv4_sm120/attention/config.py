@@ -38,26 +38,11 @@ from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 from .. import launch_tables as lt
 from .. import settings
 from . import plan as P
-from .key_aliases import canonical, canonical_entry
+from .key_aliases import canonical_entry
+from .keys import BF16_ONLY_IMPLS, IMPLS, KEYS, DecodeInputError, parse_config
 
 KERNEL = "attention"
-IMPLS = ("tiled", "flat", "reg")
-BF16_ONLY_IMPLS = ("reg",)
 QK_MODES = ("auto", "bf16", "fp8")
-
-# launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read
-# ("auto": resolved per launch as described in the module docstring, as a table entry's "auto" is; a launch
-# sweep's candidates spell out every key, some of them "auto")
-KEYS = {
-    "impl": "impl", "waves": "float_or_auto",
-    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "e4m3_int_decode", "late_decode", "spanning_splits",
-                           "PART_BF16")},
-    **{k: "int_or_auto" for k in ("num_stages", "PREFETCH", "maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps",
-                                  "combine_maxnreg")},
-}
-POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D")
-# flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body)
-MAX_VALUE = {"PREFETCH": 2, "e4m3_int_decode": 1, "late_decode": 1, "spanning_splits": 1, "PART_BF16": 1}
 
 # the keys each body reads (the resolved launch holds exactly these; absent flags are 0)
 COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "waves")
@@ -69,10 +54,6 @@ BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
 # block sizes; only correctness is measured there)
 INTERPRETER_LAUNCH = {"impl": "tiled", "BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "maxnreg": 0,
                       "waves": 1.0}
-
-
-class DecodeInputError(ValueError):
-    """Bad arguments to ``sparse_mla_decode`` (shape, dtype, layout) or a bad launch configuration."""
 
 
 class Device(NamedTuple):
@@ -90,49 +71,6 @@ class Launch(NamedTuple):
 
 
 # ---- user overrides
-
-
-def parse_config(text: str, source: str = "config") -> Dict[str, object]:
-    """``"e4m3_int_decode=1,maxnreg=0,impl=reg"`` -> ``{"e4m3_int_decode": 1, "maxnreg": 0, "impl": "reg"}``,
-    validated: unknown keys, malformed items and out-of-range values raise ``DecodeInputError`` naming ``source``
-    and the valid keys (a typo must not silently leave the default in place). An old spelling of a key
-    (:data:`.key_aliases.ALIASES`, e.g. ``KCVT``) is read as its descriptive name."""
-    out: Dict[str, object] = {}
-    for item in (x.strip() for x in str(text).split(",")):
-        if not item:
-            continue
-        key, sep, val = (x.strip() for x in item.partition("="))
-        if not sep or not key or not val:
-            raise DecodeInputError(f"{source}: expected key=value items separated by commas, got {item!r}")
-        key = canonical(key)
-        kind = KEYS.get(key)
-        if kind is None:
-            raise DecodeInputError(f"{source}: unknown key {key!r}; valid keys: {', '.join(sorted(KEYS))}")
-        if kind == "impl":
-            if val not in IMPLS:
-                raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {val!r}")
-            out[key] = val
-            continue
-        if kind.endswith("_or_auto") and val == "auto":
-            out[key] = val
-            continue
-        is_float = kind.startswith("float")
-        try:
-            num = float(val) if is_float else int(val)
-        except ValueError:
-            raise DecodeInputError(f"{source}: {key} needs {'a number' if is_float else 'an integer'}"
-                                   f"{' or auto' if kind.endswith('_or_auto') else ''}, got {val!r}") from None
-        if key in MAX_VALUE and num > MAX_VALUE[key]:
-            raise DecodeInputError(f"{source}: {key}={val} is out of range (0..{MAX_VALUE[key]})")
-        if num < 0 or (is_float and not num > 0) or (key in POW2_KEYS and (num < 1 or num & (num - 1))):
-            raise DecodeInputError(f"{source}: {key}={val} is out of range"
-                                   + (" (a power of two)" if key in POW2_KEYS else ""))
-        if key == "BLOCK_D" and num > 512:
-            raise DecodeInputError(f"{source}: BLOCK_D={val} is out of range (a power of two <= 512)")
-        if key == "BLOCK_S" and num < 1:
-            raise DecodeInputError(f"{source}: BLOCK_S={val} is out of range (>= 1)")
-        out[key] = num
-    return out
 
 
 @lru_cache(maxsize=64)

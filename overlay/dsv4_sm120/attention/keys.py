@@ -1,12 +1,15 @@
 """The launch keys a user may set for the sparse MLA decode and the parser that validates them.
 
 ``parse_config`` reads ``DSV4_SM120_ATTN_CONFIG`` and ``bench --variants`` texts; :mod:`.config` resolves the
-parsed keys into a launch and :mod:`dsv4_sm120.settings` validates the setting with it. Imports nothing.
+parsed keys into a launch and :mod:`dsv4_sm120.settings` validates the setting with it. Imports only
+:mod:`.key_aliases`.
 """
 
 from __future__ import annotations
 
 from typing import Dict
+
+from .key_aliases import canonical
 
 IMPLS = ("tiled", "flat", "reg")
 BF16_ONLY_IMPLS = ("reg",)
@@ -16,13 +19,14 @@ BF16_ONLY_IMPLS = ("reg",)
 # sweep's candidates spell out every key, some of them "auto")
 KEYS = {
     "impl": "impl", "waves": "float_or_auto",
-    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "KCVT", "DEC_LATE", "SPAN", "PART_BF16")},
+    **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "e4m3_int_decode", "late_decode", "spanning_splits",
+                           "PART_BF16")},
     **{k: "int_or_auto" for k in ("num_stages", "PREFETCH", "maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps",
                                   "combine_maxnreg")},
 }
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D")
 # flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body)
-MAX_VALUE = {"PREFETCH": 2, "KCVT": 1, "DEC_LATE": 1, "SPAN": 1, "PART_BF16": 1}
+MAX_VALUE = {"PREFETCH": 2, "e4m3_int_decode": 1, "late_decode": 1, "spanning_splits": 1, "PART_BF16": 1}
 
 
 class DecodeInputError(ValueError):
@@ -30,9 +34,10 @@ class DecodeInputError(ValueError):
 
 
 def parse_config(text: str, source: str = "config") -> Dict[str, object]:
-    """``"KCVT=1,maxnreg=0,impl=reg"`` -> ``{"KCVT": 1, "maxnreg": 0, "impl": "reg"}``, validated: unknown keys,
-    malformed items and out-of-range values raise ``DecodeInputError`` naming ``source`` and the valid keys (a
-    typo must not silently leave the default in place)."""
+    """``"e4m3_int_decode=1,maxnreg=0,impl=reg"`` -> ``{"e4m3_int_decode": 1, "maxnreg": 0, "impl": "reg"}``,
+    validated: unknown keys, malformed items and out-of-range values raise ``DecodeInputError`` naming ``source``
+    and the valid keys (a typo must not silently leave the default in place). An old spelling of a key
+    (:data:`.key_aliases.ALIASES`, e.g. ``KCVT``) is read as its descriptive name."""
     out: Dict[str, object] = {}
     for item in (x.strip() for x in str(text).split(",")):
         if not item:
@@ -40,6 +45,7 @@ def parse_config(text: str, source: str = "config") -> Dict[str, object]:
         key, sep, val = (x.strip() for x in item.partition("="))
         if not sep or not key or not val:
             raise DecodeInputError(f"{source}: expected key=value items separated by commas, got {item!r}")
+        key = canonical(key)
         kind = KEYS.get(key)
         if kind is None:
             raise DecodeInputError(f"{source}: unknown key {key!r}; valid keys: {', '.join(sorted(KEYS))}")
