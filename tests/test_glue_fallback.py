@@ -227,20 +227,10 @@ def test_a_capture_that_raises_after_a_fallback_is_captured_again(fresh):
 E, H, I, K = 6, 64, 32, 2
 
 
-class Cfg:
-    activation, is_gated, apply_router_weight_on_input, swiglu_limit, top_k = "silu", True, False, 1.5, K
-
-
 def layer(seed):
-    from dsv4_sm120.moe.testing import make_experts
+    from dsv4_sm120.moe.testing import make_layer
 
-    W = make_experts(E, H, I, seed)
-    m = torch.nn.Module()
-    for name, key in (("w13_weight", "w13"), ("w13_weight_scale", "w13_scale"), ("w13_weight_scale_2", "w13_scale_2"),
-                      ("w2_weight", "w2"), ("w2_weight_scale", "w2_scale"), ("w2_weight_scale_2", "w2_scale_2")):
-        m.register_parameter(name, torch.nn.Parameter(W[key].clone(), requires_grad=False))
-    m.moe_runner_config = Cfg()
-    return m, W
+    return make_layer(E, H, I, K, seed)
 
 
 def _dispatch(x, tw, ids):

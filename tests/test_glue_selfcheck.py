@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
 import torch  # noqa: E402
 
 from dsv4_sm120.moe.reference import moe_reference, rel_err  # noqa: E402
-from dsv4_sm120.moe.testing import make_experts, random_routing  # noqa: E402
+from dsv4_sm120.moe.testing import make_layer, random_routing  # noqa: E402
 from dsv4_sm120.sglang_glue import attention as D  # noqa: E402
 from dsv4_sm120.sglang_glue import moe as M  # noqa: E402
 from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
@@ -31,18 +31,8 @@ from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
 E, H, I, K = 6, 64, 32, 2
 
 
-class Cfg:
-    activation, is_gated, apply_router_weight_on_input, swiglu_limit, top_k = "silu", True, False, 1.5, K
-
-
 def layer(seed):
-    W = make_experts(E, H, I, seed)
-    m = torch.nn.Module()
-    for name, key in (("w13_weight", "w13"), ("w13_weight_scale", "w13_scale"), ("w13_weight_scale_2", "w13_scale_2"),
-                      ("w2_weight", "w2"), ("w2_weight_scale", "w2_scale"), ("w2_weight_scale_2", "w2_scale_2")):
-        m.register_parameter(name, torch.nn.Parameter(W[key].clone(), requires_grad=False))
-    m.moe_runner_config = Cfg()
-    return m, W
+    return make_layer(E, H, I, K, seed)
 
 
 @pytest.fixture

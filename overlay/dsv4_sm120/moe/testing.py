@@ -60,3 +60,25 @@ def random_routing(M: int, E: int, k: int, seed: int, device="cpu", kind: str = 
     w = torch.rand((M, k), generator=g) + 0.1
     w = (w / w.sum(dim=1, keepdim=True)).float()
     return w.to(device), ids.to(device)
+
+
+class RunnerConfig:
+    """The ``moe_runner_config`` fields the NVFP4 glue reads (gated SiLU, router weights applied after the experts)."""
+
+    activation, is_gated, apply_router_weight_on_input = "silu", True, False
+
+    def __init__(self, top_k: int, swiglu_limit: float = 1.5):
+        self.top_k, self.swiglu_limit = top_k, swiglu_limit
+
+
+def make_layer(E: int, H: int, I: int, top_k: int, seed: int, swiglu_limit: float = 1.5):
+    """``(layer, experts)``: a module holding :func:`make_experts`' tensors under the parameter names of SGLang's
+    ModelOpt NVFP4 ``FusedMoE`` layer (``w13_weight``, ``w13_weight_scale``, ``w13_weight_scale_2``, ``w2_*``) and a
+    :class:`RunnerConfig`, as ``dsv4_sm120.sglang_glue.moe.prepare_layer`` receives it."""
+    W = make_experts(E, H, I, seed)
+    m = torch.nn.Module()
+    for name, key in (("w13_weight", "w13"), ("w13_weight_scale", "w13_scale"), ("w13_weight_scale_2", "w13_scale_2"),
+                      ("w2_weight", "w2"), ("w2_weight_scale", "w2_scale"), ("w2_weight_scale_2", "w2_scale_2")):
+        m.register_parameter(name, torch.nn.Parameter(W[key].clone(), requires_grad=False))
+    m.moe_runner_config = RunnerConfig(top_k, swiglu_limit)
+    return m, W
