@@ -35,12 +35,14 @@ from typing import List, Optional
 
 from .. import hints, settings
 from ..fileio import atomic_write_text
+from ..model_config import hub_cache_dir
+from ..paths import CHECKOUT_DIR
+from ..serve_variables import DEFAULT_MODEL
 from . import spec_metrics
 
 # the checkout this runs from (overlay/dsv4_sm120/perf/ -> repository root): relative log / venv paths and the
 # default output directory are taken from there; bench/measure.py sets it to its own checkout
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-Flash"
+REPO = CHECKOUT_DIR
 METRICS = ("completed", "duration", "total_output_tokens", "output_throughput", "request_throughput",
            "median_tpot_ms", "p99_tpot_ms", "mean_tpot_ms", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
            "median_itl_ms", "median_e2e_latency_ms", "accept_length", "concurrency")
@@ -114,16 +116,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 HF_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def _hf_cache_dir(env) -> Path:
-    """The Hugging Face hub cache as huggingface_hub finds it."""
-    for k in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if env.get(k):
-            return Path(os.path.expanduser(env[k]))
-    if env.get("HF_HOME"):
-        return Path(os.path.expanduser(env["HF_HOME"])) / "hub"
-    return Path(os.path.expanduser(env.get("XDG_CACHE_HOME") or "~/.cache")) / "huggingface" / "hub"
-
-
 def tokenizer_problem(model: str, environ=None, timeout: float = 10.0) -> Optional[str]:
     """Why SGLang's load generator could not load ``model``'s tokenizer here (None: it can): a local directory
     must hold the tokenizer files; a Hugging Face id must be in the local hub cache, or the hub must answer
@@ -136,7 +128,7 @@ def tokenizer_problem(model: str, environ=None, timeout: float = 10.0) -> Option
         if not any((local / f).is_file() for f in TOKENIZER_FILES):
             return f"{model} holds none of {', '.join(TOKENIZER_FILES)}"
         return None
-    cache = _hf_cache_dir(env)
+    cache = hub_cache_dir(env)
     snaps = cache / ("models--" + model.replace("/", "--")) / "snapshots"
     if any((d / f).exists() for d in (snaps.iterdir() if snaps.is_dir() else []) for f in TOKENIZER_FILES):
         return None
@@ -298,7 +290,7 @@ def serving_python(explicit=None):
     return str(venv / "bin" / "python") if (venv / "bin" / "python").exists() else sys.executable
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Results: OUT_DIR/results.json, OUT_DIR/table.txt, OUT_DIR/throughput.png.")
     ap.add_argument("--router", help="router URL (default: the newest run's, else http://127.0.0.1:$ROUTER_PORT)")
@@ -320,7 +312,47 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "(default: the newest run's; none = no acceptance columns)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _run_level(a, python: str, router: str, model: str, c: int, out_dir: Path, decode_url: Optional[str],
+               spec_info: dict) -> tuple:
+    """One concurrency level through the load generator: (its run record, the generator's exit code or None
+    when it timed out)."""
+    n = max(a.prompts_per_level * c, a.min_prompts)
+    raw = out_dir / f"bench_c{c}.jsonl"
+    if raw.exists():
+        raw.unlink()
+    cmd = bench_cmd(python, router, model, c, a.input_len, a.output_len, n, str(raw), a.dataset, a.seed,
+                    a.warmup_requests)
+    t0 = time.time()
+    print(f"measure: C={c}: {n} requests ...", flush=True)
+    before = spec_metrics.snapshot(decode_url) if decode_url else None
+    with open(out_dir / f"bench_c{c}.log", "w") as log:
+        try:
+            r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, cwd=str(out_dir))
+            rc = r.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    run = {"concurrency": c, "num_prompts": n, "command": cmd, "wall_s": round(time.time() - t0, 1)}
+    try:
+        if rc != 0:
+            raise MeasureError(f"load generator {'timed out' if rc is None else 'exited ' + str(rc)}; "
+                               f"see {out_dir / f'bench_c{c}.log'}")
+        run["metrics"] = parse_bench_output(raw)
+        spec = spec_metrics.summarize(before, spec_metrics.snapshot(decode_url) if before else None,
+                                      spec_info.get("num_draft_tokens"))
+        if spec is not None:
+            run["speculative"] = spec
+        if run["metrics"]["completed"] < n:
+            raise MeasureError(f"only {run['metrics']['completed']} of {n} requests completed")
+    except MeasureError as e:
+        run["error"] = str(e)
+    return run, rc
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = _parser().parse_args(argv)
     try:
         cs = parse_concurrency(a.concurrency)
         if a.input_len < 1 or a.output_len < 2:
@@ -351,35 +383,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"verified per step; acceptance from {decode_url}/metrics", flush=True)
     runs = []
     for i, c in enumerate(cs):
-        n = max(a.prompts_per_level * c, a.min_prompts)
-        raw = out_dir / f"bench_c{c}.jsonl"
-        if raw.exists():
-            raw.unlink()
-        cmd = bench_cmd(python, router, model, c, a.input_len, a.output_len, n, str(raw), a.dataset, a.seed,
-                        a.warmup_requests)
-        t0 = time.time()
-        print(f"measure: C={c}: {n} requests ...", flush=True)
-        before = spec_metrics.snapshot(decode_url) if decode_url else None
-        with open(out_dir / f"bench_c{c}.log", "w") as log:
-            try:
-                r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, cwd=str(out_dir))
-                rc = r.returncode
-            except subprocess.TimeoutExpired:
-                rc = None
-        run = {"concurrency": c, "num_prompts": n, "command": cmd, "wall_s": round(time.time() - t0, 1)}
-        try:
-            if rc != 0:
-                raise MeasureError(f"load generator {'timed out' if rc is None else 'exited ' + str(rc)}; "
-                                   f"see {out_dir / f'bench_c{c}.log'}")
-            run["metrics"] = parse_bench_output(raw)
-            spec = spec_metrics.summarize(before, spec_metrics.snapshot(decode_url) if before else None,
-                                          spec_info.get("num_draft_tokens"))
-            if spec is not None:
-                run["speculative"] = spec
-            if run["metrics"]["completed"] < n:
-                raise MeasureError(f"only {run['metrics']['completed']} of {n} requests completed")
-        except MeasureError as e:
-            run["error"] = str(e)
+        run, rc = _run_level(a, python, router, model, c, out_dir, decode_url, spec_info)
         runs.append(run)
         if rc not in (0, None):
             # the load generator itself failed (not a slow or partial run): the next levels run the same command

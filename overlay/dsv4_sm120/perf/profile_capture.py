@@ -33,10 +33,11 @@ from typing import List, Optional
 
 from dsv4_sm120 import hints
 from dsv4_sm120.fileio import atomic_write_text
+from dsv4_sm120.paths import CHECKOUT_DIR
 from dsv4_sm120.perf import measure, profile_summary
 
 # the checkout this runs from (see measure.REPO); bench/profile_capture.py sets it to its own checkout
-REPO = Path(__file__).resolve().parents[3]
+REPO = CHECKOUT_DIR
 
 
 class CaptureError(Exception):
@@ -103,7 +104,7 @@ def stop_load(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--router", help="router URL (default: the newest run's)")
     ap.add_argument("--decode-url", help="decode server URL (default: the newest run's)")
@@ -123,8 +124,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out-dir", type=Path)
     ap.add_argument("--log-dir", default=None, help="serving LOG_DIR (default $LOG_DIR or logs)")
     ap.add_argument("--top", type=int, default=15)
-    a = ap.parse_args(argv)
+    return ap
 
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = _parser().parse_args(argv)
     run_dir = measure.latest_run(a.log_dir, "profile")
     dep = measure.deployment_info(run_dir)
     plan = measure.read_json(run_dir / "plan.json") if run_dir else None

@@ -185,29 +185,26 @@ def user_moe_flag(s: Dict[str, str]) -> Optional[str]:
     return None
 
 
-def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[float] = None) -> Plan:
-    if variant not in ("base", "mtp"):
-        raise ConfigError(f"unknown variant {variant!r}")
-    s = settings_from_env(environ)
-    repo = checkout_root()
-    standin = s["DSV4_SM120_SERVE_STANDIN"] not in ("", "0")
-
-    venv = Path(os.path.expanduser(s["VENV"]))
-    venv = venv if venv.is_absolute() else repo / venv
-    python = str(venv / "bin" / "python")
-
+def _roles(s: Dict[str, str]) -> List[str]:
     roles_txt = s["NODE_ROLE"].strip()
     roles = list(ROLES) if roles_txt in ("all", "") else [r.strip() for r in roles_txt.split(",") if r.strip()]
     for r in roles:
         if r not in ROLES:
             raise ConfigError(f"NODE_ROLE={roles_txt!r}: unknown role {r!r} (use all, or a comma list of {', '.join(ROLES)})")
-    roles = [r for r in ROLES if r in roles]
+    return [r for r in ROLES if r in roles]
 
+
+def _gpus(s: Dict[str, str], roles: List[str]) -> Tuple[List[int], List[int]]:
     pg = parse_gpus("PREFILL_GPUS", s["PREFILL_GPUS"])
     dg = parse_gpus("DECODE_GPUS", s["DECODE_GPUS"])
     if "prefill" in roles and "decode" in roles and set(pg) & set(dg):
         raise ConfigError(f"PREFILL_GPUS={s['PREFILL_GPUS']} and DECODE_GPUS={s['DECODE_GPUS']} share GPUs "
                           f"{sorted(set(pg) & set(dg))} on this host")
+    return pg, dg
+
+
+def _numbers(s: Dict[str, str]) -> Tuple[Dict[str, int], int, Dict[str, float], int]:
+    """(ports, context length, memory fraction per server, MAX_RUNNING), validated with the time limits."""
     ports = {k: _int(s, k, 1, 65535) for k in ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT",
                                                "ROUTER_PROMETHEUS_PORT")}
     ctx = _int(s, "CONTEXT_LEN", 256, 1 << 21)
@@ -216,16 +213,25 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     max_running = _int(s, "MAX_RUNNING", 1, 4096)
     for k in ("HEALTH_TIMEOUT_S", "STOP_GRACE_S", "SUPERVISE_HEALTH_FAILS", "SUPERVISE_HEALTH_EVERY_S"):
         _int(s, k, 0 if k == "SUPERVISE_HEALTH_FAILS" else 1)
-    spec, spec_reason = None, ""
-    if variant == "mtp":
-        from .speculative import SpecError, spec_flags
+    return ports, ctx, mem, max_running
 
-        try:
-            spec, spec_reason = spec_flags(s, environ)
-        except SpecError as e:
-            raise ConfigError(str(e))
-        # --enable-metrics: the speculation counters make measure report accepted tokens per step
-        spec = spec + ["--enable-metrics"]
+
+def _speculative(variant: str, s: Dict[str, str], environ: Mapping[str, str]) -> Tuple[Optional[List[str]], str]:
+    if variant != "mtp":
+        return None, ""
+    from .speculative import SpecError, spec_flags
+
+    try:
+        spec, spec_reason = spec_flags(s, environ)
+    except SpecError as e:
+        raise ConfigError(str(e))
+    # --enable-metrics: the speculation counters make measure report accepted tokens per step
+    return spec + ["--enable-metrics"], spec_reason
+
+
+def _runners(s: Dict[str, str], environ: Mapping[str, str], roles: List[str], pg: List[int], dg: List[int],
+             repo: Path) -> Tuple[Optional[str], str, Optional[str], str]:
+    """(--fp8-gemm-backend, why, --moe-runner-backend, why) of the servers on this host."""
     dev = None
     servers = "decode" in roles or "prefill" in roles
     user_moe = user_moe_flag(s)
@@ -236,18 +242,21 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo, dev)
     moe, moe_reason = (mxfp4_runner(s["MODEL_PATH"], dev, user_moe, model) if servers
                        else (None, "no server on this host"))
-    cal_argv, cal_env = calibrate_command(s, python, roles, pg, dg)
+    return fp8, fp8_reason, moe, moe_reason
 
-    # Run directory (not created here).
+
+def _run_dir(s: Dict[str, str], repo: Path, variant: str, now: Optional[float]) -> Path:
+    """The run directory (not created here)."""
     log_dir = Path(os.path.expanduser(s["LOG_DIR"]))
     log_dir = log_dir if log_dir.is_absolute() else repo / log_dir
     if s["RUN_DIR"]:
         run_dir = Path(os.path.expanduser(s["RUN_DIR"]))
-        run_dir = run_dir if run_dir.is_absolute() else repo / run_dir
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
-        run_dir = log_dir / f"serve-{variant}-{stamp}-{os.getpid()}"
+        return run_dir if run_dir.is_absolute() else repo / run_dir
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
+    return log_dir / f"serve-{variant}-{stamp}-{os.getpid()}"
 
+
+def _common_env(repo: Path, environ: Mapping[str, str]) -> List[Tuple[str, str, str]]:
     try:
         common_env = load_env_dir(repo / "serve" / "env", environ)
     except EnvFileError as e:
@@ -259,15 +268,14 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         if k in listed or not PASS_THROUGH.match(k) or INTERNAL.match(k):
             continue
         common_env.append((k, environ[k], "environment"))
+    return common_env
 
-    ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
-    prefill_url = f"http://{_url_host(ph)}:{ports['PREFILL_PORT']}"
-    decode_url = f"http://{_url_host(dh)}:{ports['DECODE_PORT']}"
-    router_url = f"http://{_url_host(rh)}:{ports['ROUTER_PORT']}"
-    multi_node = not (ph in LOOPBACK and dh in LOOPBACK)
 
+def _server_common(s: Dict[str, str], python: str, standin: bool, ctx: int, fp8: Optional[str],
+                   moe: Optional[str]) -> List[str]:
+    """The start of both servers' command lines: interpreter, launcher and the flags they share."""
     launcher = ["-m", "dsv4_sm120.serving.standin"] if standin else ["-m", "sglang.launch_server"]
-    common = ["--model-path", s["MODEL_PATH"], "--context-length", str(ctx),
+    common = [python, *launcher, "--model-path", s["MODEL_PATH"], "--context-length", str(ctx),
               "--disaggregation-transfer-backend", s["TRANSFER_BACKEND"]]
     if s["SERVED_MODEL_NAME"]:
         common += ["--served-model-name", s["SERVED_MODEL_NAME"]]
@@ -277,11 +285,18 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         common += [MOE_FLAG, moe]
     if s["IB_DEVICE"]:
         common += ["--disaggregation-ib-device", s["IB_DEVICE"]]
-    prof_dir = environ.get("SGLANG_TORCH_PROFILER_DIR") or str(run_dir / "profile")
+    return common
 
+
+def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], spec: Optional[List[str]],
+           gpus: Dict[str, List[int]], ports: Dict[str, int], mem: Dict[str, float], max_running: int,
+           urls: Dict[str, str], multi_node: bool, prof_dir: str) -> List[Proc]:
+    """The processes of ``roles`` on this host (logs and NUMA binding not yet set)."""
+    ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
+    pg, dg = gpus["prefill"], gpus["decode"]
     procs: List[Proc] = []
     if "prefill" in roles:
-        argv = [python, *launcher, *common, "--tp", str(len(pg)), "--host", ph, "--port", str(ports["PREFILL_PORT"]),
+        argv = [*common, "--tp", str(len(pg)), "--host", ph, "--port", str(ports["PREFILL_PORT"]),
                 "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["BOOTSTRAP_PORT"]),
                 "--mem-fraction-static", f"{mem['prefill']:g}"]
         if s["PREFILL_MAX_RUNNING"]:
@@ -293,10 +308,10 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, pg)), "SGLANG_TORCH_PROFILER_DIR": prof_dir}
         if multi_node and ph not in ("0.0.0.0", "::"):
             env["SGLANG_HOST_IP"] = ph
-        procs.append(Proc("prefill", argv, env, prefill_url + "/health",
+        procs.append(Proc("prefill", argv, env, urls["prefill"] + "/health",
                           [(ph, ports["PREFILL_PORT"], "prefill HTTP"), (ph, ports["BOOTSTRAP_PORT"], "prefill bootstrap")], pg))
     if "decode" in roles:
-        argv = [python, *launcher, *common, "--tp", str(len(dg)), "--host", dh, "--port", str(ports["DECODE_PORT"]),
+        argv = [*common, "--tp", str(len(dg)), "--host", dh, "--port", str(ports["DECODE_PORT"]),
                 "--disaggregation-mode", "decode", "--mem-fraction-static", f"{mem['decode']:g}",
                 "--max-running-requests", str(max_running), "--cuda-graph-max-bs-decode", str(max_running)]
         argv += (spec or []) + _split("SERVER_EXTRA_ARGS", s["SERVER_EXTRA_ARGS"]) + \
@@ -304,17 +319,60 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, dg)), "SGLANG_TORCH_PROFILER_DIR": prof_dir}
         if multi_node and dh not in ("0.0.0.0", "::"):
             env["SGLANG_HOST_IP"] = dh
-        procs.append(Proc("decode", argv, env, decode_url + "/health",
+        procs.append(Proc("decode", argv, env, urls["decode"] + "/health",
                           [(dh, ports["DECODE_PORT"], "decode HTTP")], dg))
     if "router" in roles:
         argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--prefill", prefill_url, str(ports["BOOTSTRAP_PORT"]), "--decode", decode_url,
+                "--prefill", urls["prefill"], str(ports["BOOTSTRAP_PORT"]), "--decode", urls["decode"],
                 "--host", rh, "--port", str(ports["ROUTER_PORT"]),
                 "--prometheus-host", rh, "--prometheus-port", str(ports["ROUTER_PROMETHEUS_PORT"]),
                 "--log-level", "info"] + _split("ROUTER_EXTRA_ARGS", s["ROUTER_EXTRA_ARGS"])
-        procs.append(Proc("router", argv, {}, router_url + "/health",
+        procs.append(Proc("router", argv, {}, urls["router"] + "/health",
                           [(rh, ports["ROUTER_PORT"], "router HTTP"),
                            (rh, ports["ROUTER_PROMETHEUS_PORT"], "router metrics")]))
+    return procs
+
+
+def _check_ports(procs: List[Proc]) -> None:
+    """Two parts on one host must not share a port."""
+    seen: Dict[Tuple[str, int], str] = {}
+    for p in procs:
+        for h, port, what in p.binds:
+            key = (_url_host(h), port)
+            if key in seen:
+                raise ConfigError(f"port {port} is configured twice on {h}: {seen[key]} ({port_variable(seen[key])}) "
+                                  f"and {what} ({port_variable(what)}): set one of them to another port")
+            seen[key] = what
+
+
+def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[float] = None) -> Plan:
+    if variant not in ("base", "mtp"):
+        raise ConfigError(f"unknown variant {variant!r}")
+    s = settings_from_env(environ)
+    repo = checkout_root()
+    standin = s["DSV4_SM120_SERVE_STANDIN"] not in ("", "0")
+
+    venv = Path(os.path.expanduser(s["VENV"]))
+    venv = venv if venv.is_absolute() else repo / venv
+    python = str(venv / "bin" / "python")
+
+    roles = _roles(s)
+    pg, dg = _gpus(s, roles)
+    ports, ctx, mem, max_running = _numbers(s)
+    spec, spec_reason = _speculative(variant, s, environ)
+    fp8, fp8_reason, moe, moe_reason = _runners(s, environ, roles, pg, dg, repo)
+    cal_argv, cal_env = calibrate_command(s, python, roles, pg, dg)
+    run_dir = _run_dir(s, repo, variant, now)
+    common_env = _common_env(repo, environ)
+
+    ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
+    urls = {"prefill": f"http://{_url_host(ph)}:{ports['PREFILL_PORT']}",
+            "decode": f"http://{_url_host(dh)}:{ports['DECODE_PORT']}",
+            "router": f"http://{_url_host(rh)}:{ports['ROUTER_PORT']}"}
+    multi_node = not (ph in LOOPBACK and dh in LOOPBACK)
+    prof_dir = environ.get("SGLANG_TORCH_PROFILER_DIR") or str(run_dir / "profile")
+    procs = _procs(s, roles, python, _server_common(s, python, standin, ctx, fp8, moe), spec,
+                   {"prefill": pg, "decode": dg}, ports, mem, max_running, urls, multi_node, prof_dir)
     for p in procs:
         p.log = str(run_dir / f"{p.role}.log")
     _bind_numa(procs, s, environ)
@@ -328,27 +386,18 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     if s["WARMUP"].strip() not in ("auto", "0", "1"):
         raise ConfigError(f"WARMUP={s['WARMUP']!r}: expected auto, 1 or 0")
     _int(s, "WARMUP_TIMEOUT_S", 1)
-
-    # Two parts on one host must not share a port.
-    seen: Dict[Tuple[str, int], str] = {}
-    for p in procs:
-        for h, port, what in p.binds:
-            key = (_url_host(h), port)
-            if key in seen:
-                raise ConfigError(f"port {port} is configured twice on {h}: {seen[key]} ({port_variable(seen[key])}) "
-                                  f"and {what} ({port_variable(what)}): set one of them to another port")
-            seen[key] = what
+    _check_ports(procs)
 
     remote = {}
     if "router" in roles:
-        for r, url in (("prefill", prefill_url), ("decode", decode_url)):
+        for r in ("prefill", "decode"):
             if r not in roles:
-                remote[r] = url + "/health"
+                remote[r] = urls[r] + "/health"
 
     return Plan(variant=variant, repo=str(repo), python=python, run_dir=str(run_dir), roles=roles, standin=standin,
-                settings=s, common_env=common_env, procs=procs, remote_health=remote,
-                urls={"prefill": prefill_url, "decode": decode_url, "router": router_url}, fp8_reason=fp8_reason,
-                moe_reason=moe_reason, spec_reason=spec_reason, calibrate_argv=cal_argv, calibrate_env=cal_env)
+                settings=s, common_env=common_env, procs=procs, remote_health=remote, urls=urls,
+                fp8_reason=fp8_reason, moe_reason=moe_reason, spec_reason=spec_reason, calibrate_argv=cal_argv,
+                calibrate_env=cal_env)
 
 
 def calibrate_command(s: Dict[str, str], python: str, roles: List[str], pg: List[int],

@@ -117,133 +117,143 @@ def _greedy_answer(body: dict) -> Optional[dict]:
     return {"text": "".join(f" w{i}" for i in ids), "output_ids": ids, "meta_info": meta}
 
 
-def make_handler(role: str, model: str, served: str, ready_at: float, args: argparse.Namespace,
-                 unhealthy_file: str = "", mine: bool = True):
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class StandinHandler(BaseHTTPRequestHandler):
+    """The stand-in's HTTP answers; :func:`make_handler` makes a subclass with the server's facts set."""
+    role = "decode"
+    model = served = unhealthy_file = ""
+    ready_at = 0.0
+    args: argparse.Namespace = argparse.Namespace()
+    mine = True
+    protocol_version = "HTTP/1.1"
 
-        def log_message(self, fmt, *a):  # one line per request on stderr -> the role's log
-            sys.stderr.write(f"[standin {role}] {self.command} {self.path} -> {fmt % a}\n")
+    def log_message(self, fmt, *a):  # one line per request on stderr -> the role's log
+        sys.stderr.write(f"[standin {self.role}] {self.command} {self.path} -> {fmt % a}\n")
 
-        def _send(self, code: int, obj=None, ctype="application/json", raw: Optional[bytes] = None):
-            body = raw if raw is not None else json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def _send(self, code: int, obj=None, ctype="application/json", raw: Optional[bytes] = None):
+        body = raw if raw is not None else json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-        def _body(self):
-            n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b""
-            try:
-                return json.loads(raw) if raw else {}
-            except ValueError:
-                return {"_raw": raw.decode(errors="replace")}
+    def _body(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(n) if n else b""
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:
+            return {"_raw": raw.decode(errors="replace")}
 
-        def do_GET(self):
-            path = self.path.split("?")[0]
-            _record({"role": role, "method": "GET", "path": path, "t": time.time()})
-            if path in ("/health", "/health_generate", "/ping"):
-                if time.time() < ready_at:
-                    return self._send(503, {"status": "starting"})
-                if unhealthy_file and os.path.exists(unhealthy_file):
-                    return self._send(503, {"status": "unhealthy (standin, as asked)"})
-                return self._send(200, raw=b"", ctype="text/plain")
-            if path in ("/get_model_info", "/model_info"):
-                return self._send(200, {"model_path": model, "tokenizer_path": model, "is_generation": True,
-                                        "preferred_sampling_params": None, "weight_version": "standin",
-                                        "has_image_understanding": False, "has_audio_understanding": False,
-                                        "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]})
-            if path in ("/server_info", "/get_server_info"):
-                return self._send(200, {"disaggregation_mode": role, "tp_size": args.tp,
-                                        "disaggregation_bootstrap_port": args.disaggregation_bootstrap_port,
-                                        "model_path": model, "standin": True, "internal_states": [{}]})
-            if path == "/v1/models":
-                return self._send(200, {"object": "list", "data": [{"id": served, "object": "model",
-                                                                    "owned_by": "standin", "root": model}]})
-            if path == "/get_load":
-                return self._send(200, [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
-            return self._send(404, {"error": f"standin: no GET {path}"})
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        _record({"role": self.role, "method": "GET", "path": path, "t": time.time()})
+        if path in ("/health", "/health_generate", "/ping"):
+            if time.time() < self.ready_at:
+                return self._send(503, {"status": "starting"})
+            if self.unhealthy_file and os.path.exists(self.unhealthy_file):
+                return self._send(503, {"status": "unhealthy (standin, as asked)"})
+            return self._send(200, raw=b"", ctype="text/plain")
+        if path in ("/get_model_info", "/model_info"):
+            return self._send(200, {"model_path": self.model, "tokenizer_path": self.model, "is_generation": True,
+                                    "preferred_sampling_params": None, "weight_version": "standin",
+                                    "has_image_understanding": False, "has_audio_understanding": False,
+                                    "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]})
+        if path in ("/server_info", "/get_server_info"):
+            return self._send(200, {"disaggregation_mode": self.role, "tp_size": self.args.tp,
+                                    "disaggregation_bootstrap_port": self.args.disaggregation_bootstrap_port,
+                                    "model_path": self.model, "standin": True, "internal_states": [{}]})
+        if path == "/v1/models":
+            return self._send(200, {"object": "list", "data": [{"id": self.served, "object": "model",
+                                                                "owned_by": "standin", "root": self.model}]})
+        if path == "/get_load":
+            return self._send(200, [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
+        return self._send(404, {"error": f"standin: no GET {path}"})
 
-        def do_POST(self):
-            path = self.path.split("?")[0]
-            body = self._body()
-            _record({"role": role, "method": "POST", "path": path, "body": body, "t": time.time()})
-            if path == "/start_profile":
-                tp = settings.get("DSV4_SM120_STANDIN_TRACE_TP")
-                if tp:
-                    threading.Thread(target=_write_synthetic_traces, args=(body, tp), daemon=True).start()
-                return self._send(200, raw=b"Start profiling.\n", ctype="text/plain")
-            if path in ("/stop_profile", "/flush_cache"):
-                return self._send(200, raw=b"OK", ctype="text/plain")
-            if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
-                return self._send(404, {"error": f"standin: no POST {path}"})
-            if mine and settings.get("DSV4_SM120_STANDIN_FAIL_GENERATE"):
-                return self._send(500, {"error": "standin: KV transfer failed (DSV4_SM120_STANDIN_FAIL_GENERATE=1)"})
-            first_wait = settings.get("DSV4_SM120_STANDIN_FIRST_GENERATE_S") if mine else 0.0
-            with _lock:
-                first, _first_generate["pending"] = _first_generate["pending"], False
-            if first and first_wait:
-                time.sleep(first_wait)
-            if body.get("stream") and mine and role == "decode" and settings.get("DSV4_SM120_STANDIN_EXIT_ON_STREAM"):
-                print(f"[standin {role}] exiting with code 4 on a streamed request as asked", file=sys.stderr, flush=True)
-                os._exit(4)
-            if path == "/generate" and role == "decode":
-                greedy = _greedy_answer(body)
-                if greedy is not None:
-                    return self._send(200, greedy)
-            text = "" if role == "prefill" else "standin decode output"
-            meta = {"id": str(body.get("bootstrap_room", "")), "finish_reason": {"type": "length", "length": 4},
-                    "prompt_tokens": 4, "completion_tokens": 0 if role == "prefill" else 4, "cached_tokens": 0,
-                    "e2e_latency": 0.001}
-            if path == "/generate":
-                obj = {"text": text, "output_ids": [] if role == "prefill" else [1, 2, 3, 4], "meta_info": meta}
-            elif path == "/v1/completions":
-                obj = {"id": "cmpl-standin", "object": "text_completion", "created": int(time.time()), "model": served,
-                       "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
-                       "usage": {"prompt_tokens": 4, "completion_tokens": meta["completion_tokens"],
-                                 "total_tokens": 4 + meta["completion_tokens"]}}
-            else:
-                obj = {"id": "chatcmpl-standin", "object": "chat.completion", "created": int(time.time()),
-                       "model": served, "choices": [{"index": 0, "finish_reason": "length",
-                                                     "message": {"role": "assistant", "content": text}}],
-                       "usage": {"prompt_tokens": 4, "completion_tokens": meta["completion_tokens"],
-                                 "total_tokens": 4 + meta["completion_tokens"]}}
-            if body.get("stream") and path == "/generate" and role == "decode":
-                return self._stream_generate(body, meta)
-            if body.get("stream"):
-                data = f"data: {json.dumps(obj)}\n\ndata: [DONE]\n\n".encode()
-                return self._send(200, raw=data, ctype="text/event-stream")
-            return self._send(200, obj)
+    def do_POST(self):
+        path = self.path.split("?")[0]
+        body = self._body()
+        _record({"role": self.role, "method": "POST", "path": path, "body": body, "t": time.time()})
+        if path == "/start_profile":
+            tp = settings.get("DSV4_SM120_STANDIN_TRACE_TP")
+            if tp:
+                threading.Thread(target=_write_synthetic_traces, args=(body, tp), daemon=True).start()
+            return self._send(200, raw=b"Start profiling.\n", ctype="text/plain")
+        if path in ("/stop_profile", "/flush_cache"):
+            return self._send(200, raw=b"OK", ctype="text/plain")
+        if path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            return self._send(404, {"error": f"standin: no POST {path}"})
+        if self.mine and settings.get("DSV4_SM120_STANDIN_FAIL_GENERATE"):
+            return self._send(500, {"error": "standin: KV transfer failed (DSV4_SM120_STANDIN_FAIL_GENERATE=1)"})
+        first_wait = settings.get("DSV4_SM120_STANDIN_FIRST_GENERATE_S") if self.mine else 0.0
+        with _lock:
+            first, _first_generate["pending"] = _first_generate["pending"], False
+        if first and first_wait:
+            time.sleep(first_wait)
+        if (body.get("stream") and self.mine and self.role == "decode"
+                and settings.get("DSV4_SM120_STANDIN_EXIT_ON_STREAM")):
+            print(f"[standin {self.role}] exiting with code 4 on a streamed request as asked", file=sys.stderr,
+                  flush=True)
+            os._exit(4)
+        if path == "/generate" and self.role == "decode":
+            greedy = _greedy_answer(body)
+            if greedy is not None:
+                return self._send(200, greedy)
+        text = "" if self.role == "prefill" else "standin decode output"
+        meta = {"id": str(body.get("bootstrap_room", "")), "finish_reason": {"type": "length", "length": 4},
+                "prompt_tokens": 4, "completion_tokens": 0 if self.role == "prefill" else 4, "cached_tokens": 0,
+                "e2e_latency": 0.001}
+        if path == "/generate":
+            obj = {"text": text, "output_ids": [] if self.role == "prefill" else [1, 2, 3, 4], "meta_info": meta}
+        elif path == "/v1/completions":
+            obj = {"id": "cmpl-standin", "object": "text_completion", "created": int(time.time()), "model": self.served,
+                   "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
+                   "usage": {"prompt_tokens": 4, "completion_tokens": meta["completion_tokens"],
+                             "total_tokens": 4 + meta["completion_tokens"]}}
+        else:
+            obj = {"id": "chatcmpl-standin", "object": "chat.completion", "created": int(time.time()),
+                   "model": self.served, "choices": [{"index": 0, "finish_reason": "length",
+                                                 "message": {"role": "assistant", "content": text}}],
+                   "usage": {"prompt_tokens": 4, "completion_tokens": meta["completion_tokens"],
+                             "total_tokens": 4 + meta["completion_tokens"]}}
+        if body.get("stream") and path == "/generate" and self.role == "decode":
+            return self._stream_generate(body, meta)
+        if body.get("stream"):
+            data = f"data: {json.dumps(obj)}\n\ndata: [DONE]\n\n".encode()
+            return self._send(200, raw=data, ctype="text/event-stream")
+        return self._send(200, obj)
 
-        def _stream_generate(self, body, meta):
-            """Decode side, streaming: one SSE chunk per token, DSV4_SM120_STANDIN_TOKEN_S apart (default 2 ms)."""
-            n = int((body.get("sampling_params") or {}).get("max_new_tokens") or 16)
-            n = max(1, min(n, 4096))
-            gap = settings.get("DSV4_SM120_STANDIN_TOKEN_S")
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
+    def _stream_generate(self, body, meta):
+        """Decode side, streaming: one SSE chunk per token, DSV4_SM120_STANDIN_TOKEN_S apart (default 2 ms)."""
+        n = int((body.get("sampling_params") or {}).get("max_new_tokens") or 16)
+        n = max(1, min(n, 4096))
+        gap = settings.get("DSV4_SM120_STANDIN_TOKEN_S")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
 
-            def chunk(b: bytes) -> None:
-                self.wfile.write(f"{len(b):x}\r\n".encode() + b + b"\r\n")
-                self.wfile.flush()
-
-            text = ""
-            for i in range(1, n + 1):
-                if gap:
-                    time.sleep(gap)
-                text += " t"
-                m = dict(meta, completion_tokens=i,
-                         finish_reason={"type": "length", "length": n} if i == n else None)
-                chunk(f"data: {json.dumps({'text': text, 'output_ids': [i], 'meta_info': m})}\n\n".encode())
-            chunk(b"data: [DONE]\n\n")
-            self.wfile.write(b"0\r\n\r\n")
+        def chunk(b: bytes) -> None:
+            self.wfile.write(f"{len(b):x}\r\n".encode() + b + b"\r\n")
             self.wfile.flush()
 
-    return H
+        text = ""
+        for i in range(1, n + 1):
+            if gap:
+                time.sleep(gap)
+            text += " t"
+            m = dict(meta, completion_tokens=i,
+                     finish_reason={"type": "length", "length": n} if i == n else None)
+            chunk(f"data: {json.dumps({'text': text, 'output_ids': [i], 'meta_info': m})}\n\n".encode())
+        chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+def make_handler(role: str, model: str, served: str, ready_at: float, args: argparse.Namespace,
+                 unhealthy_file: str = "", mine: bool = True):
+    return type("H", (StandinHandler,), {"role": role, "model": model, "served": served, "ready_at": ready_at,
+                                         "args": args, "unhealthy_file": unhealthy_file, "mine": mine})
 
 
 _stop_requested = 0     # the signal that asked the stand-in to stop (0: none yet)
