@@ -72,6 +72,7 @@ def test_draft_method_choice():
 
 PROBE = textwrap.dedent(r"""
     import json, logging, os, sys
+    from unittest import mock
     logging.disable(logging.WARNING)
     job = json.loads(sys.argv[1])
     import sglang
@@ -92,20 +93,13 @@ PROBE = textwrap.dedent(r"""
             return a
 
     for name, argv, plat, env in job.get("resolve", []):
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
-            d = resolve(argv, plat).resolved_dict()
+            with mock.patch.dict(os.environ, env):
+                d = resolve(argv, plat).resolved_dict()
             out[name] = {"moe": d["moe_runner_backend"], "quant": d["quantization"],
                          "spec": d["speculative_algorithm"]}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"}
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     # The MoE quant methods the loader would build (publish is per process: last wins).
     for name, argv, plat, prefixes in job.get("methods", []):

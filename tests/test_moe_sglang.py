@@ -24,6 +24,7 @@ from conftest import probe_result
 
 PROBE = textwrap.dedent(r"""
     import json, logging, os, sys
+    from unittest import mock
     logging.disable(logging.WARNING)
     job = json.loads(sys.argv[1])
     out = {}
@@ -48,18 +49,11 @@ PROBE = textwrap.dedent(r"""
         "sm100": (m, SM100, {}),
     }
     for name, (argv, plat, env) in cases.items():
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
-            out[name] = resolve(argv, plat).resolved_dict()["moe_runner_backend"]
+            with mock.patch.dict(os.environ, env):
+                out[name] = resolve(argv, plat).resolved_dict()["moe_runner_backend"]
         except BaseException as e:
             out[name] = f"error {type(e).__name__}: {e}"
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     if not job.get("layer"):
         print("RESULT" + json.dumps(out)); sys.exit(0)
 
