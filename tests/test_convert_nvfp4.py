@@ -331,19 +331,27 @@ def test_out_of_range_blocks_clamped_counted_measured(tmp_path):
     assert rep["out_of_range_blocks"] == 2 and rep["max_abs_err"] == max_err
 
 
+class PlantedCrash(Exception):
+    """A failure planted in the middle of a conversion."""
+
+
+def convert_until_crash(src, dst, shard: str, index: int) -> None:
+    """Convert ``src`` into ``dst`` until the converter's fault hook raises at tensor ``index`` of the shard whose
+    file name starts with ``shard`` (the crash a resumed run recovers from)."""
+
+    def fault(fn, i):
+        if fn.startswith(shard) and i == index:
+            raise PlantedCrash()
+
+    with pytest.raises(PlantedCrash):
+        C.convert(src, dst, progress=False, quiet=True, _fault=fault)
+
+
 def test_resume_after_crash_gives_identical_output(tmp_path, converted):
     src, clean_dst, _ = converted
     dst = tmp_path / "dst"
 
-    class Crash(Exception):
-        pass
-
-    def fault(fn, i):
-        if fn.startswith("model-00002") and i == 5:
-            raise Crash()
-
-    with pytest.raises(Crash):
-        C.convert(src, dst, progress=False, quiet=True, _fault=fault)
+    convert_until_crash(src, dst, "model-00002", 5)
     assert (dst / "model-00001-of-00003.safetensors").exists()
     assert (dst / ".model-00002-of-00003.safetensors.partial").exists()
     assert not (dst / "model-00002-of-00003.safetensors").exists()
@@ -484,15 +492,7 @@ def test_damaged_source_leaves_partial_dst_untouched(tmp_path, capsys):
     src = make_synthetic_checkpoint(tmp_path / "src", seed=12)
     dst = tmp_path / "dst"
 
-    class Crash(Exception):
-        pass
-
-    def fault(fn, i):
-        if fn.startswith("model-00002") and i == 3:
-            raise Crash()
-
-    with pytest.raises(Crash):
-        C.convert(src, dst, progress=False, quiet=True, _fault=fault)
+    convert_until_crash(src, dst, "model-00002", 3)
     before = dst_snapshot(dst)
     assert "model-00001-of-00003.safetensors" in before and ".model-00002-of-00003.safetensors.partial" in before
     name = "layers.0.ffn.experts.1.w3.scale"
