@@ -391,20 +391,29 @@ def gpu_slug(gpu: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", s.lower()).strip("_") or "gpu"
 
 
-def _launch(a, results_dir: Optional[Path]) -> int:
-    from dsv4_sm120 import launch_sweep as S
-
+def _subject_rows(a, results_dir: Optional[Path], what: str, keep=lambda r: True):
+    """``(path, rows, gpu)`` of a ``table`` / ``launch`` command: the subject's results file (``--results``, else
+    ``<results_dir>/<subject>.csv``), its rows, and ``--gpu`` or else the one GPU among the rows ``keep`` accepts
+    (``what`` names them in the error when there is not exactly one)."""
     path = a.results or ((results_dir / f"{a.subject}.csv") if results_dir else None)
     if path is None:
         raise ResultsError("--results FILE is needed")
     rows = read_rows(path, a.subject)
     gpu = a.gpu
     if not gpu:
-        found = gpus(r for r in rows if r["case"].startswith(S.CASE_PREFIX))
+        found = gpus(r for r in rows if keep(r))
         if len(found) != 1:
-            raise ResultsError(f"{path} holds launch-sweep rows of {len(found)} GPUs ({', '.join(found) or 'none'}); "
+            raise ResultsError(f"{path} holds {what} of {len(found)} GPUs ({', '.join(found) or 'none'}); "
                                "pick one with --gpu")
         gpu = found[0]
+    return path, rows, gpu
+
+
+def _launch(a, results_dir: Optional[Path]) -> int:
+    from dsv4_sm120 import launch_sweep as S
+
+    path, rows, gpu = _subject_rows(a, results_dir, "launch-sweep rows",
+                                    lambda r: r["case"].startswith(S.CASE_PREFIX))
     notes: List[str] = []
     try:
         tables = S.build(a.subject, rows, gpu, notes=notes)
@@ -454,17 +463,7 @@ def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = No
             rows = read_rows(a.file)
             print(f"{a.file}: {len(rows)} rows, GPUs: {', '.join(gpus(rows)) or 'none'}")
             return 0
-        path = a.results or ((results_dir / f"{a.subject}.csv") if results_dir else None)
-        if path is None:
-            raise ResultsError("--results FILE is needed")
-        rows = read_rows(path, a.subject)
-        gpu = a.gpu
-        if not gpu:
-            found = gpus(rows)
-            if len(found) != 1:
-                raise ResultsError(f"{path} holds rows of {len(found)} GPUs ({', '.join(found) or 'none'}); "
-                                   "pick one with --gpu")
-            gpu = found[0]
+        path, rows, gpu = _subject_rows(a, results_dir, "rows")
         cmd = (f"python bench/results_table.py table {a.subject} --gpu '{gpu}'"
                + (" --all-variants" if a.all_variants else ""))
         text = render_table(a.subject, rows, gpu, all_variants=a.all_variants, command=cmd)
