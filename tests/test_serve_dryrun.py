@@ -106,7 +106,8 @@ VALIDATOR = textwrap.dedent(r"""
             from sglang_router.launch_router import parse_router_args
             args = parse_router_args(argv)
             out.append({"ok": True, "pd": args.pd_disaggregation, "prefill": [list(x) for x in args.prefill_urls],
-                        "decode": args.decode_urls, "port": args.port, "prometheus_port": args.prometheus_port})
+                        "decode": args.decode_urls, "port": args.port, "prometheus_port": args.prometheus_port,
+                        "shutdown_grace_period_secs": args.shutdown_grace_period_secs})
             continue
         err = io.StringIO()
         try:
@@ -243,6 +244,8 @@ def test_router_command_parses_with_sglang_router(validated):
     assert base["prefill"] == [["http://127.0.0.1:30100", 8998]], base
     assert base["decode"] == ["http://127.0.0.1:30200"] and base["port"] == 30000, base
     assert base["prometheus_port"] == 29000
+    # the router gives in-flight requests less time than the teardown waits before SIGKILL
+    assert base["shutdown_grace_period_secs"] == 5 < 30
     assert mn["prefill"] == [["http://10.1.0.1:30100", 8998]], mn
     assert mn["decode"] == ["http://10.1.0.2:30200"], mn
 

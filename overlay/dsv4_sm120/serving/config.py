@@ -37,6 +37,10 @@ INTERNAL = re.compile(r"^(DSV4_SM120_SERVE_|DSV4_SM120_STANDIN_|DSV4_SM120_ORIG_
                       r"DSV4_SM120_CACHE$|DSV4_SM120_VARIANT$|SGLANG_TORCH_PROFILER_DIR$|SGLANG_HOST_IP$)")
 
 
+# seconds the router waits for in-flight requests after SIGTERM (below the teardown's STOP_GRACE_S default)
+ROUTER_SHUTDOWN_GRACE_S = 5
+
+
 class ConfigError(Exception):
     """A configuration mistake, reported as one line."""
 
@@ -326,7 +330,10 @@ def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], 
                 "--prefill", urls["prefill"], str(ports["BOOTSTRAP_PORT"]), "--decode", urls["decode"],
                 "--host", rh, "--port", str(ports["ROUTER_PORT"]),
                 "--prometheus-host", rh, "--prometheus-port", str(ports["ROUTER_PROMETHEUS_PORT"]),
-                "--log-level", "info"] + _split("ROUTER_EXTRA_ARGS", s["ROUTER_EXTRA_ARGS"])
+                "--log-level", "info",
+                # the router waits this long for in-flight requests on SIGTERM (its default, 180 s, outlasts
+                # the teardown's STOP_GRACE_S, so a stop with a dropped stream would end in SIGKILL)
+                "--shutdown-grace-period-secs", str(ROUTER_SHUTDOWN_GRACE_S)] + _split("ROUTER_EXTRA_ARGS", s["ROUTER_EXTRA_ARGS"])
         procs.append(Proc("router", argv, {}, urls["router"] + "/health",
                           [(rh, ports["ROUTER_PORT"], "router HTTP"),
                            (rh, ports["ROUTER_PROMETHEUS_PORT"], "router metrics")]))
