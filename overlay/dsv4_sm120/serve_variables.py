@@ -53,7 +53,8 @@ VARIABLES: Dict[str, Tuple[Optional[str], str]] = {
     "PREFLIGHT_SKIP": ("", "comma list of checks to skip: ports,gpu,model,patches,nixl,numa,p2p,ucx,router,profile"),
     "CALIBRATE": ("0", "1 = measure this box first (`make calibrate`: python -m dsv4_sm120.calibrate with the plan's TP and MODEL_PATH, on the first decode GPU; minutes) and write the machine profile the servers then read; 0 = use the profile there is"),
     "DETACH": ("0", "1 = return once everything is healthy, supervision continues in the background"),
-    "DRY_RUN": ("0", "1 = print the commands and environment, start nothing"),
+    "DRY_RUN": ("0", "1 = print the commands and environment and run the checks that need no GPU (exit 1 if one "
+                       "fails); start nothing"),
     "DSV4_SM120_SERVE_STANDIN": ("0", "1 = stand-in HTTP servers instead of SGLang (rehearsal and tests; no GPU)"),
     "NVIDIA_SMI": ("nvidia-smi", "nvidia-smi executable used by the GPU preflight"),
     "NUMA_BIND": ("1", "1 = bind each server to the NUMA node its GPUs hang off (read from sysfs); 0 = unbound, SGLang's own auto-binding off too"),

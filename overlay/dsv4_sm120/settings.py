@@ -143,7 +143,7 @@ def _selfcheck_fault(text: str) -> Optional[str]:
 
 # ---- the registry (order = the order of the listing)
 
-_ATTN_CONFIG_VALUES = "comma list of launch keys, e.g. `impl=tiled` or `KCVT=0,maxnreg=0` (docs/attention.md)"
+_ATTN_CONFIG_VALUES = "comma list of launch keys, e.g. `impl=tiled` or `e4m3_int_decode=0,maxnreg=0` (docs/attention.md)"
 
 _OURS: Tuple[Setting, ...] = (
     # runtime: the patched SGLang and the kernels
@@ -185,8 +185,9 @@ _OURS: Tuple[Setting, ...] = (
             "token grouping of our MoE: `auto` = the launch table's choice (all give the same bits)", "runtime",
             choices=("auto", "inkernel", "triton", "torch")),
     Setting("DSV4_SM120_SELFCHECK", "bool", "1",
-            "1: before serving, each of our kernels that will run is checked once on the GPU against the stock "
-            "path at a live shape; a failing one is disabled in that process (docs/calibrate.md); 0: no check",
+            "1: before CUDA-graph capture, every launch of our kernels that the captured rows reach is checked once "
+            "on the GPU against the stock path; a failing launch steps aside to the stock path for its rows in that "
+            "process (docs/calibrate.md); 0: no check",
             "runtime"),
     Setting("DSV4_SM120_FP8_CONFIG_DIR", "path", None,
             "where the patched SGLang looks up tuned FP8 block-GEMM configs first: unset = configs/fp8 of the "
