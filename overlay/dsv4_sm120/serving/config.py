@@ -299,6 +299,16 @@ def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], 
     ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
     pg, dg = gpus["prefill"], gpus["decode"]
     procs: List[Proc] = []
+
+    def server(role: str, argv: List[str], host: str, role_gpus: List[int], listens) -> Proc:
+        """A server process: its argv plus speculation and the extra args, its GPUs, profiler dir and host IP."""
+        var = f"{role.upper()}_EXTRA_ARGS"
+        argv = argv + (spec or []) + _split("SERVER_EXTRA_ARGS", s["SERVER_EXTRA_ARGS"]) + _split(var, s[var])
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, role_gpus)), "SGLANG_TORCH_PROFILER_DIR": prof_dir}
+        if multi_node and host not in ("0.0.0.0", "::"):
+            env["SGLANG_HOST_IP"] = host
+        return Proc(role, argv, env, urls[role] + "/health", listens, role_gpus)
+
     if "prefill" in roles:
         argv = [*common, "--tp", str(len(pg)), "--host", ph, "--port", str(ports["PREFILL_PORT"]),
                 "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["BOOTSTRAP_PORT"]),
@@ -307,24 +317,14 @@ def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], 
             argv += ["--max-running-requests", str(_int(s, "PREFILL_MAX_RUNNING", 1))]
         if s["CHUNKED_PREFILL_SIZE"]:
             argv += ["--chunked-prefill-size", str(_int(s, "CHUNKED_PREFILL_SIZE", 1))]
-        argv += (spec or []) + _split("SERVER_EXTRA_ARGS", s["SERVER_EXTRA_ARGS"]) + \
-            _split("PREFILL_EXTRA_ARGS", s["PREFILL_EXTRA_ARGS"])
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, pg)), "SGLANG_TORCH_PROFILER_DIR": prof_dir}
-        if multi_node and ph not in ("0.0.0.0", "::"):
-            env["SGLANG_HOST_IP"] = ph
-        procs.append(Proc("prefill", argv, env, urls["prefill"] + "/health",
-                          [(ph, ports["PREFILL_PORT"], "prefill HTTP"), (ph, ports["BOOTSTRAP_PORT"], "prefill bootstrap")], pg))
+        procs.append(server(
+            "prefill", argv, ph, pg,
+            [(ph, ports["PREFILL_PORT"], "prefill HTTP"), (ph, ports["BOOTSTRAP_PORT"], "prefill bootstrap")]))
     if "decode" in roles:
         argv = [*common, "--tp", str(len(dg)), "--host", dh, "--port", str(ports["DECODE_PORT"]),
                 "--disaggregation-mode", "decode", "--mem-fraction-static", f"{mem['decode']:g}",
                 "--max-running-requests", str(max_running), "--cuda-graph-max-bs-decode", str(max_running)]
-        argv += (spec or []) + _split("SERVER_EXTRA_ARGS", s["SERVER_EXTRA_ARGS"]) + \
-            _split("DECODE_EXTRA_ARGS", s["DECODE_EXTRA_ARGS"])
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, dg)), "SGLANG_TORCH_PROFILER_DIR": prof_dir}
-        if multi_node and dh not in ("0.0.0.0", "::"):
-            env["SGLANG_HOST_IP"] = dh
-        procs.append(Proc("decode", argv, env, urls["decode"] + "/health",
-                          [(dh, ports["DECODE_PORT"], "decode HTTP")], dg))
+        procs.append(server("decode", argv, dh, dg, [(dh, ports["DECODE_PORT"], "decode HTTP")]))
     if "router" in roles:
         argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                 "--prefill", urls["prefill"], str(ports["BOOTSTRAP_PORT"]), "--decode", urls["decode"],
