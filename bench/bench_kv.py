@@ -51,7 +51,7 @@ def server_environment(environ: Dict[str, str]) -> List[Tuple[str, str, str]]:
 
     env = load_env_dir(REPO / "serve" / "env", environ)
     if "UCX_NET_DEVICES" not in environ and not any(k == "UCX_NET_DEVICES" for k, _, _ in env):
-        env.append(("UCX_NET_DEVICES", "lo", "single-host deployment (serving/config.py)"))
+        env.append(("UCX_NET_DEVICES", "lo", "single-host deployment (serving/plan.py)"))
     return env
 
 

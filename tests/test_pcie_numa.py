@@ -18,7 +18,7 @@ from pcie_box import TOPO_M, make_smi, make_sysfs  # noqa: E402
 
 from dsv4_sm120.serving import kv_bytes as kb  # noqa: E402
 from dsv4_sm120.serving import topology as tp  # noqa: E402
-from dsv4_sm120.serving.config import ConfigError, build_plan, render_dry_run  # noqa: E402
+from dsv4_sm120.serving.plan import ConfigError, build_plan, render_dry_run  # noqa: E402
 
 VENV = str(Path(sys.executable).parent.parent)
 TWO_NODES = {i: (0 if i < 4 else 1) for i in range(8)}
@@ -92,7 +92,7 @@ def test_plan_and_dry_run_carry_the_binding(tmp_path):
     assert "numa prefill: NUMA node 0, CPUs 0-7 [GPU 0: node 0, GPU 1: node 0, GPU 2: node 0, GPU 3: node 0]" in text
     assert "numa decode: NUMA node 1, CPUs 8-15" in text
     # the plan survives the JSON round trip the detached supervisor reads
-    from dsv4_sm120.serving.config import Plan
+    from dsv4_sm120.serving.plan import Plan
     assert Plan.from_json(p.to_json()).procs[1].numa["node"] == 1
     # a --numa-node the user passes is kept, not overridden
     user = plan(tmp_path, sysfs, smi, PREFILL_EXTRA_ARGS="--numa-node 1 1 0 0")

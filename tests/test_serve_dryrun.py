@@ -351,7 +351,7 @@ def test_caller_environment_wins_over_env_files():
 
 def test_fp8_backend_hook(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "overlay"))
-    from dsv4_sm120.serving.config import ConfigError, fp8_gemm_backend
+    from dsv4_sm120.serving.plan import ConfigError, fp8_gemm_backend
 
     monkeypatch.delenv("DSV4_SM120_FP8_GEMM_BACKEND", raising=False)
     dev = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
@@ -379,7 +379,7 @@ def test_fp8_backend_hook(tmp_path, monkeypatch):
 
 def test_docs_list_every_variable():
     sys.path.insert(0, str(REPO / "overlay"))
-    from dsv4_sm120.serving.config import VARIABLES
+    from dsv4_sm120.serving.plan import VARIABLES
 
     doc = (REPO / "docs" / "serving.md").read_text()
     missing = [k for k in VARIABLES if f"`{k}`" not in doc]
@@ -477,7 +477,7 @@ def test_stop_refuses_unknown_options(tmp_path):
 
 sys.path.insert(0, str(REPO / "overlay"))
 from dsv4_sm120.serving import preflight as pf  # noqa: E402
-from dsv4_sm120.serving.config import build_plan  # noqa: E402
+from dsv4_sm120.serving.plan import build_plan  # noqa: E402
 
 
 def preflight_status(out: str) -> dict:

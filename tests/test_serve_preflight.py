@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 from dsv4_sm120.serving import preflight as pf  # noqa: E402
-from dsv4_sm120.serving.config import build_plan  # noqa: E402
+from dsv4_sm120.serving.plan import build_plan  # noqa: E402
 from dsv4_sm120.serving.envfiles import EnvFileError, load_env_dir, parse_env_text  # noqa: E402
 
 VENV = str(Path(sys.executable).parent.parent)
@@ -70,7 +70,7 @@ def test_busy_and_doubled_ports_name_their_variable():
     """A busy port's line names the variable that moves it; every port the plan binds has one."""
     import socket
 
-    from dsv4_sm120.serving.config import PORT_VARIABLES, VARIABLES, ConfigError
+    from dsv4_sm120.serving.plan import PORT_VARIABLES, VARIABLES, ConfigError
 
     binds = {what for p in plan_for().procs for _, _, what in p.binds}
     assert binds == set(PORT_VARIABLES) and set(PORT_VARIABLES.values()) <= set(VARIABLES), binds

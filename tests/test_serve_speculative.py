@@ -174,7 +174,7 @@ def test_bad_settings_are_one_line_errors(ckpts, model, env, needle):
 def test_bad_model_directories_get_the_base_preflights_line(ckpts, model, misleading):
     """The MTP script refuses a checkpoint its base script's preflight refuses, with the preflight's own line."""
     from dsv4_sm120.serving import preflight as pf
-    from dsv4_sm120.serving.config import build_plan
+    from dsv4_sm120.serving.plan import build_plan
 
     r = run(ckpts, ckpts[model], check=False)
     (line,) = r.stderr.strip().splitlines()
@@ -231,7 +231,7 @@ DOC_ANCHORS = [
 def test_docs_cite_the_pinned_sources_and_every_variable():
     import sglang
 
-    from dsv4_sm120.serving.config import VARIABLES
+    from dsv4_sm120.serving.plan import VARIABLES
 
     root = Path(sglang.__file__).parent
     doc = (Path(__file__).resolve().parents[1] / "docs" / "speculative.md").read_text()

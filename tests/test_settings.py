@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_sm120 import settings as S
-from dsv4_sm120.serving.config import VARIABLES
+from dsv4_sm120.serving.plan import VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAY = REPO / "overlay"
@@ -58,7 +58,7 @@ def test_every_setting_is_declared_completely():
         S.get(name, {})  # the default itself is valid
         if s.reader != "serve" and name != "SGLANG_ROOT":
             assert name.startswith(S.PREFIX), name
-    # the serve scripts' parameters are declared once, in serving.config.VARIABLES, and all registered
+    # the serve scripts' parameters are declared once, in serving.plan.VARIABLES, and all registered
     for name, (default, help_) in VARIABLES.items():
         assert reg[name].reader == "serve" or name.startswith(S.PREFIX)
         assert reg[name].meaning == help_ or name in S._BY_NAME_OURS

@@ -113,7 +113,7 @@ def test_documented_variables_exist_in_the_code(doc):
 
 def test_readme_defaults_match_the_code():
     sys.path.insert(0, str(REPO / "overlay"))
-    from dsv4_sm120.serving.config import VARIABLES
+    from dsv4_sm120.serving.plan import VARIABLES
 
     assert re.search(r"^VENV \?= \.venv$", MAKEFILE, re.M) and VARIABLES["VENV"][0] == ".venv"
     assert "in `.venv/`" in README

@@ -21,8 +21,8 @@ The project directory is, in this order:
 
 :func:`recommended_fp8_gemm_backend` says whether ``--fp8-gemm-backend triton`` beats SGLang's
 default on a device: the machine profile's ``fp8_gemm`` decision when a profile matches the GPU and
-this environment's versions (``make calibrate``; :mod:`dsv4_sm120.calibrate.profile`), else the
-tuner's summary. The serve planner calls it (:func:`dsv4_sm120.serving.config.fp8_gemm_backend`, for
+this environment's versions (``make calibrate``; :mod:`dsv4_sm120.calibrate.machine_profile`), else the
+tuner's summary. The serve planner calls it (:func:`dsv4_sm120.serving.plan.fp8_gemm_backend`, for
 ``FP8_GEMM_BACKEND=auto``); ``python -m dsv4_sm120.fp8_configs backend-args`` prints its answer.
 
 This module imports neither torch nor SGLang at import time.
@@ -104,7 +104,7 @@ def profile_fp8_backend(device_name: str, profile_dir: Optional[Path] = None) ->
     """(backend or None for SGLang's default, reason) from the machine profile's ``fp8_gemm`` decision for
     ``device_name`` with this environment's versions, or None when no profile applies or it has no such decision.
     One flag per server: the decision's ``overall`` recommendation, else the winner of the most token buckets."""
-    from dsv4_sm120.calibrate import profile as P
+    from dsv4_sm120.calibrate import machine_profile as P
 
     try:
         prof, path, _ = P.active_profile(device_name, directory=profile_dir)

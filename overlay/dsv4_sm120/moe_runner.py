@@ -9,7 +9,7 @@ which answers with :func:`nvfp4_runner` on sm_120 (elsewhere SGLang's own choice
 2. ``DSV4_SM120_MOE_BACKEND`` other than ``auto``: ``flashinfer_cutlass``, ``dsv4_triton_nvfp4`` (the overlay's
    Triton runner) or ``stock`` (SGLang's own choice, :data:`STOCK_HYBRID_BACKEND`, which runs on sm_100 only);
 3. the machine profile's runner for decision ``moe.nvfp4`` (one runner per server:
-   :func:`dsv4_sm120.calibrate.profile.overall`, the winner of the most token buckets) when it is one of the two
+   :func:`dsv4_sm120.calibrate.machine_profile.overall`, the winner of the most token buckets) when it is one of the two
    NVFP4 runners on sm_120;
 4. :data:`NVFP4_DEFAULT` (``flashinfer_cutlass``: ModelOpt NVFP4 through FlashInfer's CUTLASS fused MoE, which
    has sm_120 kernels; ``dsv4_triton_nvfp4`` was slower than an FP8 MoE on the H200, bench/results/moe.csv).
@@ -18,7 +18,7 @@ which answers with :func:`nvfp4_runner` on sm_120 (elsewhere SGLang's own choice
 ``flashinfer_cutlass`` with a warning.
 
 MXFP4 experts (the released checkpoint) are decided by the serve planner, which passes the runner as
-``--moe-runner-backend`` to both servers (:func:`mxfp4_runner`, called by :mod:`dsv4_sm120.serving.config`):
+``--moe-runner-backend`` to both servers (:func:`mxfp4_runner`, called by :mod:`dsv4_sm120.serving.plan`):
 
 1. the user's ``--moe-runner-backend`` in ``SERVER_EXTRA_ARGS`` / ``PREFILL_EXTRA_ARGS`` / ``DECODE_EXTRA_ARGS``;
 2. the ``moe.mxfp4`` winner of the machine profile matching the GPU and this process's versions, when SGLang
@@ -49,14 +49,14 @@ MXFP4_RUNNER_FLAGS = {"flashinfer_mxfp4": "flashinfer_mxfp4", "deep_gemm": "deep
 def nvfp4_profile_choice() -> Tuple[str, str, str]:
     """``(runner, source, detail)`` of decision ``moe.nvfp4`` from the machine profile (default
     :data:`NVFP4_DEFAULT`); never raises."""
-    from dsv4_sm120.calibrate import profile
+    from dsv4_sm120.calibrate import machine_profile
 
     try:
-        choice, source, detail = profile.overall("moe.nvfp4", NVFP4_DEFAULT)
+        choice, source, detail = machine_profile.overall("moe.nvfp4", NVFP4_DEFAULT)
     except Exception as e:  # noqa: BLE001 - a broken profile must not stop the server
         return NVFP4_DEFAULT, f"default: profile unreadable ({type(e).__name__}: {e})", ""
     if source == "default":
-        source = profile.default_reason("moe.nvfp4")
+        source = machine_profile.default_reason("moe.nvfp4")
     return choice, source, detail
 
 
@@ -88,7 +88,7 @@ def mxfp4_runner(model_path: str, device_name: Optional[str], user_flag: Optiona
                  model=None) -> Tuple[Optional[str], str]:
     """The --moe-runner-backend for an MXFP4 checkpoint (None = add nothing: SGLang's default or the user's
     flag) and why: the ``moe.mxfp4`` winner of the machine profile matching ``device_name`` and this
-    process's versions (the serving python's), through :func:`dsv4_sm120.calibrate.profile.overall`. Only for a
+    process's versions (the serving python's), through :func:`dsv4_sm120.calibrate.machine_profile.overall`. Only for a
     checkpoint known to have MXFP4 routed experts (``model_config``: its config.json, local or in the Hugging
     Face cache, or a published Hub id); an unknown format gets no flag. ``user_flag``: the variable that passes
     ``--moe-runner-backend`` already, or None; ``model``: the checkpoint's :class:`dsv4_sm120.model_config.ModelConfig`
@@ -111,7 +111,7 @@ def mxfp4_runner(model_path: str, device_name: Optional[str], user_flag: Optiona
         return None, "SGLang default (no GPU name from nvidia-smi, so no machine profile applies)"
     import logging
 
-    from dsv4_sm120.calibrate import profile as P
+    from dsv4_sm120.calibrate import machine_profile as P
 
     log = logging.getLogger(P.__name__)
     level = log.level

@@ -1,7 +1,7 @@
 """The serve scripts' parameters: every variable ``serve/*.sh`` and :mod:`dsv4_sm120.serving` read, with its
 default and help.
 
-The serve planner (:mod:`dsv4_sm120.serving.config`) reads its plan from them and :mod:`dsv4_sm120.settings`
+The serve planner (:mod:`dsv4_sm120.serving.plan`) reads its plan from them and :mod:`dsv4_sm120.settings`
 lists them as the group ``serve``. Imports nothing.
 """
 

@@ -2,7 +2,7 @@
 
 TP = the number of ``DECODE_GPUS`` (the decode server runs the calibrated decode paths), heads per rank =
 64 / TP, MTP draft tokens = ``SPEC_NUM_DRAFT_TOKENS``, context = ``CONTEXT_LEN`` (sets the c128 candidate
-count), all through :mod:`dsv4_sm120.serving.config` (``VARIABLES`` defaults, same validation). The MoE
+count), all through :mod:`dsv4_sm120.serving.plan` (``VARIABLES`` defaults, same validation). The MoE
 format and expert shapes come from ``MODEL_PATH``'s ``config.json``: ``quantization_config.moe_quant_algo ==
 NVFP4`` (e.g. ``make convert-nvfp4`` output) -> ``nvfp4``, otherwise the released MXFP4 experts; read through
 :mod:`dsv4_sm120.model_config` (a local directory, or a Hugging Face id's config.json in the local Hugging Face
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Mapping, Optional
 
 from dsv4_sm120 import model_config
-from dsv4_sm120.serving.config import ConfigError, parse_gpus, settings_from_env
+from dsv4_sm120.serving.plan import ConfigError, parse_gpus, settings_from_env
 
 # DeepSeek-V4-Flash (released config.json)
 FLASH = {"hidden_size": 4096, "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 6,

@@ -24,7 +24,7 @@ from ..fileio import atomic_write_text
 from ..paths import checkout_root
 from . import runs
 from . import supervisor as sv
-from .config import VARIABLES, ConfigError, Plan, build_plan, render_dry_run
+from .plan import VARIABLES, ConfigError, Plan, build_plan, render_dry_run
 from .preflight import run_dry_checks, run_preflight
 
 

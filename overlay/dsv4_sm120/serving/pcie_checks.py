@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .config import Plan
+from .plan import Plan
 from .p2p_diag import diagnose_p2p, iommu_state
 from .topology import TopologyError, parse_topo_matrix, run_smi
 from .ucx_info import BW_OVERRIDE, judge_cuda_put, parse_proto_info, transports, version_note

@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import model_config
 from ..safetensors_index import INDEX_FILE, scan_checkpoint
-from .config import Plan, port_variable
+from .plan import Plan, port_variable
 from .pcie_checks import check_numa, check_p2p, check_ucx
 
 CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router", "profile")
@@ -321,7 +321,7 @@ def server_gpu_names(plan: Plan) -> Tuple[Dict[str, str], Optional[str]]:
 
 
 def interpret_profile_status(rows: List[dict], where: Dict[str, str]) -> List[str]:
-    """Notes (never failures) from ``python -m dsv4_sm120.calibrate.profile status --json`` rows."""
+    """Notes (never failures) from ``python -m dsv4_sm120.calibrate.machine_profile status --json`` rows."""
     notes = []
     for row in rows:
         gpu = row.get("gpu", "?")
@@ -349,7 +349,7 @@ def check_profile(plan: Plan) -> Tuple[List[str], List[str]]:
     env = overlay_env(plan)
     for k, v, _ in plan.common_env:
         env.setdefault(k, v)
-    cmd = [plan.python, "-m", "dsv4_sm120.calibrate.profile", "status", "--json"]
+    cmd = [plan.python, "-m", "dsv4_sm120.calibrate.machine_profile", "status", "--json"]
     for n in where:
         cmd += ["--gpu", n]
     try:

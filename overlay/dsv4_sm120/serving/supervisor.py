@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from .. import settings
 from ..fileio import atomic_write_text
 from ..paths import caller_environ
-from .config import Plan
+from .plan import Plan
 from .topology import apply_binding
 
 POLL_S = settings.get("DSV4_SM120_SERVE_POLL_S")

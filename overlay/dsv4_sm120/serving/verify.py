@@ -49,7 +49,7 @@ from ..fileio import atomic_write_text
 from ..paths import OVERLAY_DIR, PACKAGE_DIR, cache_dir, checkout_root
 from . import supervisor as sv
 from . import verify_report as vr
-from .config import VARIABLES, ConfigError, Plan, build_plan
+from .plan import VARIABLES, ConfigError, Plan, build_plan
 
 PROMPTS = PACKAGE_DIR / "serving" / "verify_prompts.json"
 STAGES = ("greedy", "accuracy", "measure", "profile")

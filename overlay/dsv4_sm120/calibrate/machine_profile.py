@@ -349,7 +349,7 @@ def default_reason(name: str, gpu: Optional[str] = None) -> str:
 
 def status(gpu: str, versions: Optional[dict] = None, directory: Optional[Path] = None) -> dict:
     """``{"usable", "path", "reasons"}`` for ``gpu`` with ``versions`` (default: this process's): what the
-    serve preflight reports (``python -m dsv4_sm120.calibrate.profile status``)."""
+    serve preflight reports (``python -m dsv4_sm120.calibrate.machine_profile status``)."""
     prof, path, reasons = active_profile(gpu, versions, directory)
     return {"gpu": gpu, "usable": prof is not None, "path": str(path) if path else None,
             "reasons": list(reasons)}
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.calibrate.profile",
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.calibrate.machine_profile",
                                  description="Whether a machine profile applies to a GPU with this environment's "
                                              "versions (the serve preflight's profile check).")
     sub = ap.add_subparsers(dest="cmd", required=True)
