@@ -134,25 +134,42 @@ def test_split_plan_properties():
     assert plan_splits(1, 1, 128, 512, 64, 132, 2.0) == (2, 64, 8, 64)
 
 
+def _makespan(T, HG, K, S, chunk, bn, slots):
+    # rounds of equal programs x one program's length in blocks (+1: its fixed cost), from the plan as returned
+    return -(-(T * HG * S) // slots) * (chunk // bn + 1)
+
+
 def test_span_plan_properties():
     """The spanning register body's plan: equal whole-block chunks covering main ++ extra exactly, never more
-    programs than the slots in one round (when the rows alone fit), never more splits than candidate blocks, and
-    the H200 shapes this plan exists for (two CTAs per SM: 264 slots)."""
-    for T in (1, 3, 16, 17, 64, 128, 300):
-        for HG in (1, 2):
+    splits than candidate blocks, never a longer makespan (rounds of programs x program length) than the two
+    plans a rule of thumb would take (the most splits that fit one round; one split per row), and the H200 shapes
+    this plan exists for (two CTAs per SM: 264 slots): one round while rows are few, a few chunks per row once
+    rows pass the slots so the last round is not half empty (spec_rows variants, bench/results/attention.csv)."""
+    for T in (1, 3, 16, 17, 64, 96, 128, 192, 300, 384, 1000):
+        for HG in (1, 2, 4):
             for K1, K2 in ((128, 0), (128, 512), (100, 512), (128, 8192), (7, 0), (64, 64)):
                 for bn in (16, 32, 64):
                     for waves in (0.25, 1.0, 2.0, 4.0):
                         S, c = plan_span(T, HG, K1, K2, bn, 132, waves)
                         nb = -(-(K1 + K2) // bn)
                         assert S >= 1 and c % bn == 0 and (S - 1) * c < K1 + K2 <= S * c, (T, K1, K2, bn, S, c)
-                        if T * HG <= waves * 132:
-                            assert T * HG * S <= waves * 132
                         assert S <= nb
-    assert plan_span(128, 1, 128, 512, 32, 132, 2.0) == (2, 320)
-    assert plan_span(64, 1, 128, 512, 32, 132, 2.0) == (4, 160)
+                        slots = max(1, int(waves * 132))
+                        one_round = max(1, min(nb, slots // (T * HG)))
+                        for s_alt in {1, one_round}:
+                            c_alt = -(-nb // s_alt) * bn
+                            S_alt = -(-(K1 + K2) // c_alt)
+                            assert (_makespan(T, HG, K1 + K2, S, c, bn, slots)
+                                    <= _makespan(T, HG, K1 + K2, S_alt, c_alt, bn, slots)), (T, HG, K1, K2, bn, S)
+    assert plan_span(1, 1, 128, 512, 32, 132, 2.0) == (20, 32)      # one block per program
+    assert plan_span(6, 1, 128, 512, 32, 132, 2.0) == (20, 32)      # 120 programs, one round
     assert plan_span(16, 1, 128, 512, 32, 132, 2.0) == (10, 64)
-    assert plan_span(1, 1, 128, 512, 32, 132, 2.0) == (20, 32)
+    assert plan_span(64, 1, 128, 512, 32, 132, 2.0) == (4, 160)
+    assert plan_span(128, 1, 128, 512, 32, 132, 2.0) == (2, 320)    # 256 programs of 10 blocks: one round
+    assert plan_span(96, 1, 128, 512, 32, 132, 2.0) == (5, 128)     # 2 rounds of 4 blocks, not 1 of 10
+    assert plan_span(192, 1, 128, 512, 32, 132, 2.0) == (4, 160)    # 3 rounds of 5 blocks, not 1 of 20
+    assert plan_span(384, 1, 128, 512, 32, 132, 2.0) == (2, 320)    # 3 rounds of 10 blocks, not 2 of 20
+    assert plan_span(768, 1, 128, 512, 32, 132, 2.0) == (1, 640)
 
 
 @pytest.mark.parametrize(

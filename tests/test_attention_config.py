@@ -39,13 +39,32 @@ def _parts(text: str):
     return {canonical(k): v for k, v in (kv.split("=") for kv in keys.split(","))}, plan
 
 
+def _new_span_plan(got, want, T, H, K1, K2, dev) -> bool:
+    """A spanning register launch whose body keys are the frozen ones and whose split plan (with the combine launch
+    that follows its split count) is the current ``plan_span``'s, which never takes longer than the frozen plan
+    by its rounds x program-length model (the rule changed; test_attention.py checks it on its own)."""
+    if "error" in (got, want) or got[0].get("spanning_splits") != "1":
+        return False
+    body = {k: v for k, v in got[0].items() if k not in config.COMBINE_KEYS}
+    if body != {k: v for k, v in want[0].items() if k not in config.COMBINE_KEYS}:
+        return False
+    bn, hg = int(body["BLOCK_N"]), -(-H // int(body["BLOCK_H"]))
+    S, chunk = plan_span(T, hg, K1, K2, bn, dev.num_sms, float(body["waves"]))
+    if got[1] != f"{S},{chunk},0,{bn}":
+        return False
+    S0, chunk0 = (int(x) for x in want[1].split(",")[:2])
+    slots = max(1, int(float(body["waves"]) * dev.num_sms))
+    return (-(-T * hg * S // slots) * (chunk // bn + 1)) <= (-(-T * hg * S0 // slots) * (chunk0 // bn + 1))
+
+
 def test_tables_give_the_launches_the_rules_gave():
     """Over the frozen grid (the H200's rules on a 132-SM Hopper GPU without a table, H100 PCIe, A100, B200, RTX
     PRO 6000 server and workstation, RTX 5090, GB10 and
     the interpreter; H 1..128, rows around every rows-per-SM threshold of each device, two candidate layouts, both
     QK paths, every impl request and the calibration variants of the Makefile as overrides): the resolved launch
     (the keys the chosen body reads, the split plan and the combine launch) is the one of the code before the
-    launch tables, and fp8 QK with the register body is still refused."""
+    launch tables, but for the spanning register body's split plan, whose rule has changed since (``_new_span_plan``),
+    and fp8 QK with the register body is still refused."""
     d = _frozen()
     devices = {k: config.Device(v["name"], tuple(v["capability"]), v["num_sms"]) for k, v in d["devices"].items()}
     devices["interp"] = config.Device("cpu", None, 4)
@@ -64,7 +83,8 @@ def test_tables_give_the_launches_the_rules_gave():
             except DecodeInputError:
                 got = "error"
             seen += 1
-            if _parts(got) != _parts(want):
+            if _parts(got) != _parts(want) and not _new_span_plan(_parts(got), _parts(want), T, int(H), int(K1),
+                                                                  int(K2), devices[dev]):
                 wrong.append((key, T, got, want))
     assert seen > 20000 and {k.split("|")[0] for k in d["groups"]} >= {"h200", "rtxpro6000_ws", "a100", "interp"}
     assert not wrong, f"{len(wrong)} of {seen} launches changed, e.g. {wrong[:3]}"

@@ -38,16 +38,34 @@ def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, w
     return s1, c1, s2, c2
 
 
+# A program's fixed cost in candidate blocks: Q load, the first gather's full latency, the partial's store and its
+# share of the combine. Fitted on the H200 (bench/results/attention.csv, spec_rows cases with waves=4 / 6 variants:
+# the model below predicted 0.83-1.27x against measured 0.89-1.19x at 48-384 rows).
+PROGRAM_OVERHEAD_BLOCKS = 1
+
+
 def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0):
     """Split plan of the spanning register body (SPAN=1): (splits, chunk) over the concatenated candidate list
-    (main ++ extra, K1 + K2 candidates). ``waves * num_sms`` is the number of programs the GPU runs at once (2 per
-    SM for a body that fits twice), and the splits per row are as many as fill those slots in one round (floor,
-    not ceil: a second, partial round costs a whole program's time), never more than the candidate blocks; the
-    chunk is a whole number of blocks, so every program but the last of a row owns the same work."""
+    (main ++ extra, K1 + K2 candidates). The chunk is a whole number of blocks, so every program but the last of a
+    row owns the same work.
+
+    ``waves * num_sms`` programs run at once (2 per SM for a body that fits twice), so ``P`` equal programs finish
+    in ``ceil(P / slots)`` rounds, each as long as one program: ``blocks + PROGRAM_OVERHEAD_BLOCKS``. The plan is
+    the split count with the shortest ``rounds x program`` (ties: fewer splits). While the rows alone fit the
+    slots this is mostly the most splits that fill one round (a second, partial round costs a whole program's
+    time); with more rows than slots it cuts rows into a few chunks so the last round is not left half empty
+    (384 rows on 264 slots: 2 splits, 3 rounds of 10 blocks instead of 2 rounds of 20)."""
     nb = max(1, cdiv(K1 + K2, block_n))
-    want = max(1, int(waves * num_sms) // max(1, T * HG))
-    want = max(1, min(want, nb))
-    chunk = cdiv(nb, want) * block_n
+    slots = max(1, int(waves * num_sms))
+    progs = max(1, T * HG)
+    best = None
+    for want in range(1, nb + 1):
+        blocks = cdiv(nb, want)
+        splits = cdiv(nb, blocks)
+        key = (cdiv(progs * splits, slots) * (blocks + PROGRAM_OVERHEAD_BLOCKS), splits)
+        if best is None or key < best[0]:
+            best = (key, blocks)
+    chunk = best[1] * block_n
     return max(1, cdiv(K1 + K2, chunk)), chunk
 
 
