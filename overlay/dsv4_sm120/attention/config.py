@@ -48,10 +48,8 @@ QK_MODES = ("auto", "bf16", "fp8")
 COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "waves")
 COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
-             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": ()}
-# keys a body reads that a launch holds only when set to something other than their default (a table entry or
-# launch candidate need not name them; the resolved launches of entries without them are unchanged)
-OPTIONAL_KEYS = {"reg": {"qk_chains": 1}, "tiled": {}, "flat": {}}
+             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16", "qk_chains"),
+             "flat": ()}
 
 # Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the
 # block sizes; only correctness is measured there)
@@ -228,8 +226,5 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         if k not in ("impl", "waves"):
             out[k] = int(out[k])
     out["waves"] = float(out["waves"])
-    for k, default in OPTIONAL_KEYS[impl].items():
-        if int(cfg.get(k, default) or default) != default:
-            out[k] = int(cfg[k])
     out.update(BLOCK_D=bd, BLOCK_S=bs, combine_warps=w, combine_maxnreg=mr)
     return Launch(out, plan, source)

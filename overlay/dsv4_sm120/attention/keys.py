@@ -26,7 +26,7 @@ KEYS = {
 }
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D", "qk_chains")
 # flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body); qk_chains: the
-# register body's independent QK accumulators (1, 2 or 4; optional, 1 when absent)
+# register body's independent QK accumulators (1, 2 or 4; 0 in a table reads as 1)
 MAX_VALUE = {"PREFETCH": 2, "e4m3_int_decode": 1, "late_decode": 1, "spanning_splits": 1, "PART_BF16": 1,
              "qk_chains": 4}
 
