@@ -279,10 +279,7 @@ def test_scale_prefetch_respects_lengths_and_invalid_rows(kcvt, monkeypatch):
                                      dict(impl="reg", SPAN=1, DEC_LATE=1, waves=3),
                                      dict(impl="reg", SPAN=1, DEC_LATE=0, waves=3),
                                      dict(impl="reg", SPAN=1, DEC_LATE=1, BLOCK_N=32, num_warps=4, KCVT=1, PART_BF16=1,
-                                          waves=0.25),
-                                     # independent QK accumulators (summed after the block's eight products)
-                                     dict(impl="reg", SPAN=1, DEC_LATE=1, waves=3, qk_chains=2),
-                                     dict(impl="reg", SPAN=0, DEC_LATE=0, qk_chains=4)])
+                                          waves=0.25)])
 def test_reg_split_body(variant, monkeypatch):
     """The register body (impl=reg: each K byte read and decoded once per block, the next block's tiles loaded
     while the current one computes, its indices two blocks ahead) against the float64 reference: several

@@ -48,8 +48,7 @@ QK_MODES = ("auto", "bf16", "fp8")
 COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "waves")
 COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
-             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16", "qk_chains"),
-             "flat": ()}
+             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": ()}
 
 # Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the
 # block sizes; only correctness is measured there)

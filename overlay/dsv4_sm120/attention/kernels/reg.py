@@ -52,37 +52,6 @@ def _kdec_block(k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, IN
 
 
 @triton.jit
-def _qk_scores(q_rope, q0, q1, q2, q3, q4, q5, q6, kr, kb0, kb1, kb2, kb3, kb4, kb5, kb6, QK_CHAINS: tl.constexpr):
-    # the block's raw scores q . k [BLOCK_H, BLOCK_N] from the eight 64-wide tiles. QK_CHAINS independent
-    # accumulators (1, 2 or 4), summed at the end: each MMA of a chain waits for the previous one's result, so
-    # one chain of 8 x (64 / 16) dependent MMAs per warp is a latency floor of the block; 2 or 4 chains overlap
-    if QK_CHAINS == 4:
-        qa = tl.dot(q0, tl.trans(kb0), tl.dot(q_rope, tl.trans(kr)))
-        qb = tl.dot(q2, tl.trans(kb2), tl.dot(q1, tl.trans(kb1)))
-        qc = tl.dot(q4, tl.trans(kb4), tl.dot(q3, tl.trans(kb3)))
-        qd = tl.dot(q6, tl.trans(kb6), tl.dot(q5, tl.trans(kb5)))
-        return (qa + qb) + (qc + qd)
-    if QK_CHAINS == 2:
-        qa = tl.dot(q_rope, tl.trans(kr))
-        qa = tl.dot(q0, tl.trans(kb0), qa)
-        qa = tl.dot(q1, tl.trans(kb1), qa)
-        qa = tl.dot(q2, tl.trans(kb2), qa)
-        qb = tl.dot(q3, tl.trans(kb3))
-        qb = tl.dot(q4, tl.trans(kb4), qb)
-        qb = tl.dot(q5, tl.trans(kb5), qb)
-        qb = tl.dot(q6, tl.trans(kb6), qb)
-        return qa + qb
-    qk = tl.dot(q_rope, tl.trans(kr))
-    qk = tl.dot(q0, tl.trans(kb0), qk)
-    qk = tl.dot(q1, tl.trans(kb1), qk)
-    qk = tl.dot(q2, tl.trans(kb2), qk)
-    qk = tl.dot(q3, tl.trans(kb3), qk)
-    qk = tl.dot(q4, tl.trans(kb4), qk)
-    qk = tl.dot(q5, tl.trans(kb5), qk)
-    return tl.dot(q6, tl.trans(kb6), qk)
-
-
-@triton.jit
 def _reg_body(
     q_ptr, stride_qt, stride_qh, t, s, g,
     cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
@@ -90,7 +59,7 @@ def _reg_body(
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr, KCVT: tl.constexpr, DEC_LATE: tl.constexpr = False,
     SPAN: tl.constexpr = False, cache2=None, idx2_ptr=None, idx2_st=0, len2_ptr=None, K2=0, P2=1, PB_2=0, PB2_2=0,
-    HAS_LEN2: tl.constexpr = False, HAS_2: tl.constexpr = False, QK_CHAINS: tl.constexpr = 1,
+    HAS_LEN2: tl.constexpr = False, HAS_2: tl.constexpr = False,
 ):
     # Register body (impl=reg, bf16 QK): every K byte is read from memory once and decoded once per block.
     # The next block's raw tiles (7 e4m3 tiles, rope, scales) are loaded into registers while the current
@@ -124,19 +93,19 @@ def _reg_body(
             m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
                 q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5,
                 acc6, acc_r, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-                sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, DEC_LATE, QK_CHAINS)
+                sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, DEC_LATE)
         if HAS_2:
             if start + chunk > K:
                 lo2 = tl.maximum(start - K, 0)
                 m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
                     q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5,
                     acc6, acc_r, t, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, lo2,
-                    start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, INTERP, KCVT, DEC_LATE, QK_CHAINS)
+                    start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, INTERP, KCVT, DEC_LATE)
     else:
         m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
             q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
             acc_r, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-            sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, DEC_LATE, QK_CHAINS)
+            sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, DEC_LATE)
 
     base = (t64 * S + s) * HP + offs_h
     _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
@@ -148,7 +117,7 @@ def _reg_segment(
     q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r,
     t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, KCVT: tl.constexpr,
-    DEC_LATE: tl.constexpr, QK_CHAINS: tl.constexpr = 1,
+    DEC_LATE: tl.constexpr,
 ):
     # the register body's candidate loop over [start, start + chunk) of one cache (chunk <= 0: nothing), carrying
     # the online-softmax state (m_i, l_i, the eight accumulator tiles) in and out
@@ -184,7 +153,14 @@ def _reg_segment(
         if not DEC_LATE:
             kb0, kb1, kb2, kb3, kb4, kb5, kb6, kr = _kdec_block(k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5,
                                                                 c6, rope, INTERP, KCVT)
-        qk = _qk_scores(q_rope, q0, q1, q2, q3, q4, q5, q6, kr, kb0, kb1, kb2, kb3, kb4, kb5, kb6, QK_CHAINS)
+        qk = tl.dot(q_rope, tl.trans(kr))
+        qk = tl.dot(q0, tl.trans(kb0), qk)
+        qk = tl.dot(q1, tl.trans(kb1), qk)
+        qk = tl.dot(q2, tl.trans(kb2), qk)
+        qk = tl.dot(q3, tl.trans(kb3), qk)
+        qk = tl.dot(q4, tl.trans(kb4), qk)
+        qk = tl.dot(q5, tl.trans(kb5), qk)
+        qk = tl.dot(q6, tl.trans(kb6), qk)
         p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2)
         a2 = alpha[:, None]
         pb = _mma_operand(p.to(tl.bfloat16), INTERP)
@@ -222,7 +198,6 @@ def split_kernel_reg(
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
     KCVT: tl.constexpr = False, DEC_LATE: tl.constexpr = False, SPAN: tl.constexpr = False,
-    QK_CHAINS: tl.constexpr = 1,
 ):
     """Same contract as ``split_kernel_tiled`` (bf16 QK only), with the register body (``_reg_body``). SPAN: the
     splits cut the concatenated candidate list main ++ extra into ``main_chunk``-sized pieces (``main_nsplit``
@@ -237,7 +212,7 @@ def split_kernel_reg(
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
                   HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE,
                   True, extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr,
-                  extra_K, extra_P, extra_PB, extra_PB2, HAS_EXTRA_LEN, HAS_EXTRA, QK_CHAINS)
+                  extra_K, extra_P, extra_PB, extra_PB2, HAS_EXTRA_LEN, HAS_EXTRA)
         return
     is_extra = False
     if HAS_EXTRA:
@@ -247,11 +222,11 @@ def split_kernel_reg(
                   extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                   extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE, QK_CHAINS=QK_CHAINS)
+                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE)
     else:
         _reg_body(q_ptr, stride_qt, stride_qh, t, s, g,
                   main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                   main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE, QK_CHAINS=QK_CHAINS)
+                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE)
 
