@@ -1,7 +1,6 @@
 """Triton kernels of the sparse MLA decode (device code only; the launch is ``attention.launch``).
 
-Split kernels, a 1-D grid of ``T x S x HG`` programs (``common._split_program``: head group fastest, then row, then
-split): program ``(t, s, g)`` takes the heads ``g*BLOCK_H ..`` of row ``t`` (padded
+Split kernels, grid ``(T, S, HG)``: program ``(t, s, g)`` takes the heads ``g*BLOCK_H ..`` of row ``t`` (padded
 to ``BLOCK_H`` with masks: the heads are the M dimension of the tensor-core MMA) and the ``s``-th chunk of that
 row's candidates (per-cache chunks, main first; or, with the register body's ``SPAN``, chunks of main ++ extra).
 Each gathers its tokens straight from their pages (any page size), decodes the FP8 nope part with its UE8M0 tile

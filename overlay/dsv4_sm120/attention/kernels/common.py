@@ -241,17 +241,3 @@ def _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc
     tl.store(optr + 320, acc5, mask=hm)
     tl.store(optr + 384, acc6, mask=hm)
     tl.store(optr + 448, acc_r, mask=hm)
-
-
-@triton.jit
-def _split_program(S, HP, BLOCK_H: tl.constexpr):
-    """``(t, s, g)`` of this split program: row, split and head group on the 1-D grid of ``T x S x HG`` programs
-    (``HG = HP / BLOCK_H``), head group fastest, then row, then split. The head groups of one (row, split) read the
-    same candidates and are launched next to each other, so all but the first find them in L2; rows before splits
-    keeps a request's verify rows, which share pages, together."""
-    HG = HP // BLOCK_H
-    pid = tl.program_id(0)
-    g = pid % HG
-    r = pid // HG
-    T = tl.num_programs(0) // (S * HG)
-    return r % T, r // T, g

@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 from .common import (
-    _split_program,
     _mma_operand,
     _online_softmax,
     _q_mx_quantize,
@@ -83,12 +82,14 @@ def split_kernel_flat(
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Split kernel, flat body: ``T x S x HG`` programs (``_split_program``); program ``(t, s, g)`` takes the heads ``g*BLOCK_H ..`` of
+    """Split kernel, flat body: grid ``(T, S, HG)``; program ``(t, s, g)`` takes the heads ``g*BLOCK_H ..`` of
     row ``t`` (padded to ``BLOCK_H`` with masks: the heads are the M dimension of the MMA) and the ``s``-th
     chunk of that row's candidates (main cache chunks first, then the extra cache's). Each block dequantizes a
     ``[BLOCK_N, 512]`` bf16 tile (exact: power-of-two scales) and runs 512-wide dots; the un-normalized partial
     ``acc`` and its ``(m, l)`` (online softmax, base 2) go to the workspace row ``(t*S + s)*HP + h``."""
-    t, s, g = _split_program(S, HP, BLOCK_H)
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
     t64 = t.to(tl.int64)
     cache, idx_row, P, PB, PB2, start, end = _flat_range(
         s, t, t64, main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit,

@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from .common import (
-    _split_program,
     _acc_tiles_init,
     _e4m3_bf16,
     _k_scales,
@@ -203,7 +202,9 @@ def split_kernel_reg(
     """Same contract as ``split_kernel_tiled`` (bf16 QK only), with the register body (``_reg_body``). SPAN: the
     splits cut the concatenated candidate list main ++ extra into ``main_chunk``-sized pieces (``main_nsplit``
     and ``extra_chunk`` unused), so a program may own the end of the main cache and the start of the extra."""
-    t, s, g = _split_program(S, HP, BLOCK_H)
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
     if SPAN:
         _reg_body(q_ptr, stride_qt, stride_qh, t, s, g,
                   main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,

@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from .common import (
-    _split_program,
     _acc_tiles_init,
     _e4m3_bf16,
     _k_scales,
@@ -167,7 +166,9 @@ def split_kernel_tiled(
     tiles stay e4m3 bytes, converted straight to MMA operands, the UE8M0 scale is applied to the [heads,
     candidates] products (QK) and to P (PV), and seven [BLOCK_H, 64] accumulators replace the [BLOCK_H, 512]
     one. ``FP8_QK``: ``q8_ptr`` / ``qsc_ptr`` hold Q quantized by ``q_fp8_kernel``."""
-    t, s, g = _split_program(S, HP, BLOCK_H)
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
     is_extra = False
     if HAS_EXTRA:
         is_extra = s >= main_nsplit
