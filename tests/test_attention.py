@@ -134,7 +134,7 @@ def test_split_plan_properties():
     assert plan_splits(1, 1, 128, 512, 64, 132, 2.0) == (2, 64, 8, 64)
 
 
-def _makespan(T, HG, K, S, chunk, bn, slots):
+def _makespan(T, HG, S, chunk, bn, slots):
     # rounds of equal programs x one program's length in blocks (+1: its fixed cost), from the plan as returned
     return -(-(T * HG * S) // slots) * (chunk // bn + 1)
 
@@ -159,8 +159,8 @@ def test_span_plan_properties():
                         for s_alt in {1, one_round}:
                             c_alt = -(-nb // s_alt) * bn
                             S_alt = -(-(K1 + K2) // c_alt)
-                            assert (_makespan(T, HG, K1 + K2, S, c, bn, slots)
-                                    <= _makespan(T, HG, K1 + K2, S_alt, c_alt, bn, slots)), (T, HG, K1, K2, bn, S)
+                            assert (_makespan(T, HG, S, c, bn, slots)
+                                    <= _makespan(T, HG, S_alt, c_alt, bn, slots)), (T, HG, K1, K2, bn, S)
     assert plan_span(1, 1, 128, 512, 32, 132, 2.0) == (20, 32)      # one block per program
     assert plan_span(6, 1, 128, 512, 32, 132, 2.0) == (20, 32)      # 120 programs, one round
     assert plan_span(16, 1, 128, 512, 32, 132, 2.0) == (10, 64)

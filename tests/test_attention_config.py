@@ -40,9 +40,10 @@ def _parts(text: str):
 
 
 def _new_span_plan(got, want, T, H, K1, K2, dev) -> bool:
-    """A spanning register launch whose body keys are the frozen ones and whose split plan (with the combine launch
-    that follows its split count) is the current ``plan_span``'s, which never takes longer than the frozen plan
-    by its rounds x program-length model (the rule changed; test_attention.py checks it on its own)."""
+    """A spanning register launch whose body keys are the frozen ones and whose split plan is the current
+    ``plan_span``'s, which never takes longer than the frozen plan by its rounds x program-length model (the rule
+    changed; test_attention.py checks it on its own). The combine keys, which follow the split count, are not
+    compared here."""
     if "error" in (got, want) or got[0].get("spanning_splits") != "1":
         return False
     body = {k: v for k, v in got[0].items() if k not in config.COMBINE_KEYS}
