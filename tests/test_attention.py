@@ -242,7 +242,6 @@ SPLIT_IMPLS = {
     "tiled+scale-prefetch": dict(impl="tiled", PREFETCH=2, BLOCK_N=32),
     "tiled+bf16part": dict(impl="tiled", PART_BF16=1, BLOCK_S=16),
     "tiled+bf16part+2-per-step": dict(impl="tiled", PART_BF16=1, waves=8, BLOCK_S=2),
-    "tiled+lazy-rescale": dict(impl="tiled", KCVT=1, lazy_rescale=1),
 }
 
 
@@ -297,27 +296,6 @@ def test_reg_split_body(variant, monkeypatch):
               "bf16")
     with pytest.raises(DecodeInputError, match="impl=reg"):
         sparse_mla_decode(**build(Case(T=1, H=4, K=16, seed=83)), qk_mode="fp8")
-
-
-@pytest.mark.parametrize("variant", [dict(impl="reg", lazy_rescale=1, SPAN=1, DEC_LATE=1, waves=0.25),
-                                     dict(impl="reg", lazy_rescale=1, SPAN=0, DEC_LATE=0, BLOCK_N=32, KCVT=1,
-                                          PART_BF16=1, waves=3),
-                                     dict(impl="tiled", lazy_rescale=1, KCVT=1, PREFETCH=2, waves=0.25)])
-def test_lazy_rescale_follows_a_growing_max(variant, monkeypatch):
-    """lazy_rescale=1 (the reference max moves only by more than 8 binades, the accumulators are rescaled only
-    then) against float64, with several blocks per program: logits spread over hundreds of binades (softmax
-    scale 5: from block to block the running max jumps by more and by less than the slack, so a block that
-    skipped a needed rescale would overflow P or weight the earlier blocks wrongly), a moderate spread where most
-    blocks stay within the slack (P up to 2^8), uniformly random e4m3 bytes, lengths ending inside blocks and
-    an all-invalid row; fp8 QK too on the tiled body."""
-    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", config_text(variant))
-    modes = ("bf16", "fp8") if variant["impl"] == "tiled" else ("bf16",)
-    for mode in modes:
-        check(build(Case(T=3, H=8, K=96, extra="c4", extra_K=64, lengths="random", head_slice=True,
-                         all_invalid_rows=(1,), seed=130, kw=dict(softmax_scale=5.0))), mode)
-        check(build(Case(T=2, H=16, K=80, main_page=3, extra="c128", extra_page=2, extra_pages=60, extra_K=70,
-                         seed=131, kw=dict(softmax_scale=0.2))), mode)
-        check(build(Case(T=2, H=8, main_page=1, main_pages=90, K=64, cache_mode="bytes", sink=None, seed=132)), mode)
 
 
 def _combine_inputs(T, H, S, HP, part_bf16, sink, gen):

@@ -35,12 +35,8 @@ def _parts(text: str):
     if text == "error":
         return text
     keys, plan = text.split("|")
-    # the frozen texts spell the flags the old way (KCVT, DEC_LATE, SPAN): compared under their descriptive names;
-    # lazy_rescale postdates them: a launch that holds it must hold its default (overrides never set it here)
-    got = {canonical(k): v for k, v in (kv.split("=") for kv in keys.split(","))}
-    lazy = got.pop("lazy_rescale", None)
-    assert lazy in (None, str(config.BODY_DEFAULTS["lazy_rescale"])), text
-    return got, plan
+    # the frozen texts spell the flags the old way (KCVT, DEC_LATE, SPAN): compared under their descriptive names
+    return {canonical(k): v for k, v in (kv.split("=") for kv in keys.split(","))}, plan
 
 
 def _new_span_plan(got, want, T, H, K1, K2, dev) -> bool:
@@ -130,7 +126,7 @@ def test_every_level_holds_every_shape_with_complete_entries():
         for size, cfg in lt.read_table(lt.TABLE_DIR / "attention" / name).items():
             impl = cfg["impl"]
             assert impl in config.IMPLS and impl in ("tiled", "flat", "reg"), (name, size)
-            need = (set(config.COMMON_KEYS) | set(config.BODY_KEYS[impl])) - set(config.BODY_DEFAULTS)
+            need = set(config.COMMON_KEYS) | set(config.BODY_KEYS[impl])
             assert need <= set(cfg) and set(cfg) <= set(config.KEYS), (name, size, sorted(set(cfg) ^ need))
             assert not set(cfg) & set(config.COMBINE_KEYS), (name, size)  # combine keys come from the plan
 

@@ -57,7 +57,7 @@ def attention_entry(text: str) -> Dict[str, object]:
         raise SweepError(str(exc)) from None
     impl = entry.get("impl")
     need = AC.COMMON_KEYS + AC.BODY_KEYS.get(impl, ())
-    missing = [k for k in need if k not in entry and k not in AC.BODY_DEFAULTS]  # defaulted keys may be left out
+    missing = [k for k in need if k not in entry]
     if impl not in AC.IMPLS or missing:
         raise SweepError(f"launch candidate {text!r} is incomplete: it must name impl and every key of its body "
                          f"({', '.join(missing) or 'impl'} missing)")

@@ -47,10 +47,8 @@ QK_MODES = ("auto", "bf16", "fp8")
 # the keys each body reads (the resolved launch holds exactly these; absent flags are 0)
 COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "waves")
 COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
-BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "lazy_rescale", "PART_BF16"),
-             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "lazy_rescale", "PART_BF16"), "flat": ()}
-# body keys a table entry may leave out, and the value they then take (a key added after the tables were measured)
-BODY_DEFAULTS = {"lazy_rescale": 0}
+BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
+             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": ()}
 
 # Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the
 # block sizes; only correctness is measured there)
@@ -222,7 +220,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     fixed = {k: (None if cfg.get(k, "auto") == "auto" else int(cfg[k])) for k in COMBINE_KEYS}
     bd, bs, w, mr = P.combine_plan(T, H, s1 + s2, nsm, fixed["BLOCK_D"], fixed["combine_warps"], fixed["BLOCK_S"],
                                    fixed["combine_maxnreg"])
-    out = {k: cfg.get(k, BODY_DEFAULTS.get(k, 0)) for k in COMMON_KEYS + BODY_KEYS[impl]}
+    out = {k: cfg.get(k, 0) for k in COMMON_KEYS + BODY_KEYS[impl]}
     for k in out:
         if k not in ("impl", "waves"):
             out[k] = int(out[k])

@@ -16,10 +16,7 @@ The flags:
   iteration and the loop carries the decoded bf16 tiles, not the raw bytes;
 * ``spanning_splits`` (old ``SPAN``; register body): the splits cut the concatenated candidates main ++ extra into
   equal whole-block chunks (``plan.plan_span``: the split count with the shortest rounds x program length), so one
-  program may run from the end of the main cache into the extra one (instead of splitting each cache on its own);
-* ``lazy_rescale`` (no old spelling; constexpr ``LAZY``; register and tiled bodies): the online softmax's reference
-  max moves only when a block's max exceeds it by more than 8 binades, so the blocks after the first skip the
-  accumulators' rescale (``BLOCK_H x 512`` multiplies each).
+  program may run from the end of the main cache into the extra one (instead of splitting each cache on its own).
 
 The bodies (``impl``; docs/attention.md): ``reg`` decodes each K byte once per candidate block into a bf16 tile
 that serves as K for QK and as V for PV (bf16 QK only); ``tiled`` keeps the 448 nope dims as seven 64-wide e4m3

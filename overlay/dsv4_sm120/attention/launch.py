@@ -170,12 +170,11 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
             q_fp8_kernel[(T, HG)](q, q.stride(0), q.stride(2), q8, qsc, H, HP, BLOCK_H=BH, INTERP=interp, num_warps=4)
             flags.update(q8_ptr=q8, qsc_ptr=qsc)
         SPLIT_KERNELS["tiled"][(T, s1 + s2, HG)](*args, PREFETCH=cfg["PREFETCH"], KCVT=bool(cfg["e4m3_int_decode"]),
-                                                 LAZY=bool(cfg["lazy_rescale"]), **flags)
+                                                 **flags)
     elif impl == "reg":
         SPLIT_KERNELS["reg"][(T, s1 + s2, HG)](*args, KCVT=bool(cfg["e4m3_int_decode"]),
                                                DEC_LATE=bool(cfg["late_decode"]),
-                                               SPAN=bool(cfg["spanning_splits"]), LAZY=bool(cfg["lazy_rescale"]),
-                                               **flags)
+                                               SPAN=bool(cfg["spanning_splits"]), **flags)
     else:
         SPLIT_KERNELS["flat"][(T, s1 + s2, HG)](*args, **flags)
 

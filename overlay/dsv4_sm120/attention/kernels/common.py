@@ -3,9 +3,8 @@ built from them compiles to the same LLVM IR and PTX instructions as one with th
 which sees the inlined scopes in the line info, may order a few instructions differently).
 
 * the online softmax (base 2): ``_softmax_init`` (the state before the first block), ``_online_softmax`` (one
-  candidate block's update; ``_online_softmax_lazy`` with a reference max that moves only by more than
-  ``RESCALE_SLACK``, ``_acc_tiles_rescale`` for the blocks where it does), ``_acc_tiles_init`` (the eight
-  ``[BLOCK_H, 64]`` accumulator tiles of the tiled and register bodies), ``_store_softmax_state`` / ``_store_partial`` (the partial result in the workspace);
+  candidate block's update), ``_acc_tiles_init`` (the eight ``[BLOCK_H, 64]`` accumulator tiles of the tiled
+  and register bodies), ``_store_softmax_state`` / ``_store_partial`` (the partial result in the workspace);
 * ``_mma_operand``: a ``tl.dot`` operand, upcast to fp32 under the interpreter (P as the PV A operand is
   ``_mma_operand(p.to(tl.bfloat16), INTERP)``);
 * the fp8 QK path's MX quantization of Q, ``_q_mx_quantize``, and its pre-launch kernel ``q_fp8_kernel``;
@@ -217,41 +216,6 @@ def _online_softmax(qk, valid, m_i, l_i, sm_scale_log2):
     p = tl.exp2(qk - m_use[:, None])
     l_new = l_i * alpha + tl.sum(p, axis=1)
     return p, alpha, m_new, l_new
-
-
-# lazy rescale: a head's reference max moves only when a block's max exceeds it by more than this many
-# binades, so the weights p = 2^(logit - reference) stay <= 2^8 (exact enough in bf16, far from fp32's
-# range in l and the accumulators) and, after the first block, most blocks leave the accumulators alone
-RESCALE_SLACK = tl.constexpr(8.0)
-
-
-@triton.jit
-def _online_softmax_lazy(qk, valid, m_i, l_i, sm_scale_log2):
-    """``_online_softmax`` with a lazy reference: returns ``(p, alpha, m_new, l_new, grow)``. ``grow`` (a scalar,
-    the same for the whole program) is true when some head's block max exceeds its reference ``m_i`` by more
-    than ``RESCALE_SLACK`` (always on the first block that has a valid candidate); then every head's reference
-    moves to its running max and the caller multiplies its accumulators by ``alpha``. Otherwise the references
-    stay (``m_new = m_i``, ``alpha`` 1, or 0 for a head that has seen nothing: its accumulators are 0) and the
-    caller skips the multiply; ``p`` is relative to ``m_new`` either way, and ``m_new`` is what the partial
-    stores, so the combine's merge is unchanged. No NaN: ``m_i + slack`` is -inf for a head without a valid
-    candidate yet, and any finite block max exceeds it."""
-    qk = qk * sm_scale_log2
-    qk = tl.where(valid[None, :], qk, float("-inf"))
-    m_blk = tl.max(qk, axis=1)
-    grow = tl.max((m_blk > m_i + RESCALE_SLACK).to(tl.int32), axis=0) > 0
-    m_new = tl.where(grow, tl.maximum(m_i, m_blk), m_i)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(qk - m_use[:, None])
-    l_new = l_i * alpha + tl.sum(p, axis=1)
-    return p, alpha, m_new, l_new, grow
-
-
-@triton.jit
-def _acc_tiles_rescale(alpha, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r):
-    """The eight accumulator tiles (``_acc_tiles_init`` order) times ``alpha`` ``[BLOCK_H]``, head by head."""
-    a2 = alpha[:, None]
-    return acc0 * a2, acc1 * a2, acc2 * a2, acc3 * a2, acc4 * a2, acc5 * a2, acc6 * a2, acc_r * a2
 
 
 @triton.jit

@@ -12,10 +12,8 @@ from .common import (
     _e4m3_bf16,
     _k_scales,
     _k_tiles,
-    _acc_tiles_rescale,
     _mma_operand,
     _online_softmax,
-    _online_softmax_lazy,
     _softmax_init,
     _store_partial,
     _store_softmax_state,
@@ -60,8 +58,7 @@ def _reg_body(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr, KCVT: tl.constexpr, DEC_LATE: tl.constexpr = False,
-    SPAN: tl.constexpr = False, LAZY: tl.constexpr = False, cache2=None, idx2_ptr=None, idx2_st=0, len2_ptr=None,
-    K2=0, P2=1, PB_2=0, PB2_2=0,
+    SPAN: tl.constexpr = False, cache2=None, idx2_ptr=None, idx2_st=0, len2_ptr=None, K2=0, P2=1, PB_2=0, PB2_2=0,
     HAS_LEN2: tl.constexpr = False, HAS_2: tl.constexpr = False,
 ):
     # Register body (impl=reg, bf16 QK): every K byte is read from memory once and decoded once per block.
@@ -72,8 +69,6 @@ def _reg_body(
     # for QK and for the PV re-read, and reads the PV copy back one byte per instruction).
     # SPAN: the program owns candidates [start, start + chunk) of the concatenated list main ++ extra (cache2),
     # so one split may run through the end of the main cache into the extra one (even work per program).
-    # LAZY: the softmax reference max moves only by more than RESCALE_SLACK binades (_online_softmax_lazy), so
-    # most blocks skip the accumulators' rescale (BLOCK_H x 512 multiplies per block).
     t64 = t.to(tl.int64)
     offs_h = g * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
@@ -98,19 +93,19 @@ def _reg_body(
             m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
                 q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5,
                 acc6, acc_r, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-                sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, DEC_LATE, LAZY)
+                sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, DEC_LATE)
         if HAS_2:
             if start + chunk > K:
                 lo2 = tl.maximum(start - K, 0)
                 m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
                     q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5,
                     acc6, acc_r, t, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, lo2,
-                    start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, INTERP, KCVT, DEC_LATE, LAZY)
+                    start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, INTERP, KCVT, DEC_LATE)
     else:
         m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _reg_segment(
             q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6,
             acc_r, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-            sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, DEC_LATE, LAZY)
+            sm_scale_log2, HAS_LEN, BLOCK_N, INTERP, KCVT, DEC_LATE)
 
     base = (t64 * S + s) * HP + offs_h
     _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
@@ -122,7 +117,7 @@ def _reg_segment(
     q_rope, q0, q1, q2, q3, q4, q5, q6, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r,
     t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, KCVT: tl.constexpr,
-    DEC_LATE: tl.constexpr, LAZY: tl.constexpr,
+    DEC_LATE: tl.constexpr,
 ):
     # the register body's candidate loop over [start, start + chunk) of one cache (chunk <= 0: nothing), carrying
     # the online-softmax state (m_i, l_i, the eight accumulator tiles) in and out
@@ -166,25 +161,17 @@ def _reg_segment(
         qk = tl.dot(q4, tl.trans(kb4), qk)
         qk = tl.dot(q5, tl.trans(kb5), qk)
         qk = tl.dot(q6, tl.trans(kb6), qk)
-        if LAZY:
-            # the accumulators are rescaled only in the blocks that move the reference max
-            p, alpha, m_i, l_i, grow = _online_softmax_lazy(qk, valid, m_i, l_i, sm_scale_log2)
-            if grow:
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _acc_tiles_rescale(
-                    alpha, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
-        else:
-            p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _acc_tiles_rescale(
-                alpha, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
+        p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2)
+        a2 = alpha[:, None]
         pb = _mma_operand(p.to(tl.bfloat16), INTERP)
-        acc_r = tl.dot(pb, kr, acc_r)
-        acc0 = tl.dot(pb, kb0, acc0)
-        acc1 = tl.dot(pb, kb1, acc1)
-        acc2 = tl.dot(pb, kb2, acc2)
-        acc3 = tl.dot(pb, kb3, acc3)
-        acc4 = tl.dot(pb, kb4, acc4)
-        acc5 = tl.dot(pb, kb5, acc5)
-        acc6 = tl.dot(pb, kb6, acc6)
+        acc_r = tl.dot(pb, kr, acc_r * a2)
+        acc0 = tl.dot(pb, kb0, acc0 * a2)
+        acc1 = tl.dot(pb, kb1, acc1 * a2)
+        acc2 = tl.dot(pb, kb2, acc2 * a2)
+        acc3 = tl.dot(pb, kb3, acc3 * a2)
+        acc4 = tl.dot(pb, kb4, acc4 * a2)
+        acc5 = tl.dot(pb, kb5, acc5 * a2)
+        acc6 = tl.dot(pb, kb6, acc6 * a2)
         valid = vn
         if DEC_LATE:
             n0_, n1_, n2_, n3_, n4_, n5_, n6_, d0_, d1_, d2_, d3_, d4_, d5_, d6_, nr_ = nxt
@@ -211,7 +198,6 @@ def split_kernel_reg(
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
     KCVT: tl.constexpr = False, DEC_LATE: tl.constexpr = False, SPAN: tl.constexpr = False,
-    LAZY: tl.constexpr = False,
 ):
     """Same contract as ``split_kernel_tiled`` (bf16 QK only), with the register body (``_reg_body``). SPAN: the
     splits cut the concatenated candidate list main ++ extra into ``main_chunk``-sized pieces (``main_nsplit``
@@ -225,7 +211,7 @@ def split_kernel_reg(
                   main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
                   HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE,
-                  True, LAZY, extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr,
+                  True, extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr,
                   extra_K, extra_P, extra_PB, extra_PB2, HAS_EXTRA_LEN, HAS_EXTRA)
         return
     is_extra = False
@@ -236,11 +222,11 @@ def split_kernel_reg(
                   extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                   extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE, False, LAZY)
+                  HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE)
     else:
         _reg_body(q_ptr, stride_qt, stride_qh, t, s, g,
                   main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                   main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                   acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE, False, LAZY)
+                  HAS_MAIN_LEN, BLOCK_H, BLOCK_N, INTERP, KCVT, DEC_LATE)
 

@@ -13,10 +13,8 @@ from .common import (
     _k_scales,
     _k_tile_again,
     _k_tiles,
-    _acc_tiles_rescale,
     _mma_operand,
     _online_softmax,
-    _online_softmax_lazy,
     _softmax_init,
     _store_partial,
     _store_softmax_state,
@@ -79,12 +77,10 @@ def _tiled_body(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr,
     INTERP: tl.constexpr, PREFETCH: tl.constexpr, KCVT: tl.constexpr = False, q8_ptr=None, qsc_ptr=None,
-    LAZY: tl.constexpr = False,
 ):
     # One (row, split, head-group) of one cache. Called once per cache from the kernel so each
     # call site keeps the argument alignment facts (16-byte aligned pages and rows) that let the
-    # gathers use 16-byte vector loads. LAZY: the softmax reference max moves only by more than
-    # RESCALE_SLACK binades (_online_softmax_lazy), so most blocks skip the accumulators' rescale.
+    # gathers use 16-byte vector loads.
     t64 = t.to(tl.int64)
     idx_row = idx_ptr + t64 * idx_st
     cend = tl.minimum(start + chunk, K)
@@ -140,24 +136,16 @@ def _tiled_body(
         qk = tl.dot(q_rope, tl.trans(rope))
         qk = _qk_add_nope(qk, q_row, hmask, k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, lanes,
                           BLOCK_H, BLOCK_N, FP8_QK, INTERP, KCVT, q8_row, qsc_row)
-        if LAZY:
-            # the accumulators are rescaled only in the blocks that move the reference max
-            p, alpha, m_i, l_i, grow = _online_softmax_lazy(qk, valid, m_i, l_i, sm_scale_log2)
-            if grow:
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _acc_tiles_rescale(
-                    alpha, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
-        else:
-            p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _acc_tiles_rescale(
-                alpha, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
-        acc_r = acc_r + tl.dot(_mma_operand(p.to(tl.bfloat16), INTERP), rope)
-        acc0 = _pv_tile(acc0, p, _k_tile_again(cache, row, valid, 0, lanes), c0, INTERP, KCVT)
-        acc1 = _pv_tile(acc1, p, _k_tile_again(cache, row, valid, 1, lanes), c1, INTERP, KCVT)
-        acc2 = _pv_tile(acc2, p, _k_tile_again(cache, row, valid, 2, lanes), c2, INTERP, KCVT)
-        acc3 = _pv_tile(acc3, p, _k_tile_again(cache, row, valid, 3, lanes), c3, INTERP, KCVT)
-        acc4 = _pv_tile(acc4, p, _k_tile_again(cache, row, valid, 4, lanes), c4, INTERP, KCVT)
-        acc5 = _pv_tile(acc5, p, _k_tile_again(cache, row, valid, 5, lanes), c5, INTERP, KCVT)
-        acc6 = _pv_tile(acc6, p, _k_tile_again(cache, row, valid, 6, lanes), c6, INTERP, KCVT)
+        p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2)
+        a2 = alpha[:, None]
+        acc_r = acc_r * a2 + tl.dot(_mma_operand(p.to(tl.bfloat16), INTERP), rope)
+        acc0 = _pv_tile(acc0 * a2, p, _k_tile_again(cache, row, valid, 0, lanes), c0, INTERP, KCVT)
+        acc1 = _pv_tile(acc1 * a2, p, _k_tile_again(cache, row, valid, 1, lanes), c1, INTERP, KCVT)
+        acc2 = _pv_tile(acc2 * a2, p, _k_tile_again(cache, row, valid, 2, lanes), c2, INTERP, KCVT)
+        acc3 = _pv_tile(acc3 * a2, p, _k_tile_again(cache, row, valid, 3, lanes), c3, INTERP, KCVT)
+        acc4 = _pv_tile(acc4 * a2, p, _k_tile_again(cache, row, valid, 4, lanes), c4, INTERP, KCVT)
+        acc5 = _pv_tile(acc5 * a2, p, _k_tile_again(cache, row, valid, 5, lanes), c5, INTERP, KCVT)
+        acc6 = _pv_tile(acc6 * a2, p, _k_tile_again(cache, row, valid, 6, lanes), c6, INTERP, KCVT)
 
     base = (t64 * S + s) * HP + offs_h
     _store_partial(acc_ws, base, hmask, lanes, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r)
@@ -173,7 +161,6 @@ def split_kernel_tiled(
     HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8_QK: tl.constexpr, INTERP: tl.constexpr,
     PREFETCH: tl.constexpr = False, KCVT: tl.constexpr = False, q8_ptr=None, qsc_ptr=None,
-    LAZY: tl.constexpr = False,
 ):
     """Same contract as ``split_kernel_flat``, but the nope part is processed in its seven 64-wide tiles: K/V
     tiles stay e4m3 bytes, converted straight to MMA operands, the UE8M0 scale is applied to the [heads,
@@ -190,11 +177,11 @@ def split_kernel_tiled(
                     extra_ptr.to(tl.pointer_type(tl.uint8)), extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                     extra_P, extra_PB, extra_PB2, (s - main_nsplit) * extra_chunk, extra_chunk,
                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT, q8_ptr, qsc_ptr, LAZY)
+                    HAS_EXTRA_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT, q8_ptr, qsc_ptr)
     else:
         _tiled_body(q_ptr, stride_qt, stride_qh, t, s, g,
                     main_ptr.to(tl.pointer_type(tl.uint8)), main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                     main_P, main_PB, main_PB2, s * main_chunk, main_chunk,
                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT, q8_ptr, qsc_ptr, LAZY)
+                    HAS_MAIN_LEN, BLOCK_H, BLOCK_N, FP8_QK, INTERP, PREFETCH, KCVT, q8_ptr, qsc_ptr)
 
