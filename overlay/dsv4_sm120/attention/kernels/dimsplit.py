@@ -131,61 +131,22 @@ def _stage(kvw3, raw):
 
 
 @gluon.jit
-def _step(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kv, kvw_next, raw, sbuf, sb3, vc, sm_scale_log2,
-          BLOCK_N: gl.constexpr):
-    # one candidate block: its decoded tiles are in kv ([4, BLOCK_N, 128] bf16), the next block's raw tiles
-    # (raw) are decoded into the other buffer (kvw_next, its word view) while this one's softmax and PV run;
-    # vc: the block's valid candidates in the softmax's layout. Two barriers: partial scores written; block done.
+def _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kv, kvw3, sbuf, sb3,
+             t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk, sm_scale_log2,
+             HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+    # the candidate loop over [start, start + chunk) of one cache, carrying the softmax state and the four
+    # [4, 16, 32] accumulator chunks in and out
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     opB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     LS: gl.constexpr = gl.SliceLayout(0, mma)                       # [16, BLOCK_N], the same in every warp
-    # QK: each warp over its 128 dims, in four 32-dim chunks
-    kt = kv.permute([0, 2, 1])
-    s = gl.zeros([4, 16, BLOCK_N], gl.float32, mma)
-    s = mma_v2(q0, kt.slice(0, CH, dim=1).load(opB), s)
-    s = mma_v2(q1, kt.slice(CH, CH, dim=1).load(opB), s)
-    s = mma_v2(q2, kt.slice(2 * CH, CH, dim=1).load(opB), s)
-    s = mma_v2(q3, kt.slice(3 * CH, CH, dim=1).load(opB), s)
-    sb3.store(s)
-    _barrier()
-    # every warp reads all four partials (in the layout that holds them whole in each warp)
-    qk = (sbuf.slice(0, 16, dim=0).load(LS) + sbuf.slice(16, 16, dim=0).load(LS)) + \
-        (sbuf.slice(32, 16, dim=0).load(LS) + sbuf.slice(48, 16, dim=0).load(LS))
-    # online softmax, base 2 (as common._online_softmax), every warp the same
-    qk = qk * sm_scale_log2
-    qk = gl.where(gl.expand_dims(vc, 0), qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(qk - gl.expand_dims(m_use, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    a3 = gl.expand_dims(gl.expand_dims(alpha, 1), 0)
-    p3 = gl.convert_layout(gl.expand_dims(p.to(gl.bfloat16), 0).broadcast_to([4, 16, BLOCK_N]), opA)
-    _stage(kvw_next, raw)
-    # PV: the warp's V quarter, four 32-dim chunks
-    o0 = mma_v2(p3, kv.slice(0, CH, dim=2).load(opB), o0 * a3)
-    o1 = mma_v2(p3, kv.slice(CH, CH, dim=2).load(opB), o1 * a3)
-    o2 = mma_v2(p3, kv.slice(2 * CH, CH, dim=2).load(opB), o2 * a3)
-    o3 = mma_v2(p3, kv.slice(3 * CH, CH, dim=2).load(opB), o3 * a3)
-    _barrier()
-    return m_new, l_i, o0, o1, o2, o3
-
-
-@gluon.jit
-def _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kvA, kvB, kvwA, kvwB, sbuf, sb3,
-             t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk, sm_scale_log2,
-             HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
-    # the candidate loop over [start, start + chunk) of one cache, carrying the softmax state and the four
-    # [4, 16, 32] accumulator chunks in and out. Two blocks per iteration, one per shared buffer (A, B): a block
-    # is read from one while the next is decoded into the other (two allocations, so the compiler sees them apart)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
-    LS: gl.constexpr = gl.SliceLayout(0, mma)
-    LC: gl.constexpr = gl.SliceLayout(0, LS)                        # [BLOCK_N] candidates of the scores
+    LC: gl.constexpr = gl.SliceLayout(0, LS)                        # [BLOCK_N] candidates of LS
     gl.static_assert(BLOCK_N == 32, "the dim-split body gathers 32-candidate blocks")
     BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [32, 16] words: 16 bytes per thread
-    lanes = gl.arange(0, 16, layout=gl.SliceLayout(0, BL))
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BL))
+    LN: gl.constexpr = gl.SliceLayout(1, BL)
+    LL: gl.constexpr = gl.SliceLayout(0, BL)
+    lanes = gl.arange(0, 16, layout=LL)
+    offs_n = gl.arange(0, BLOCK_N, layout=LN)
     offs_c = gl.arange(0, BLOCK_N, layout=LC)
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
     cend = gl.minimum(start + chunk, K)
@@ -194,39 +155,59 @@ def _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kvA, kvB, kvwA, kvwB, sbu
         end = gl.minimum(end, gl.load(len_ptr + t))
     PB64 = PB.to(gl.int64)
     PB2_64 = PB2.to(gl.int64)
-    # block 0 decoded into A before the loop; block 1's raw tiles in registers
+    # block 0 staged before the loop; block 1's tiles in registers
     cand = start + offs_n
     idx = gl.load(idx_row + cand, mask=cand < cend, other=-1)
     valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
     _barrier()  # the previous segment's last block is consumed
-    _stage(kvwA, _gather(cache, row, valid, sb, ro, lanes))
+    _stage(kvw3, _gather(cache, row, valid, sb, ro, lanes))
     cand = start + BLOCK_N + offs_n
     idx = gl.load(idx_row + cand, mask=cand < cend, other=-1)
     valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
     nxt = _gather(cache, row, valid, sb, ro, lanes)
     _barrier()
-    for n0 in range(start, end, 2 * BLOCK_N):
-        # block n0 from A (block n0 + 1 decoded into B; block n0 + 2 gathered)
-        raw = nxt
+    for n0 in range(start, end, BLOCK_N):
+        # the scores' validity, in the softmax's layout
+        cc = n0 + offs_c
+        ic = gl.load(idx_row + cc, mask=cc < cend, other=-1)
+        vc = (cc < end) & (ic >= 0)
+        # QK: each warp over its 128 dims, in four 32-dim chunks
+        kt = kv.permute([0, 2, 1])
+        s = gl.zeros([4, 16, BLOCK_N], gl.float32, mma)
+        s = mma_v2(q0, kt.slice(0, CH, dim=1).load(opB), s)
+        s = mma_v2(q1, kt.slice(CH, CH, dim=1).load(opB), s)
+        s = mma_v2(q2, kt.slice(2 * CH, CH, dim=1).load(opB), s)
+        s = mma_v2(q3, kt.slice(3 * CH, CH, dim=1).load(opB), s)
+        sb3.store(s)
+        _barrier()
+        # every warp reads all four partials (in the layout that holds them whole in each warp)
+        qk = (sbuf.slice(0, 16, dim=0).load(LS) + sbuf.slice(16, 16, dim=0).load(LS)) + \
+            (sbuf.slice(32, 16, dim=0).load(LS) + sbuf.slice(48, 16, dim=0).load(LS))
+        # online softmax, base 2 (as common._online_softmax), every warp the same
+        qk = qk * sm_scale_log2
+        qk = gl.where(gl.expand_dims(vc, 0), qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(qk - gl.expand_dims(m_use, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        a3 = gl.expand_dims(gl.expand_dims(alpha, 1), 0)
+        p3 = gl.convert_layout(gl.expand_dims(p.to(gl.bfloat16), 0).broadcast_to([4, 16, BLOCK_N]), opA)
+        # PV: the warp's V quarter, four 32-dim chunks
+        o0 = mma_v2(p3, kv.slice(0, CH, dim=2).load(opB), o0 * a3)
+        o1 = mma_v2(p3, kv.slice(CH, CH, dim=2).load(opB), o1 * a3)
+        o2 = mma_v2(p3, kv.slice(2 * CH, CH, dim=2).load(opB), o2 * a3)
+        o3 = mma_v2(p3, kv.slice(3 * CH, CH, dim=2).load(opB), o3 * a3)
+        # next block: its gathers landed during this one; the one after is issued now
         cand = n0 + 2 * BLOCK_N + offs_n
         idx = gl.load(idx_row + cand, mask=cand < cend, other=-1)
         valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
+        raw = nxt
         nxt = _gather(cache, row, valid, sb, ro, lanes)
-        cc = n0 + offs_c
-        ic = gl.load(idx_row + cc, mask=cc < cend, other=-1)
-        m_i, l_i, o0, o1, o2, o3 = _step(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kvA, kvwB, raw, sbuf, sb3,
-                                         (cc < end) & (ic >= 0), sm_scale_log2, BLOCK_N)
-        if n0 + BLOCK_N < end:
-            # block n0 + 1 from B (block n0 + 2 decoded into A; block n0 + 3 gathered)
-            raw = nxt
-            cand = n0 + 3 * BLOCK_N + offs_n
-            idx = gl.load(idx_row + cand, mask=cand < cend, other=-1)
-            valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
-            nxt = _gather(cache, row, valid, sb, ro, lanes)
-            cc = n0 + BLOCK_N + offs_c
-            ic = gl.load(idx_row + cc, mask=cc < cend, other=-1)
-            m_i, l_i, o0, o1, o2, o3 = _step(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kvB, kvwA, raw, sbuf,
-                                             sb3, (cc < end) & (ic >= 0), sm_scale_log2, BLOCK_N)
+        _barrier()  # every warp is done with this block's K and scores
+        _stage(kvw3, raw)
+        _barrier()
     return m_i, l_i, o0, o1, o2, o3
 
 
@@ -255,18 +236,15 @@ def _dimsplit_body(q_ptr, stride_qt, stride_qh, t, s, g,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     LS: gl.constexpr = gl.SliceLayout(0, mma)
     LH: gl.constexpr = gl.SliceLayout(1, LS)
-    # the decoded blocks (two buffers): [4 * BLOCK_N, 128] bf16 each (quarter w in rows w * BLOCK_N ..), 16-byte
-    # chunks swizzled by row; viewed as [4, BLOCK_N, 128] by the MMA loads and as [4, BLOCK_N, 64] words by the
-    # decode's store (the same bytes and swizzle: BLOCK_N is a multiple of the 8-row swizzle period)
-    KV2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-    KV3: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
-    KVW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
-    bufA = gl.allocate_shared_memory(gl.bfloat16, [4 * BLOCK_N, 128], KV2)
-    bufB = gl.allocate_shared_memory(gl.bfloat16, [4 * BLOCK_N, 128], KV2)
-    kvA = bufA._reinterpret(gl.bfloat16, [4, BLOCK_N, 128], KV3)
-    kvB = bufB._reinterpret(gl.bfloat16, [4, BLOCK_N, 128], KV3)
-    kvwA = bufA._reinterpret(gl.int32, [4, BLOCK_N, 64], KVW)
-    kvwB = bufB._reinterpret(gl.int32, [4, BLOCK_N, 64], KVW)
+    # the decoded block: [4 * BLOCK_N, 128] bf16 (quarter w in rows w * BLOCK_N ..), 16-byte chunks swizzled by
+    # row; viewed as [4, BLOCK_N, 128] by the MMA loads and as [4, BLOCK_N, 64] words by the decode's store (the
+    # same bytes and swizzle: BLOCK_N is a multiple of the 8-row swizzle period)
+    kv2 = gl.allocate_shared_memory(gl.bfloat16, [4 * BLOCK_N, 128],
+                                    gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+    kv = kv2._reinterpret(gl.bfloat16, [4, BLOCK_N, 128],
+                          gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0]))
+    kvw3 = kv2._reinterpret(gl.int32, [4, BLOCK_N, 64],
+                            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0]))
     # the four warps' partial scores: [4 * 16, BLOCK_N] fp32, written as [4, 16, BLOCK_N]
     sbuf = gl.allocate_shared_memory(gl.float32, [64, BLOCK_N],
                                      gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
@@ -285,18 +263,18 @@ def _dimsplit_body(q_ptr, stride_qt, stride_qh, t, s, g,
     o3 = gl.zeros([4, 16, CH], gl.float32, mma)
     if SPAN:
         if start < K:
-            m_i, l_i, o0, o1, o2, o3 = _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kvA, kvB, kvwA, kvwB, sbuf, sb3, t, cache,
+            m_i, l_i, o0, o1, o2, o3 = _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kv, kvw3, sbuf, sb3, t, cache,
                                                 idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
                                                 sm_scale_log2, HAS_LEN, BLOCK_N)
         if HAS_2:
             if start + chunk > K:
                 lo2 = gl.maximum(start - K, 0)
-                m_i, l_i, o0, o1, o2, o3 = _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kvA, kvB, kvwA, kvwB, sbuf, sb3, t,
+                m_i, l_i, o0, o1, o2, o3 = _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kv, kvw3, sbuf, sb3, t,
                                                     cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
                                                     lo2, start + chunk - K - lo2, sm_scale_log2, HAS_LEN2,
                                                     BLOCK_N)
     else:
-        m_i, l_i, o0, o1, o2, o3 = _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kvA, kvB, kvwA, kvwB, sbuf, sb3, t, cache,
+        m_i, l_i, o0, o1, o2, o3 = _segment(q0, q1, q2, q3, m_i, l_i, o0, o1, o2, o3, kv, kvw3, sbuf, sb3, t, cache,
                                             idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk, sm_scale_log2,
                                             HAS_LEN, BLOCK_N)
     # the partial: warp w's dims 128w + 32c + j of each head, and (m, l) per head
