@@ -36,14 +36,9 @@ def _kdec(k8, ksc, INTERP: tl.constexpr, KCVT: tl.constexpr):
     # [BLOCK_N, 64] e4m3 bytes and their [BLOCK_N] UE8M0 tile scales -> the scaled values as bf16 (exact:
     # a power-of-two scale only moves the exponent; bf16 has fp32's range), fp32 under the interpreter
     if INTERP:
-        out = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(ksc.to(tl.float32) - 127.0)[:, None]
-    elif KCVT:
-        scb = (ksc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(byte - 127) as bf16
-        out = _e4m3_bf16(k8, KCVT) * scb[:, None]
-    else:  # EXPERIMENT: f16 operands, the hardware e4m3x2 -> f16x2 conversion (unguarded ranges)
-        sch = ((ksc.to(tl.int16) - 112) << 10).to(tl.float16, bitcast=True)
-        out = k8.to(tl.float8e4nv, bitcast=True).to(tl.float16) * sch[:, None]
-    return out
+        return k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(ksc.to(tl.float32) - 127.0)[:, None]
+    scb = (ksc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(byte - 127) as bf16
+    return _e4m3_bf16(k8, KCVT) * scb[:, None]
 
 
 @triton.jit
@@ -82,13 +77,13 @@ def _reg_body(
     q_rope = _mma_operand(tl.load(q_row + 448 + lanes[None, :], mask=hmask[:, None], other=0.0), INTERP)
     # Q read once: Triton keeps loop-invariant dot operands in shared memory (one store before the loop,
     # ldmatrix per block) instead of a global re-read + store + barrier per tile and block
-    q0 = _q_tile(q_row, hmask, 0, lanes, INTERP, KCVT)
-    q1 = _q_tile(q_row, hmask, 1, lanes, INTERP, KCVT)
-    q2 = _q_tile(q_row, hmask, 2, lanes, INTERP, KCVT)
-    q3 = _q_tile(q_row, hmask, 3, lanes, INTERP, KCVT)
-    q4 = _q_tile(q_row, hmask, 4, lanes, INTERP, KCVT)
-    q5 = _q_tile(q_row, hmask, 5, lanes, INTERP, KCVT)
-    q6 = _q_tile(q_row, hmask, 6, lanes, INTERP, KCVT)
+    q0 = _q_tile(q_row, hmask, 0, lanes, INTERP)
+    q1 = _q_tile(q_row, hmask, 1, lanes, INTERP)
+    q2 = _q_tile(q_row, hmask, 2, lanes, INTERP)
+    q3 = _q_tile(q_row, hmask, 3, lanes, INTERP)
+    q4 = _q_tile(q_row, hmask, 4, lanes, INTERP)
+    q5 = _q_tile(q_row, hmask, 5, lanes, INTERP)
+    q6 = _q_tile(q_row, hmask, 6, lanes, INTERP)
     m_i, l_i = _softmax_init(BLOCK_H)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc_r = _acc_tiles_init(BLOCK_H)
     if SPAN:
@@ -169,17 +164,14 @@ def _reg_segment(
         p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2)
         a2 = alpha[:, None]
         pb = _mma_operand(p.to(tl.bfloat16), INTERP)
-        ph = pb
-        if not KCVT and not INTERP:
-            ph = p.to(tl.float16)
         acc_r = tl.dot(pb, kr, acc_r * a2)
-        acc0 = tl.dot(ph, kb0, acc0 * a2)
-        acc1 = tl.dot(ph, kb1, acc1 * a2)
-        acc2 = tl.dot(ph, kb2, acc2 * a2)
-        acc3 = tl.dot(ph, kb3, acc3 * a2)
-        acc4 = tl.dot(ph, kb4, acc4 * a2)
-        acc5 = tl.dot(ph, kb5, acc5 * a2)
-        acc6 = tl.dot(ph, kb6, acc6 * a2)
+        acc0 = tl.dot(pb, kb0, acc0 * a2)
+        acc1 = tl.dot(pb, kb1, acc1 * a2)
+        acc2 = tl.dot(pb, kb2, acc2 * a2)
+        acc3 = tl.dot(pb, kb3, acc3 * a2)
+        acc4 = tl.dot(pb, kb4, acc4 * a2)
+        acc5 = tl.dot(pb, kb5, acc5 * a2)
+        acc6 = tl.dot(pb, kb6, acc6 * a2)
         valid = vn
         if DEC_LATE:
             n0_, n1_, n2_, n3_, n4_, n5_, n6_, d0_, d1_, d2_, d3_, d4_, d5_, d6_, nr_ = nxt
@@ -192,12 +184,9 @@ def _reg_segment(
 
 
 @triton.jit
-def _q_tile(q_row, hmask, t: tl.constexpr, lanes, INTERP: tl.constexpr, KCVT: tl.constexpr = True):
+def _q_tile(q_row, hmask, t: tl.constexpr, lanes, INTERP: tl.constexpr):
     # q tile t [BLOCK_H, 64] bf16 (fp32 under the interpreter)
-    q = tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0)
-    if not KCVT and not INTERP:
-        q = q.to(tl.float16)
-    return _mma_operand(q, INTERP)
+    return _mma_operand(tl.load(q_row + t * 64 + lanes[None, :], mask=hmask[:, None], other=0.0), INTERP)
 
 
 @triton.jit
