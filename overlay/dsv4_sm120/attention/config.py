@@ -39,7 +39,7 @@ from .. import launch_tables as lt
 from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
-from .keys import BF16_ONLY_IMPLS, IMPLS, KEYS, DecodeInputError, parse_config
+from .keys import BF16_ONLY_IMPLS, GPU_ONLY_IMPLS, IMPLS, KEYS, DecodeInputError, parse_config
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -48,7 +48,11 @@ QK_MODES = ("auto", "bf16", "fp8")
 COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg", "waves")
 COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
-             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": ()}
+             "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
+             "wspec": ("spanning_splits", "PART_BF16")}
+# the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
+# spanning splits)
+WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "maxnreg": 0, "spanning_splits": 1}
 
 # Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the
 # block sizes; only correctness is measured there)
@@ -129,7 +133,7 @@ def table_entry(H: int, T: int, qk: str, device: Device, impl: Optional[str] = N
                 root=None) -> Tuple[Dict[str, object], str]:
     """The table entry for this shape and device (before overrides and "auto" resolution) and where it came
     from. ``impl``: a body asked for by name (see the module docstring)."""
-    if impl == "reg":
+    if impl in ("reg", "wspec"):  # the dim-split body takes the register body's launch (splits, partials)
         shape = "impl=reg"
     else:
         shape = f"H={head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
@@ -194,6 +198,8 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     impl = user.get("impl")
     if qk == "fp8" and impl in BF16_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} has no fp8 QK path (use qk_mode='bf16')")
+    if interpret and impl in GPU_ONLY_IMPLS:
+        raise DecodeInputError(f"impl={impl} is a GPU launch (a Gluon kernel): Triton's interpreter cannot run it")
     if interpret:
         cfg, source = dict(INTERPRETER_LAUNCH), "interpreter"
     else:
@@ -202,13 +208,18 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     impl = cfg["impl"]
     if impl not in IMPLS:
         raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "wspec":
+        clash = {k: user[k] for k, v in WSPEC_LAUNCH.items() if k in user and user[k] not in (v, "auto")}
+        if clash:
+            raise DecodeInputError(f"impl=wspec runs {WSPEC_LAUNCH} only, got {clash}")
+        cfg.update(WSPEC_LAUNCH)
     rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)
     if cfg.get("waves") == "auto":
         cfg["waves"] = _auto_waves(rows, nsm)
     if cfg.get("PREFETCH") == "auto":
         cfg["PREFETCH"] = _auto_prefetch(rows, nsm)
     HG = P.cdiv(H, int(cfg["BLOCK_H"]))
-    span = impl == "reg" and bool(int(cfg.get("spanning_splits", 0)))
+    span = impl in ("reg", "wspec") and bool(int(cfg.get("spanning_splits", 0)))
     plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]))
     s1, c1, s2, c2 = plan
     if cfg.get("num_stages", "auto") == "auto":
@@ -216,7 +227,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         blocks = max(c1 // bn, (c2 // bn) if s2 else 0)
         cfg["num_stages"] = 2 if impl == "tiled" and blocks >= 2 else 1
     if cfg.get("maxnreg", "auto") == "auto":
-        cfg["maxnreg"] = 0 if int(cfg["num_stages"]) >= 2 or impl == "reg" else 128
+        cfg["maxnreg"] = 0 if int(cfg["num_stages"]) >= 2 or impl in ("reg", "wspec") else 128
     fixed = {k: (None if cfg.get(k, "auto") == "auto" else int(cfg[k])) for k in COMBINE_KEYS}
     bd, bs, w, mr = P.combine_plan(T, H, s1 + s2, nsm, fixed["BLOCK_D"], fixed["combine_warps"], fixed["BLOCK_S"],
                                    fixed["combine_maxnreg"])

@@ -11,8 +11,10 @@ from typing import Dict
 
 from .key_aliases import canonical
 
-IMPLS = ("tiled", "flat", "reg")
-BF16_ONLY_IMPLS = ("reg",)
+IMPLS = ("tiled", "flat", "reg", "wspec")
+BF16_ONLY_IMPLS = ("reg", "wspec")
+# bodies written in Gluon: GPU launches only (Triton's CPU interpreter does not run them)
+GPU_ONLY_IMPLS = ("wspec",)
 
 # launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read
 # ("auto": resolved per launch as :mod:`.config`'s docstring describes, as a table entry's "auto" is; a launch

@@ -175,6 +175,8 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
         SPLIT_KERNELS["reg"][(T, s1 + s2, HG)](*args, KCVT=bool(cfg["e4m3_int_decode"]),
                                                DEC_LATE=bool(cfg["late_decode"]),
                                                SPAN=bool(cfg["spanning_splits"]), **flags)
+    elif impl == "wspec":
+        SPLIT_KERNELS["wspec"][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]), **flags)
     else:
         SPLIT_KERNELS["flat"][(T, s1 + s2, HG)](*args, **flags)
 

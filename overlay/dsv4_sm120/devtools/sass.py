@@ -69,6 +69,8 @@ def kernel_source(fn, sig: Dict[str, str], cst: Dict[str, object], divisible: It
     pointer), and ``tt.divisibility 16`` on the arguments named in ``divisible``."""
     from triton.compiler import ASTSource
 
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel compiles through Gluon's own source class
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     typed = dict(sig, **{k: "constexpr" for k in cst})
     unknown = sorted(set(typed) - set(fn.arg_names))
     if unknown:

@@ -1,0 +1,307 @@
+"""Split kernel, warp-specialized body (``impl=wspec``, bf16 QK only; Gluon, GPU only): four producer warps gather
+and decode the candidate blocks into a two-slot shared-memory ring while the four consumer warps run QK, the
+softmax and PV on the previous block; mbarriers hand the slots back and forth.
+
+Why: the register body is bound by the latency of its per-block chain (gather -> decode -> shared memory -> MMA ->
+softmax -> PV) at two CTAs of four warps per SM; here the decode (~45% of its instructions) and the gathers run in
+other warps, concurrently with the MMAs.
+
+Same contract as ``split_kernel_reg`` (workspace partials, ``SPAN``); 16 heads per program, 32-candidate blocks."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
+
+# one 32-bit word of four e4m3 bytes and its tile's UE8M0 scale as a bf16 pair -> two bf16 pairs (the four values,
+# scaled, exact): common.E4M3_BF16_ASM's bit moves, then one more bf16x2 multiply by the scale
+E4M3X4_SCALED_ASM = gl.constexpr("""
+{
+.reg .b32 z, x, a, b, s, nz, v;
+mov.b32 z, 0;
+mov.b32 s, 0x7B807B80;
+mov.b32 nz, 0x80008000;
+prmt.b32 x, $2, z, 0x1404;
+shr.b32 a, x, 4;
+and.b32 a, a, 0x07F007F0;
+and.b32 b, x, 0x80008000;
+or.b32 a, a, b;
+fma.rn.bf16x2 v, a, s, nz;
+mul.rn.bf16x2 $0, v, $3;
+prmt.b32 x, $2, z, 0x3424;
+shr.b32 a, x, 4;
+and.b32 a, a, 0x07F007F0;
+and.b32 b, x, 0x80008000;
+or.b32 a, a, b;
+fma.rn.bf16x2 v, a, s, nz;
+mul.rn.bf16x2 $1, v, $3;
+}
+""")
+
+
+@gluon.jit
+def _token_rows(idx, inb, P, PB64, PB2_64):
+    # page addressing of a candidate block (as common._token_rows)
+    valid = inb & (idx >= 0)
+    idx32 = gl.maximum(idx, 0)
+    page32 = idx32 // P
+    off = (idx32 - page32 * P).to(gl.int64)
+    page = page32.to(gl.int64)
+    return valid, page * PB64 + off * 576, page * PB64 + P * 576 + off * 8, page * PB2_64 + off * 288 + 224
+
+
+@gluon.jit
+def _gather(cache, idx_row, n0, cend, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
+    # the raw block at candidates n0 ..: seven [BLOCK_N, 16]-word e4m3 tiles, their [BLOCK_N] UE8M0 bytes, the
+    # [BLOCK_N, 32]-word rope (bf16 pairs)
+    BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    BR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    lanes = gl.arange(0, 16, layout=gl.SliceLayout(0, BL))
+    cand = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BL))
+    idx = gl.load(idx_row + cand, mask=cand < cend, other=-1)
+    valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
+    words = cache.to(gl.pointer_type(gl.int32))
+    r2 = gl.expand_dims(row // 4, 1) + gl.expand_dims(lanes, 0)
+    v2 = gl.expand_dims(valid, 1)
+    k0 = gl.load(words + r2, mask=v2, other=0)
+    k1 = gl.load(words + r2 + 16, mask=v2, other=0)
+    k2 = gl.load(words + r2 + 32, mask=v2, other=0)
+    k3 = gl.load(words + r2 + 48, mask=v2, other=0)
+    k4 = gl.load(words + r2 + 64, mask=v2, other=0)
+    k5 = gl.load(words + r2 + 80, mask=v2, other=0)
+    k6 = gl.load(words + r2 + 96, mask=v2, other=0)
+    c0 = gl.load(cache + sb, mask=valid, other=127)
+    c1 = gl.load(cache + sb + 1, mask=valid, other=127)
+    c2 = gl.load(cache + sb + 2, mask=valid, other=127)
+    c3 = gl.load(cache + sb + 3, mask=valid, other=127)
+    c4 = gl.load(cache + sb + 4, mask=valid, other=127)
+    c5 = gl.load(cache + sb + 5, mask=valid, other=127)
+    c6 = gl.load(cache + sb + 6, mask=valid, other=127)
+    lanes32 = gl.arange(0, 32, layout=gl.SliceLayout(0, BR))
+    r0 = gl.expand_dims(gl.convert_layout(ro // 2, gl.SliceLayout(1, BR)), 1) + gl.expand_dims(lanes32, 0)
+    rope = gl.load(words + r0, mask=gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, BR)), 1), other=0)
+    return k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope
+
+
+@gluon.jit
+def _cat(a, b):
+    # [R, C] and [R, C] -> [R, 2C], side by side
+    return gl.join(a, gl.convert_layout(b, a.type.layout)).permute([0, 2, 1]).reshape([a.shape[0], 2 * a.shape[1]])
+
+
+@gluon.jit
+def _dec(k32, ksc):
+    # a [BLOCK_N, 16]-word e4m3 tile and its [BLOCK_N] UE8M0 scales -> its 64 bf16 values as [BLOCK_N, 32] words
+    sc = ksc.to(gl.int32)
+    sc2 = gl.expand_dims((sc << 7) | (sc << 23), 1)  # the scale 2^(byte - 127) as a bf16 pair
+    lo, hi = gl.inline_asm_elementwise(E4M3X4_SCALED_ASM, "=r,=r,r,r", [k32, sc2], dtype=(gl.int32, gl.int32),
+                                       is_pure=True, pack=1)
+    return gl.join(lo, hi).reshape([k32.shape[0], 32])
+
+
+@gluon.jit
+def _decode(raw):
+    # a raw block -> [BLOCK_N, 256] words: the 448 nope dims then the 64 rope dims, as bf16 pairs
+    k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = raw
+    lo = _cat(_cat(_dec(k0, c0), _dec(k1, c1)), _cat(_dec(k2, c2), _dec(k3, c3)))
+    hi = _cat(_cat(_dec(k4, c4), _dec(k5, c5)), _cat(_dec(k6, c6), rope))
+    return _cat(lo, hi)
+
+
+@gluon.jit
+def _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
+             HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+    # the producer's pass over [start, start + chunk) of one cache: block j goes to slot (i + j) % 2 once the
+    # consumer has freed it; returns the running block count
+    idx_row = idx_ptr + t.to(gl.int64) * idx_st
+    cend = gl.minimum(start + chunk, K)
+    end = cend
+    if HAS_LEN:
+        end = gl.minimum(end, gl.load(len_ptr + t))
+    PB64 = PB.to(gl.int64)
+    PB2_64 = PB2.to(gl.int64)
+    raw = _gather(cache, idx_row, start, cend, end, P, PB64, PB2_64, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        nxt = _gather(cache, idx_row, n0 + BLOCK_N, cend, end, P, PB64, PB2_64, BLOCK_N)
+        blk = _decode(raw)
+        b = i % 2
+        mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)
+        ring_w.index(b).store(blk)
+        mbarrier.arrive(full.index(b))
+        raw = nxt
+        i += 1
+    return i
+
+
+@gluon.jit
+def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
+             t, start, chunk, sm_scale_log2, HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+    # the consumer's pass over the same blocks: QK over the eight 64-dim tiles, online softmax, PV into the eight
+    # [16, 64] accumulator tiles; the slot goes back to the producer after PV
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    opB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    idx_row = idx_ptr + t.to(gl.int64) * idx_st
+    cend = gl.minimum(start + chunk, K)
+    end = cend
+    if HAS_LEN:
+        end = gl.minimum(end, gl.load(len_ptr + t))
+    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    for n0 in range(start, end, BLOCK_N):
+        cc = n0 + offs_c
+        ic = gl.load(idx_row + cc, mask=cc < cend, other=-1)
+        vc = (cc < end) & (ic >= 0)
+        b = i % 2
+        mbarrier.wait(full.index(b), (i // 2) & 1)
+        kv = ring.index(b)
+        s = gl.zeros([16, BLOCK_N], gl.float32, mma)
+        for tt in gl.static_range(8):
+            s = mma_v2(q_s.slice(tt * 64, 64, dim=1).load(opA),
+                       kv.slice(tt * 64, 64, dim=1).permute([1, 0]).load(opB), s)
+        qk = s * sm_scale_log2
+        qk = gl.where(gl.expand_dims(vc, 0), qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(qk - gl.expand_dims(m_use, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        a2 = gl.expand_dims(alpha, 1)
+        pa = gl.convert_layout(p.to(gl.bfloat16), opA)
+        o0 = mma_v2(pa, kv.slice(0, 64, dim=1).load(opB), o0 * a2)
+        o1 = mma_v2(pa, kv.slice(64, 64, dim=1).load(opB), o1 * a2)
+        o2 = mma_v2(pa, kv.slice(128, 64, dim=1).load(opB), o2 * a2)
+        o3 = mma_v2(pa, kv.slice(192, 64, dim=1).load(opB), o3 * a2)
+        o4 = mma_v2(pa, kv.slice(256, 64, dim=1).load(opB), o4 * a2)
+        o5 = mma_v2(pa, kv.slice(320, 64, dim=1).load(opB), o5 * a2)
+        o6 = mma_v2(pa, kv.slice(384, 64, dim=1).load(opB), o6 * a2)
+        o7 = mma_v2(pa, kv.slice(448, 64, dim=1).load(opB), o7 * a2)
+        mbarrier.arrive(empty.index(b))
+        i += 1
+    return i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@gluon.jit
+def _producer(ring_w, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SPAN: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    i = 0
+    if SPAN:
+        if start < K:
+            i = _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
+                         HAS_LEN, BLOCK_N)
+        if HAS_2:
+            if start + chunk > K:
+                lo2 = gl.maximum(start - K, 0)
+                i = _produce(i, ring_w, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, t,
+                             lo2, start + chunk - K - lo2, HAS_LEN2, BLOCK_N)
+    else:
+        i = _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
+                     HAS_LEN, BLOCK_N)
+
+
+@gluon.jit
+def _consumer(q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
+              idx_ptr, idx_st, len_ptr, K, start, chunk, idx2_ptr, idx2_st, len2_ptr, K2,
+              acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SPAN: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    t64 = t.to(gl.int64)
+    # Q of the 16 heads into shared memory, once
+    hq = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
+                mask=gl.expand_dims(hq < H, 1), other=0.0)
+    q_s.store(q)
+    m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
+    o0 = gl.zeros([16, 64], gl.float32, mma)
+    o1 = gl.zeros([16, 64], gl.float32, mma)
+    o2 = gl.zeros([16, 64], gl.float32, mma)
+    o3 = gl.zeros([16, 64], gl.float32, mma)
+    o4 = gl.zeros([16, 64], gl.float32, mma)
+    o5 = gl.zeros([16, 64], gl.float32, mma)
+    o6 = gl.zeros([16, 64], gl.float32, mma)
+    o7 = gl.zeros([16, 64], gl.float32, mma)
+    i = 0
+    if SPAN:
+        if start < K:
+            i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
+                i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
+                t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N)
+        if HAS_2:
+            if start + chunk > K:
+                lo2 = gl.maximum(start - K, 0)
+                i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
+                    i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx2_ptr, idx2_st,
+                    len2_ptr, K2, t, lo2, start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N)
+    else:
+        i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
+            i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
+            t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N)
+    # the partial: (m, l) and the eight [16, 64] tiles of each head (nope 0..447 then rope)
+    h = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    d = gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
+    base = (t64 * S + s) * HP + h
+    optr = acc_ws + gl.expand_dims(base * 512, 1) + gl.expand_dims(d, 0)
+    om = gl.expand_dims(h < H, 1) & gl.expand_dims(d >= 0, 0)
+    ty = acc_ws.dtype.element_ty
+    gl.store(optr, o0.to(ty), mask=om)
+    gl.store(optr + 64, o1.to(ty), mask=om)
+    gl.store(optr + 128, o2.to(ty), mask=om)
+    gl.store(optr + 192, o3.to(ty), mask=om)
+    gl.store(optr + 256, o4.to(ty), mask=om)
+    gl.store(optr + 320, o5.to(ty), mask=om)
+    gl.store(optr + 384, o6.to(ty), mask=om)
+    gl.store(optr + 448, o7.to(ty), mask=om)
+    gl.store(m_ws + base, m_i, mask=h < H)
+    gl.store(l_ws + base, l_i, mask=h < H)
+
+
+@gluon.jit
+def split_kernel_wspec(
+    q_ptr, stride_qt, stride_qh,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
+    SPAN: gl.constexpr = False,
+):
+    """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16, ``BLOCK_N`` 32), with the warp-specialized
+    body: 4 consumer warps (the launch's ``num_warps``) and 4 producer warps."""
+    gl.static_assert(BLOCK_H == 16, "the warp-specialized body takes 16 heads per program")
+    gl.static_assert(BLOCK_N == 32, "the warp-specialized body gathers 32-candidate blocks")
+    t = gl.program_id(0)
+    s = gl.program_id(1)
+    g = gl.program_id(2)
+    main = main_ptr.to(gl.pointer_type(gl.uint8))
+    extra = extra_ptr.to(gl.pointer_type(gl.uint8))
+    # this program's candidates: chunk s of main ++ extra (spanning splits only)
+    gl.static_assert(SPAN, "the warp-specialized body takes spanning splits")
+    start = s * main_chunk
+    chunk = main_chunk
+    KV2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    KVW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    ring = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 512], KV2)
+    ring_w = ring._reinterpret(gl.int32, [2, BLOCK_N, 256], KVW)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [16, 512], KV2)
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    gl.warp_specialize([
+        (_consumer, (q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
+                     main_idx_ptr, main_idx_st, main_len_ptr, main_K, start, chunk, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
+                     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N)),
+        (_producer, (ring_w, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
+                     main_PB2, start, chunk,
+                     extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N)),
+    ], [4], [112])
