@@ -85,12 +85,6 @@ def _gather(cache, idx_row, n0, cend, end, P, PB64, PB2_64, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _cat(a, b):
-    # [R, C] and [R, C] -> [R, 2C], side by side
-    return gl.join(a, gl.convert_layout(b, a.type.layout)).permute([0, 2, 1]).reshape([a.shape[0], 2 * a.shape[1]])
-
-
-@gluon.jit
 def _dec(k32, ksc):
     # a [BLOCK_N, 16]-word e4m3 tile and its [BLOCK_N] UE8M0 scales -> its 64 bf16 values as [BLOCK_N, 32] words
     sc = ksc.to(gl.int32)
@@ -101,12 +95,18 @@ def _dec(k32, ksc):
 
 
 @gluon.jit
-def _decode(raw):
-    # a raw block -> [BLOCK_N, 256] words: the 448 nope dims then the 64 rope dims, as bf16 pairs
+def _store_block(slot_w, raw):
+    # decode a raw block into a ring slot's word view [BLOCK_N, 256], tile by tile (a few registers at a time):
+    # nope tile t -> word columns 32t .., rope -> 224 ..
     k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = raw
-    lo = _cat(_cat(_dec(k0, c0), _dec(k1, c1)), _cat(_dec(k2, c2), _dec(k3, c3)))
-    hi = _cat(_cat(_dec(k4, c4), _dec(k5, c5)), _cat(_dec(k6, c6), rope))
-    return _cat(lo, hi)
+    slot_w.slice(0, 32, dim=1).store(_dec(k0, c0))
+    slot_w.slice(32, 32, dim=1).store(_dec(k1, c1))
+    slot_w.slice(64, 32, dim=1).store(_dec(k2, c2))
+    slot_w.slice(96, 32, dim=1).store(_dec(k3, c3))
+    slot_w.slice(128, 32, dim=1).store(_dec(k4, c4))
+    slot_w.slice(160, 32, dim=1).store(_dec(k5, c5))
+    slot_w.slice(192, 32, dim=1).store(_dec(k6, c6))
+    slot_w.slice(224, 32, dim=1).store(rope)
 
 
 @gluon.jit
@@ -124,10 +124,9 @@ def _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, 
     raw = _gather(cache, idx_row, start, cend, end, P, PB64, PB2_64, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         nxt = _gather(cache, idx_row, n0 + BLOCK_N, cend, end, P, PB64, PB2_64, BLOCK_N)
-        blk = _decode(raw)
         b = i % 2
         mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)
-        ring_w.index(b).store(blk)
+        _store_block(ring_w.index(b), raw)
         mbarrier.arrive(full.index(b))
         raw = nxt
         i += 1
@@ -270,7 +269,7 @@ def split_kernel_wspec(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 96,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16, ``BLOCK_N`` 32), with the warp-specialized
     body: 4 consumer warps (the launch's ``num_warps``) and 4 producer warps."""
@@ -304,4 +303,4 @@ def split_kernel_wspec(
                      main_PB2, start, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
                      HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N)),
-    ], [4], [112])
+    ], [4], [PRODUCER_REGS])
