@@ -111,7 +111,7 @@ def _store_block(slot_w, raw):
 
 @gluon.jit
 def _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-             HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+             HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
     # the producer's pass over [start, start + chunk) of one cache: block j goes to slot (i + j) % 2 once the
     # consumer has freed it; returns the running block count
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
@@ -124,8 +124,8 @@ def _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, 
     raw = _gather(cache, idx_row, start, cend, end, P, PB64, PB2_64, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         nxt = _gather(cache, idx_row, n0 + BLOCK_N, cend, end, P, PB64, PB2_64, BLOCK_N)
-        b = i % 2
-        mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)
+        b = i % SLOTS
+        mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
         _store_block(ring_w.index(b), raw)
         mbarrier.arrive(full.index(b))
         raw = nxt
@@ -135,7 +135,7 @@ def _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, 
 
 @gluon.jit
 def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
-             t, start, chunk, sm_scale_log2, HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+             t, start, chunk, sm_scale_log2, HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
     # the consumer's pass over the same blocks: QK over the eight 64-dim tiles, online softmax, PV into the eight
     # [16, 64] accumulator tiles; the slot goes back to the producer after PV
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
@@ -151,8 +151,8 @@ def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty
         cc = n0 + offs_c
         ic = gl.load(idx_row + cc, mask=cc < cend, other=-1)
         vc = (cc < end) & (ic >= 0)
-        b = i % 2
-        mbarrier.wait(full.index(b), (i // 2) & 1)
+        b = i % SLOTS
+        mbarrier.wait(full.index(b), (i // SLOTS) & 1)
         kv = ring.index(b)
         s = gl.zeros([16, BLOCK_N], gl.float32, mma)
         for tt in gl.static_range(8):
@@ -185,20 +185,20 @@ def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty
 def _producer(ring_w, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
               cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
               HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SPAN: gl.constexpr,
-              BLOCK_N: gl.constexpr):
+              BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
     i = 0
     if SPAN:
         if start < K:
             i = _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-                         HAS_LEN, BLOCK_N)
+                         HAS_LEN, BLOCK_N, SLOTS)
         if HAS_2:
             if start + chunk > K:
                 lo2 = gl.maximum(start - K, 0)
                 i = _produce(i, ring_w, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, t,
-                             lo2, start + chunk - K - lo2, HAS_LEN2, BLOCK_N)
+                             lo2, start + chunk - K - lo2, HAS_LEN2, BLOCK_N, SLOTS)
     else:
         i = _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-                     HAS_LEN, BLOCK_N)
+                     HAS_LEN, BLOCK_N, SLOTS)
 
 
 @gluon.jit
@@ -206,7 +206,7 @@ def _consumer(q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
               idx_ptr, idx_st, len_ptr, K, start, chunk, idx2_ptr, idx2_st, len2_ptr, K2,
               acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
               HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SPAN: gl.constexpr,
-              BLOCK_N: gl.constexpr):
+              BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     t64 = t.to(gl.int64)
@@ -231,17 +231,17 @@ def _consumer(q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
         if start < K:
             i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
                 i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
-                t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N)
+                t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N, SLOTS)
         if HAS_2:
             if start + chunk > K:
                 lo2 = gl.maximum(start - K, 0)
                 i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
                     i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx2_ptr, idx2_st,
-                    len2_ptr, K2, t, lo2, start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N)
+                    len2_ptr, K2, t, lo2, start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, SLOTS)
     else:
         i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
             i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
-            t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N)
+            t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N, SLOTS)
     # the partial: (m, l) and the eight [16, 64] tiles of each head (nope 0..447 then rope)
     h = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
     d = gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
@@ -269,7 +269,7 @@ def split_kernel_wspec(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 96,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 96, SLOTS: gl.constexpr = 3,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16, ``BLOCK_N`` 32), with the warp-specialized
     body: 4 consumer warps (the launch's ``num_warps``) and 4 producer warps."""
@@ -286,21 +286,21 @@ def split_kernel_wspec(
     chunk = main_chunk
     KV2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     KVW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    ring = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 512], KV2)
-    ring_w = ring._reinterpret(gl.int32, [2, BLOCK_N, 256], KVW)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, BLOCK_N, 512], KV2)
+    ring_w = ring._reinterpret(gl.int32, [SLOTS, BLOCK_N, 256], KVW)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [16, 512], KV2)
-    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(2):
+    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(SLOTS):
         mbarrier.init(full.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
         (_consumer, (q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
                      main_idx_ptr, main_idx_st, main_len_ptr, main_K, start, chunk, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                      acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N)),
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N, SLOTS)),
         (_producer, (ring_w, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
                      main_PB2, start, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
-                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N)),
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N, SLOTS)),
     ], [4], [PRODUCER_REGS])
