@@ -89,7 +89,7 @@ BENCH_OUT ?= bench/results
 # impl=tiled: the tiled body with its own defaults; SPAN=0 / DEC_LATE=0: the register body with per-cache splits /
 # carrying the raw bytes; BLOCK_N=64,num_warps=8,waves=1: one 8-warp CTA per SM; BLOCK_N=16: smaller blocks;
 # KCVT=0: the conversion-pipe e4m3 decode.
-ATTN_VARIANTS ?= impl=tiled;spanning_splits=0;late_decode=0;BLOCK_N=64,num_warps=8,waves=1;BLOCK_N=16;e4m3_int_decode=0
+ATTN_VARIANTS ?= impl=tiled;spanning_splits=0;late_decode=0;BLOCK_N=64,num_warps=8,waves=1;BLOCK_N=16;e4m3_int_decode=0;impl=wspec
 bench-attention: ## sparse MLA decode benchmark + correctness (any CUDA GPU); appends to BENCH_OUT/attention.csv
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_attention.py --qk-modes bf16,fp8 --variants '$(ATTN_VARIANTS)' \
 		--results $(BENCH_OUT)/attention.csv $(ARGS)

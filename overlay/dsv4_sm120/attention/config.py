@@ -51,8 +51,10 @@ BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
              "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
              "wspec": ("spanning_splits", "PART_BF16")}
 # the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
-# spanning splits)
+# spanning splits), and its default register cap (128: two CTAs of 8 warps per SM; the warps then re-divide their
+# registers, 96 for the producers); a user may set maxnreg
 WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "spanning_splits": 1}
+WSPEC_MAXNREG = 128
 
 # Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the
 # block sizes; only correctness is measured there)
@@ -133,7 +135,7 @@ def table_entry(H: int, T: int, qk: str, device: Device, impl: Optional[str] = N
                 root=None) -> Tuple[Dict[str, object], str]:
     """The table entry for this shape and device (before overrides and "auto" resolution) and where it came
     from. ``impl``: a body asked for by name (see the module docstring)."""
-    if impl in ("reg", "wspec"):  # the dim-split body takes the register body's launch (splits, partials)
+    if impl in ("reg", "wspec"):  # the warp-specialized body takes the register body's launch (splits, partials)
         shape = "impl=reg"
     else:
         shape = f"H={head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
@@ -213,6 +215,8 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         if clash:
             raise DecodeInputError(f"impl=wspec runs {WSPEC_LAUNCH} only, got {clash}")
         cfg.update(WSPEC_LAUNCH)
+        if "maxnreg" not in user:
+            cfg["maxnreg"] = WSPEC_MAXNREG
     rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)
     if cfg.get("waves") == "auto":
         cfg["waves"] = _auto_waves(rows, nsm)

@@ -27,7 +27,7 @@ from .. import settings, tolerances
 
 LAYOUTS = ("swa", "swa_c4", "swa_c128")
 VARIANTS = ("impl=tiled", "spanning_splits=0", "late_decode=0", "BLOCK_N=64,num_warps=8,waves=1", "BLOCK_N=16",
-            "e4m3_int_decode=0")
+            "e4m3_int_decode=0", "impl=wspec")
 QUICK_VARIANTS = ("impl=tiled", "e4m3_int_decode=0")
 TORCH_MAX_ROWS = 16     # SGLang's torch path is an exact but slow oracle: time it only at small T
 ENV_UPSTREAM_FILE = "DSV4_SM120_UPSTREAM_TRITON_FILE"

@@ -161,11 +161,13 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg["maxnreg"]:
         opts["maxnreg"] = cfg["maxnreg"]
+    # the register body's spanning plan counts on `waves` CTAs per SM; the warp-specialized body's ring takes
+    # 83 KB of shared memory, one CTA per sm_120 SM (its plan then over-fills the slots, still correct)
     span = impl == "reg" and bool(cfg.get("spanning_splits"))
     need = {"ctas": max(1, int(cfg["waves"])) if span else 1}
     if fp8:
         need["mma"] = "fp8"
-    acc = "*bf16" if impl in ("tiled", "reg") and cfg.get("PART_BF16") else "*fp32"
+    acc = "*bf16" if impl in ("tiled", "reg", "wspec") and cfg.get("PART_BF16") else "*fp32"
     out = [Launch("attention", f"attention.split_kernel_{impl}", cst, opts, {"acc_ws": acc}, need, [origin])]
     if fp8 and impl == "tiled":
         out.append(Launch("attention", "attention.q_fp8_kernel", dict(BLOCK_H=cfg["BLOCK_H"], INTERP=False),
@@ -186,7 +188,7 @@ def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
         for qk, ov, label in _attention_requests():
             for H in heads:
                 impl = ov.get("impl")
-                shape = "impl=reg" if impl == "reg" else \
+                shape = "impl=reg" if impl in ("reg", "wspec") else \
                     f"H={C.head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
                 found = lt.lookup(C.KERNEL, shape, 1, lt.DEFAULT_DEVICE, CAPABILITY)
                 rows = _rows_for_keys(lt.read_table(found.path), -(-H // 16), nsm)

@@ -11,8 +11,9 @@ scales, keeps rope in bf16, runs an online softmax in base 2 and writes the un-n
 * ``split_kernel_tiled`` (``tiled.py``): seven 64-wide e4m3 tiles; bf16 QK or fp8 QK (``tl.dot_scaled`` e4m3 x
   e4m3 with UE8M0 scales, Q quantized by ``q_fp8_kernel`` before the launch; native on sm_120).
 * ``split_kernel_flat`` (``flat.py``): 512-wide dequantized tiles, both QK paths.
-* ``split_kernel_wspec`` (``wspec.py``, Gluon, GPU only): the 512 dims split over the warps, Q in
-  registers, bf16 QK; absent where the installed Triton has no Gluon.
+* ``split_kernel_wspec`` (``wspec.py``, Gluon, GPU only): warp-specialized, producer warps gather and decode the
+  blocks into a shared-memory ring while consumer warps run QK / softmax / PV; bf16 QK; absent where the installed
+  Triton has no Gluon.
 
 ``combine_kernel`` (``combine.py``), grid ``(T, H, 512 / BLOCK_D)``, merges the ``S`` partials and the sink into
 bf16 ``out`` and the natural-log ``lse`` without the sink (zeros and ``-inf`` for rows with no valid candidate).
