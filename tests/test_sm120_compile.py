@@ -49,7 +49,8 @@ def test_enumeration_covers_every_table_key_variant_and_kernel(launches):
     for v in VARIANTS:
         assert f"with {v} (qk=bf16)" in names, v
     assert {la.kernel for la in att} == {"attention.split_kernel_tiled", "attention.split_kernel_reg",
-                                         "attention.split_kernel_flat", "attention.q_fp8_kernel"}
+                                         "attention.split_kernel_flat", "attention.split_kernel_wspec",
+                                         "attention.q_fp8_kernel"}
     assert {la.constexprs["FP8_QK"] for la in att if "split" in la.kernel} == {False, True}
     assert {la.kernel for la in launches["combine"]} == {"attention.combine_kernel"}
     for path in ("fp4", "bf16"):

@@ -51,10 +51,11 @@ BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
              "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
              "wspec": ("spanning_splits", "PART_BF16")}
 # the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
-# spanning splits), and its default register cap (128: two CTAs of 8 warps per SM; the warps then re-divide their
-# registers, 96 for the producers); a user may set maxnreg
+# spanning splits), and its default register cap by architecture major: on Hopper 128 (two CTAs of 8 warps per SM
+# in its 228 KB of shared memory; the producer warps then give registers to the consumers), elsewhere none (sm_120's
+# 100 KB hold one CTA; a cap only spills); a user may set maxnreg
 WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "spanning_splits": 1}
-WSPEC_MAXNREG = 128
+WSPEC_MAXNREG = {9: 128}
 
 # Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the
 # block sizes; only correctness is measured there)
@@ -216,7 +217,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
             raise DecodeInputError(f"impl=wspec runs {WSPEC_LAUNCH} only, got {clash}")
         cfg.update(WSPEC_LAUNCH)
         if "maxnreg" not in user:
-            cfg["maxnreg"] = WSPEC_MAXNREG
+            cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
     rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)
     if cfg.get("waves") == "auto":
         cfg["waves"] = _auto_waves(rows, nsm)

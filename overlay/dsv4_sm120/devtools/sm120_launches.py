@@ -158,6 +158,8 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
             cst[CONSTEXPR.get(k, k)] = bool(cfg[k]) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
+    if impl == "wspec":   # as attention.launch passes it
+        cst["PRODUCER_REGS"] = 96 if 0 < cfg["maxnreg"] <= 128 else 128
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg["maxnreg"]:
         opts["maxnreg"] = cfg["maxnreg"]

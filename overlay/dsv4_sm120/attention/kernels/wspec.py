@@ -5,7 +5,8 @@ and decode the candidate blocks into a two-slot shared-memory ring while the fou
 Why: the register body is bound by the latency of its per-block chain (gather -> decode -> shared memory -> MMA ->
 softmax -> PV) at two CTAs of four warps per SM. Here the gathers and the decode (~45% of that body's
 instructions) run in other warps, concurrently with the MMAs. With ``maxnreg=128`` (the default) two CTAs of eight
-warps fit an SM; the producers then give registers up (``PRODUCER_REGS``) and the consumers take them. The ring
+warps fit a Hopper SM; the producers then give registers up (``PRODUCER_REGS`` 96, set by the launch) and the
+consumers take them. The ring
 and Q take 83 KB of shared memory (one CTA per SM on sm_120).
 
 Same contract as ``split_kernel_reg`` with ``SPAN`` (chunks of main ++ extra); 16 heads per program, 32-candidate
@@ -274,7 +275,7 @@ def split_kernel_wspec(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 96, SLOTS: gl.constexpr = 2,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 128, SLOTS: gl.constexpr = 2,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16, ``BLOCK_N`` 32), with the warp-specialized
     body: 4 consumer warps (the launch's ``num_warps``) and 4 producer warps."""
