@@ -210,3 +210,23 @@ def test_check_env_reports_each_problem_on_one_line():
     probs = config.check_env({"DSV4_SM120_ATTN_CONFIG": "QPRE=1", "DSV4_SM120_ATTN_QK": "int8"})
     assert len(probs) == 2 and all("\n" not in p for p in probs)
     assert any("unknown key 'QPRE'" in p for p in probs) and any("DSV4_SM120_ATTN_QK" in p for p in probs)
+
+
+def test_the_warp_specialized_body_launch_rules():
+    """impl=wspec: the register body's splits with its fixed launch (16 heads, 32-candidate blocks, 4 consumer warps,
+    spanning splits), a register cap of 128 on Hopper only (two CTAs per SM there; none on sm_120), a user's maxnreg
+    kept, a clash with the fixed keys refused, the interpreter and fp8 QK refused with a clear error."""
+    for cap, cap_nreg in (((9, 0), 128), ((12, 0), 0), ((10, 0), 0)):
+        L = config.resolve(16, 384, 128, 512, config.Device("x", cap, 132), overrides={"impl": "wspec"})
+        c = L.config
+        assert (c["impl"], c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["spanning_splits"]) == ("wspec", 16, 32, 4, 1)
+        assert c["maxnreg"] == cap_nreg, cap
+        assert L.plan == config.resolve(16, 384, 128, 512, config.Device("x", cap, 132),
+                                        overrides={"impl": "reg", "BLOCK_N": 32, "waves": c["waves"]}).plan
+    assert config.resolve(16, 6, 128, 512, HOPPER_132, overrides={"impl": "wspec", "maxnreg": 0}).config["maxnreg"] == 0
+    with pytest.raises(DecodeInputError, match="impl=wspec runs"):
+        config.resolve(16, 6, 128, 512, HOPPER_132, overrides={"impl": "wspec", "BLOCK_N": 64})
+    with pytest.raises(DecodeInputError, match="interpreter cannot run it"):
+        config.resolve(16, 6, 128, 512, config.Device("cpu", None, 4), overrides={"impl": "wspec"}, interpret=True)
+    with pytest.raises(DecodeInputError, match="no fp8 QK path"):
+        config.resolve(16, 6, 128, 512, HOPPER_132, qk="fp8", overrides={"impl": "wspec"})

@@ -176,6 +176,9 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
                                                DEC_LATE=bool(cfg["late_decode"]),
                                                SPAN=bool(cfg["spanning_splits"]), **flags)
     elif impl == "wspec":
+        if "wspec" not in SPLIT_KERNELS:
+            raise DecodeInputError("impl=wspec is a Gluon kernel and this Triton has no Gluon "
+                                   "(triton.experimental.gluon); use another impl")
         # under a register cap of 128 (two CTAs per SM) the producer warps keep 96 registers, else 128
         SPLIT_KERNELS["wspec"][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
                                                  PRODUCER_REGS=96 if 0 < cfg["maxnreg"] <= 128 else 128, **flags)
