@@ -226,6 +226,9 @@ def test_the_warp_specialized_body_launch_rules():
     assert config.resolve(16, 6, 128, 512, HOPPER_132, overrides={"impl": "wspec", "maxnreg": 0}).config["maxnreg"] == 0
     with pytest.raises(DecodeInputError, match="impl=wspec runs"):
         config.resolve(16, 6, 128, 512, HOPPER_132, overrides={"impl": "wspec", "BLOCK_N": 64})
+    with pytest.raises(DecodeInputError, match="DSV4_SM120_ATTN_CONFIG: impl=wspec runs"):  # the preflight's check
+        config.parse_config("impl=wspec,num_warps=8", "DSV4_SM120_ATTN_CONFIG")
+    assert config.parse_config("impl=wspec,BLOCK_N=32,maxnreg=0") == {"impl": "wspec", "BLOCK_N": 32, "maxnreg": 0}
     with pytest.raises(DecodeInputError, match="interpreter cannot run it"):
         config.resolve(16, 6, 128, 512, config.Device("cpu", None, 4), overrides={"impl": "wspec"}, interpret=True)
     with pytest.raises(DecodeInputError, match="no fp8 QK path"):

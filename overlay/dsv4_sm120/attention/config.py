@@ -39,7 +39,7 @@ from .. import launch_tables as lt
 from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
-from .keys import BF16_ONLY_IMPLS, GPU_ONLY_IMPLS, IMPLS, KEYS, DecodeInputError, parse_config
+from .keys import BF16_ONLY_IMPLS, GPU_ONLY_IMPLS, IMPLS, KEYS, WSPEC_LAUNCH, DecodeInputError, parse_config
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -50,11 +50,9 @@ COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
              "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
              "wspec": ("spanning_splits", "PART_BF16")}
-# the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
-# spanning splits), and its default register cap by architecture major: on Hopper 128 (two CTAs of 8 warps per SM
-# in its 228 KB of shared memory; the producer warps then give registers to the consumers), elsewhere none (sm_120's
-# 100 KB hold one CTA; a cap only spills); a user may set maxnreg
-WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "spanning_splits": 1}
+# the warp-specialized body's default register cap by architecture major (its fixed launch: keys.WSPEC_LAUNCH): on
+# Hopper 128 (two CTAs of 8 warps per SM in its 228 KB of shared memory; the producer warps then give registers to
+# the consumers), elsewhere none (sm_120's 100 KB hold one CTA; a cap only spills); a user may set maxnreg
 WSPEC_MAXNREG = {9: 128}
 
 # Triton's CPU interpreter: a small tiled launch whatever the device (the interpreter's time grows with the

@@ -15,6 +15,9 @@ IMPLS = ("tiled", "flat", "reg", "wspec")
 BF16_ONLY_IMPLS = ("reg", "wspec")
 # bodies written in Gluon: GPU launches only (Triton's CPU interpreter does not run them)
 GPU_ONLY_IMPLS = ("wspec",)
+# the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
+# spanning splits): a launch text naming impl=wspec with another value of these is refused
+WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "spanning_splits": 1}
 
 # launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read
 # ("auto": resolved per launch as :mod:`.config`'s docstring describes, as a table entry's "auto" is; a launch
@@ -75,4 +78,8 @@ def parse_config(text: str, source: str = "config") -> Dict[str, object]:
         if key == "BLOCK_S" and num < 1:
             raise DecodeInputError(f"{source}: BLOCK_S={val} is out of range (>= 1)")
         out[key] = num
+    if out.get("impl") == "wspec":
+        clash = {k: v for k, v in out.items() if k in WSPEC_LAUNCH and v not in (WSPEC_LAUNCH[k], "auto")}
+        if clash:
+            raise DecodeInputError(f"{source}: impl=wspec runs {WSPEC_LAUNCH} only, got {clash}")
     return out
