@@ -39,7 +39,8 @@ from .. import launch_tables as lt
 from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
-from .keys import BF16_ONLY_IMPLS, GPU_ONLY_IMPLS, IMPLS, KEYS, WSPEC_LAUNCH, DecodeInputError, parse_config
+from .keys import (BF16_ONLY_IMPLS, GPU_ONLY_IMPLS, IMPLS, KEYS, REG_TABLE_IMPLS, WSPEC_LAUNCH, DecodeInputError,
+                   check_wspec_keys, parse_config)
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -134,7 +135,7 @@ def table_entry(H: int, T: int, qk: str, device: Device, impl: Optional[str] = N
                 root=None) -> Tuple[Dict[str, object], str]:
     """The table entry for this shape and device (before overrides and "auto" resolution) and where it came
     from. ``impl``: a body asked for by name (see the module docstring)."""
-    if impl in ("reg", "wspec"):  # the warp-specialized body takes the register body's launch (splits, partials)
+    if impl in REG_TABLE_IMPLS:
         shape = "impl=reg"
     else:
         shape = f"H={head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
@@ -210,9 +211,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     if impl not in IMPLS:
         raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "wspec":
-        clash = {k: user[k] for k, v in WSPEC_LAUNCH.items() if k in user and user[k] not in (v, "auto")}
-        if clash:
-            raise DecodeInputError(f"impl=wspec runs {WSPEC_LAUNCH} only, got {clash}")
+        check_wspec_keys(dict(user, impl=impl), "launch")
         cfg.update(WSPEC_LAUNCH)
         if "maxnreg" not in user:
             cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
@@ -222,7 +221,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     if cfg.get("PREFETCH") == "auto":
         cfg["PREFETCH"] = _auto_prefetch(rows, nsm)
     HG = P.cdiv(H, int(cfg["BLOCK_H"]))
-    span = impl in ("reg", "wspec") and bool(int(cfg.get("spanning_splits", 0)))
+    span = impl in REG_TABLE_IMPLS and bool(int(cfg.get("spanning_splits", 0)))
     plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]))
     s1, c1, s2, c2 = plan
     if cfg.get("num_stages", "auto") == "auto":
@@ -230,7 +229,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         blocks = max(c1 // bn, (c2 // bn) if s2 else 0)
         cfg["num_stages"] = 2 if impl == "tiled" and blocks >= 2 else 1
     if cfg.get("maxnreg", "auto") == "auto":
-        cfg["maxnreg"] = 0 if int(cfg["num_stages"]) >= 2 or impl in ("reg", "wspec") else 128
+        cfg["maxnreg"] = 0 if int(cfg["num_stages"]) >= 2 or impl in REG_TABLE_IMPLS else 128
     fixed = {k: (None if cfg.get(k, "auto") == "auto" else int(cfg[k])) for k in COMBINE_KEYS}
     bd, bs, w, mr = P.combine_plan(T, H, s1 + s2, nsm, fixed["BLOCK_D"], fixed["combine_warps"], fixed["BLOCK_S"],
                                    fixed["combine_maxnreg"])

@@ -15,9 +15,12 @@ IMPLS = ("tiled", "flat", "reg", "wspec")
 BF16_ONLY_IMPLS = ("reg", "wspec")
 # bodies written in Gluon: GPU launches only (Triton's CPU interpreter does not run them)
 GPU_ONLY_IMPLS = ("wspec",)
+# bodies that take the impl=reg launch table and its spanning splits
+REG_TABLE_IMPLS = ("reg", "wspec")
 # the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
-# spanning splits): a launch text naming impl=wspec with another value of these is refused
+# spanning splits): a launch naming impl=wspec with another value of these is refused (check_wspec_keys)
 WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "spanning_splits": 1}
+
 
 # launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read
 # ("auto": resolved per launch as :mod:`.config`'s docstring describes, as a table entry's "auto" is; a launch
@@ -36,6 +39,22 @@ MAX_VALUE = {"PREFETCH": 2, "e4m3_int_decode": 1, "late_decode": 1, "spanning_sp
 
 class DecodeInputError(ValueError):
     """Bad arguments to ``sparse_mla_decode`` (shape, dtype, layout) or a bad launch configuration."""
+
+
+def check_wspec_keys(keys: Dict[str, object], source: str) -> None:
+    """Raise ``DecodeInputError`` when ``keys`` (parsed launch keys) name ``impl=wspec`` with a value of its fixed
+    launch (``WSPEC_LAUNCH``) other than that one."""
+    if keys.get("impl") != "wspec":
+        return
+    clash = {k: v for k, v in keys.items() if k in WSPEC_LAUNCH and v not in (WSPEC_LAUNCH[k], "auto")}
+    if clash:
+        raise DecodeInputError(f"{source}: impl=wspec runs {WSPEC_LAUNCH} only, got {clash}")
+
+
+def wspec_producer_regs(maxnreg: int) -> int:
+    """The warp-specialized body's producer registers (its ``PRODUCER_REGS``): 96 under a register cap of 128 or less
+    (two CTAs per Hopper SM; the consumers take the rest), else 128."""
+    return 96 if 0 < int(maxnreg) <= 128 else 128
 
 
 def parse_config(text: str, source: str = "config") -> Dict[str, object]:
@@ -78,8 +97,5 @@ def parse_config(text: str, source: str = "config") -> Dict[str, object]:
         if key == "BLOCK_S" and num < 1:
             raise DecodeInputError(f"{source}: BLOCK_S={val} is out of range (>= 1)")
         out[key] = num
-    if out.get("impl") == "wspec":
-        clash = {k: v for k, v in out.items() if k in WSPEC_LAUNCH and v not in (WSPEC_LAUNCH[k], "auto")}
-        if clash:
-            raise DecodeInputError(f"{source}: impl=wspec runs {WSPEC_LAUNCH} only, got {clash}")
+    check_wspec_keys(out, source)
     return out

@@ -16,6 +16,7 @@ import torch
 from .. import settings
 from . import config
 from .config import DecodeInputError, Device, Launch
+from .keys import wspec_producer_regs
 from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
 from .plan import cdiv, plan_span, plan_splits, ws_words
 
@@ -179,9 +180,8 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
         if "wspec" not in SPLIT_KERNELS:
             raise DecodeInputError("impl=wspec is a Gluon kernel and this Triton has no Gluon "
                                    "(triton.experimental.gluon); use another impl")
-        # under a register cap of 128 (two CTAs per SM) the producer warps keep 96 registers, else 128
         SPLIT_KERNELS["wspec"][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
-                                                 PRODUCER_REGS=96 if 0 < cfg["maxnreg"] <= 128 else 128, **flags)
+                                                 PRODUCER_REGS=wspec_producer_regs(cfg["maxnreg"]), **flags)
     else:
         SPLIT_KERNELS["flat"][(T, s1 + s2, HG)](*args, **flags)
 

@@ -148,6 +148,7 @@ def _attention_shapes():
 def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str) -> List[Launch]:
     from ..attention.config import BODY_KEYS
     from ..attention.key_aliases import CONSTEXPR
+    from ..attention.keys import wspec_producer_regs
 
     impl = cfg["impl"]
     fp8 = qk == "fp8"
@@ -159,7 +160,7 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
     if impl == "wspec":   # as attention.launch passes it
-        cst["PRODUCER_REGS"] = 96 if 0 < cfg["maxnreg"] <= 128 else 128
+        cst["PRODUCER_REGS"] = wspec_producer_regs(cfg["maxnreg"])
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg["maxnreg"]:
         opts["maxnreg"] = cfg["maxnreg"]
@@ -190,7 +191,7 @@ def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
         for qk, ov, label in _attention_requests():
             for H in heads:
                 impl = ov.get("impl")
-                shape = "impl=reg" if impl in ("reg", "wspec") else \
+                shape = "impl=reg" if impl in C.REG_TABLE_IMPLS else \
                     f"H={C.head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
                 found = lt.lookup(C.KERNEL, shape, 1, lt.DEFAULT_DEVICE, CAPABILITY)
                 rows = _rows_for_keys(lt.read_table(found.path), -(-H // 16), nsm)
