@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
 
-from .common import E4M3_BF16_ASM, _k_scales, _token_rows
+from .common import E4M3_BF16_ASM, _k_scales, _online_softmax, _token_rows
 
 # one 32-bit word of four e4m3 bytes and its tile's UE8M0 scale as a bf16 pair ($3) -> two bf16 pairs (the four
 # values, scaled, exact): common.E4M3_BF16_ASM's bit moves, each result then multiplied by the scale
@@ -87,7 +87,7 @@ def _store_block(slot_w, raw):
 @gluon.jit
 def _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
              HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
-    # the producer's pass over [start, start + chunk) of one cache: block j goes to slot (i + j) % 2 once the
+    # the producer's pass over [start, start + chunk) of one cache: block j goes to slot (i + j) % SLOTS once the
     # consumer has freed it; returns the running block count
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
     cend = gl.minimum(start + chunk, K)
@@ -133,14 +133,7 @@ def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty
         for tt in gl.static_range(8):
             s = mma_v2(q_s.slice(tt * 64, 64, dim=1).load(opA),
                        kv.slice(tt * 64, 64, dim=1).permute([1, 0]).load(opB), s)
-        qk = s * sm_scale_log2
-        qk = gl.where(gl.expand_dims(vc, 0), qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(qk - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(s, vc, m_i, l_i, sm_scale_log2)
         a2 = gl.expand_dims(alpha, 1)
         pa = gl.convert_layout(p.to(gl.bfloat16), opA)
         o0 = mma_v2(pa, kv.slice(0, 64, dim=1).load(opB), o0 * a2)
