@@ -20,7 +20,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
 
-from .common import E4M3_BF16_ASM, _k_scales, _online_softmax, _token_rows
+from .common import (E4M3_BF16_ASM, _k_scales, _online_softmax, _store_partial, _store_softmax_state,
+                     _token_rows)
 
 # one 32-bit word of four e4m3 bytes and its tile's UE8M0 scale as a bf16 pair ($3) -> two bf16 pairs (the four
 # values, scaled, exact): common.E4M3_BF16_ASM's bit moves, each result then multiplied by the scale
@@ -152,29 +153,27 @@ def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty
 @gluon.jit
 def _producer(ring_w, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
               cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SPAN: gl.constexpr,
-              BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, BLOCK_N: gl.constexpr,
+              SLOTS: gl.constexpr):
+    # the program's chunk [start, start + chunk) of main ++ extra: the main cache's part, then the extra cache's
     i = 0
-    if SPAN:
-        if start < K:
-            i = _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-                         HAS_LEN, BLOCK_N, SLOTS)
-        if HAS_2:
-            if start + chunk > K:
-                lo2 = gl.maximum(start - K, 0)
-                i = _produce(i, ring_w, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, t,
-                             lo2, start + chunk - K - lo2, HAS_LEN2, BLOCK_N, SLOTS)
-    else:
+    if start < K:
         i = _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
                      HAS_LEN, BLOCK_N, SLOTS)
+    if HAS_2:
+        if start + chunk > K:
+            lo2 = gl.maximum(start - K, 0)
+            i = _produce(i, ring_w, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, t,
+                         lo2, start + chunk - K - lo2, HAS_LEN2, BLOCK_N, SLOTS)
 
 
 @gluon.jit
 def _consumer(q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
               idx_ptr, idx_st, len_ptr, K, start, chunk, idx2_ptr, idx2_st, len2_ptr, K2,
               acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SPAN: gl.constexpr,
-              BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, BLOCK_N: gl.constexpr,
+              SLOTS: gl.constexpr):
+    # the program's chunk of main ++ extra (as _producer), then its partial to the workspace
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     t64 = t.to(gl.int64)
@@ -195,38 +194,22 @@ def _consumer(q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
     o6 = gl.zeros([16, 64], gl.float32, mma)
     o7 = gl.zeros([16, 64], gl.float32, mma)
     i = 0
-    if SPAN:
-        if start < K:
-            i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
-                i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
-                t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N, SLOTS)
-        if HAS_2:
-            if start + chunk > K:
-                lo2 = gl.maximum(start - K, 0)
-                i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
-                    i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx2_ptr, idx2_st,
-                    len2_ptr, K2, t, lo2, start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, SLOTS)
-    else:
+    if start < K:
         i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
             i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
             t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N, SLOTS)
-    # the partial: (m, l) and the eight [16, 64] tiles of each head (nope 0..447 then rope)
+    if HAS_2:
+        if start + chunk > K:
+            lo2 = gl.maximum(start - K, 0)
+            i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
+                i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx2_ptr, idx2_st,
+                len2_ptr, K2, t, lo2, start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, SLOTS)
+    # the partial: the eight [16, 64] tiles of each head (nope 0..447 then rope) and (m, l)
     h = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-    d = gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
     base = (t64 * S + s) * HP + h
-    optr = acc_ws + gl.expand_dims(base * 512, 1) + gl.expand_dims(d, 0)
-    om = gl.expand_dims(h < H, 1) & gl.expand_dims(d >= 0, 0)
-    ty = acc_ws.dtype.element_ty
-    gl.store(optr, o0.to(ty), mask=om)
-    gl.store(optr + 64, o1.to(ty), mask=om)
-    gl.store(optr + 128, o2.to(ty), mask=om)
-    gl.store(optr + 192, o3.to(ty), mask=om)
-    gl.store(optr + 256, o4.to(ty), mask=om)
-    gl.store(optr + 320, o5.to(ty), mask=om)
-    gl.store(optr + 384, o6.to(ty), mask=om)
-    gl.store(optr + 448, o7.to(ty), mask=om)
-    gl.store(m_ws + base, m_i, mask=h < H)
-    gl.store(l_ws + base, l_i, mask=h < H)
+    _store_partial(acc_ws, base, h < H, gl.arange(0, 64, layout=gl.SliceLayout(0, mma)), o0, o1, o2, o3, o4, o5,
+                   o6, o7)
+    _store_softmax_state(m_ws, l_ws, base, h < H, m_i, l_i)
 
 
 @gluon.jit
@@ -266,9 +249,9 @@ def split_kernel_wspec(
         (_consumer, (q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
                      main_idx_ptr, main_idx_st, main_len_ptr, main_K, start, chunk, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                      acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N, SLOTS)),
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, BLOCK_N, SLOTS)),
         (_producer, (ring_w, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
                      main_PB2, start, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
-                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SPAN, BLOCK_N, SLOTS)),
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, BLOCK_N, SLOTS)),
     ], [4], [PRODUCER_REGS])
