@@ -151,15 +151,20 @@ def test_cuda_graph_replay_with_changing_indices(mode):
      dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, SPAN=0, waves=2),
      # spanning splits: waves=0.5 cuts the first case's rows across the main / extra boundary
      dict(impl="reg", BLOCK_N=64, DEC_LATE=1, SPAN=1, waves=0.5),
-     dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, SPAN=1, waves=2)],
+     dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, SPAN=1, waves=2),
+     # the Hopper warpgroup-MMA body (64 heads per program: here 16 of them masked); waves=8 cuts rows across the
+     # main / extra boundary
+     dict(impl="wgmma"), dict(impl="wgmma", waves=8, PART_BF16=0)],
     ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-fp32part", "reg64-declate",
-         "reg32-4warps-declate", "reg64-span", "reg32-4warps-span"])
+         "reg32-4warps-declate", "reg64-span", "reg32-4warps-span", "wgmma", "wgmma-split-fp32part"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant, monkeypatch):
     from dsv4_sm120.attention.config import BF16_ONLY_IMPLS
 
     if mode == "fp8" and variant.get("impl") in BF16_ONLY_IMPLS:
         pytest.skip(f"impl={variant['impl']} has no fp8 QK path (refused: tests/test_attention.py)")
+    if variant.get("impl") == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("impl=wgmma runs on Hopper only (refused elsewhere: tests/test_attention_config.py)")
     _set_launch(monkeypatch, dict(_env_config(), **variant))
     check(build(Case(T=17, H=16, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
                      lengths="random", all_invalid_rows=(3,), seed=950), device="cuda"), mode)

@@ -39,8 +39,8 @@ from .. import launch_tables as lt
 from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
-from .keys import (BF16_ONLY_IMPLS, GPU_ONLY_IMPLS, IMPLS, KEYS, REG_TABLE_IMPLS, WSPEC_LAUNCH, DecodeInputError,
-                   check_wspec_keys, parse_config)
+from .keys import (BF16_ONLY_IMPLS, FIXED_LAUNCHES, GPU_ONLY_IMPLS, IMPL_ARCHS, IMPLS, KEYS, REG_TABLE_IMPLS,
+                   DecodeInputError, check_fixed_keys, parse_config)
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -50,7 +50,7 @@ COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg
 COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
              "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
-             "wspec": ("spanning_splits", "PART_BF16")}
+             "wspec": ("spanning_splits", "PART_BF16"), "wgmma": ("spanning_splits", "PART_BF16")}
 # the warp-specialized body's default register cap by architecture major (its fixed launch: keys.WSPEC_LAUNCH): on
 # Hopper 128 (two CTAs of 8 warps per SM in its 228 KB of shared memory; the producer warps then give registers to
 # the consumers), elsewhere none (sm_120's 100 KB hold one CTA; a cap only spills); a user may set maxnreg
@@ -202,6 +202,9 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         raise DecodeInputError(f"impl={impl} has no fp8 QK path (use qk_mode='bf16')")
     if interpret and impl in GPU_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} is a GPU launch (a Gluon kernel): Triton's interpreter cannot run it")
+    if impl in IMPL_ARCHS and not interpret and device.capability and device.capability[0] not in IMPL_ARCHS[impl]:
+        raise DecodeInputError(f"impl={impl} runs on sm_{'/sm_'.join(f'{a}0' for a in IMPL_ARCHS[impl])} only "
+                               f"(this device is sm_{device.capability[0]}{device.capability[1]}); use another impl")
     if interpret:
         cfg, source = dict(INTERPRETER_LAUNCH), "interpreter"
     else:
@@ -210,11 +213,13 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     impl = cfg["impl"]
     if impl not in IMPLS:
         raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "wspec":
-        check_wspec_keys(dict(user, impl=impl), "launch")
-        cfg.update(WSPEC_LAUNCH)
-        if "maxnreg" not in user:
-            cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
+    if impl in FIXED_LAUNCHES:
+        check_fixed_keys(dict(user, impl=impl), "launch")
+        cfg.update(FIXED_LAUNCHES[impl])
+    if impl == "wspec" and "maxnreg" not in user:
+        cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
+    if impl == "wgmma" and "waves" not in user:
+        cfg["waves"] = 1.0   # one CTA per SM
     rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)
     if cfg.get("waves") == "auto":
         cfg["waves"] = _auto_waves(rows, nsm)

@@ -11,15 +11,23 @@ from typing import Dict
 
 from .key_aliases import canonical
 
-IMPLS = ("tiled", "flat", "reg", "wspec")
-BF16_ONLY_IMPLS = ("reg", "wspec")
+IMPLS = ("tiled", "flat", "reg", "wspec", "wgmma")
+BF16_ONLY_IMPLS = ("reg", "wspec", "wgmma")
 # bodies written in Gluon: GPU launches only (Triton's CPU interpreter does not run them)
-GPU_ONLY_IMPLS = ("wspec",)
+GPU_ONLY_IMPLS = ("wspec", "wgmma")
 # bodies that take the impl=reg launch table and its spanning splits
-REG_TABLE_IMPLS = ("reg", "wspec")
+REG_TABLE_IMPLS = ("reg", "wspec", "wgmma")
 # the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
-# spanning splits): a launch naming impl=wspec with another value of these is refused (check_wspec_keys)
+# spanning splits)
 WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "spanning_splits": 1}
+# the Hopper warpgroup-MMA body's (kernels/wgmma.py: 64 heads, 64-candidate blocks, 8 consumer warps + 4 producer
+# warps, spanning splits; 168 registers x 384 threads fill an SM's register file, one CTA per SM)
+WGMMA_LAUNCH = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "spanning_splits": 1, "maxnreg": 168}
+# the bodies with a fixed launch: a launch naming one of them with another value of these keys is refused
+# (check_fixed_keys)
+FIXED_LAUNCHES = {"wspec": WSPEC_LAUNCH, "wgmma": WGMMA_LAUNCH}
+# the architectures (capability major) a body runs on, where it is not all of them
+IMPL_ARCHS = {"wgmma": (9,)}
 
 
 # launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read
@@ -41,20 +49,25 @@ class DecodeInputError(ValueError):
     """Bad arguments to ``sparse_mla_decode`` (shape, dtype, layout) or a bad launch configuration."""
 
 
-def check_wspec_keys(keys: Dict[str, object], source: str) -> None:
-    """Raise ``DecodeInputError`` when ``keys`` (parsed launch keys) name ``impl=wspec`` with a value of its fixed
-    launch (``WSPEC_LAUNCH``) other than that one."""
-    if keys.get("impl") != "wspec":
+def check_fixed_keys(keys: Dict[str, object], source: str) -> None:
+    """Raise ``DecodeInputError`` when ``keys`` (parsed launch keys) name a body with a fixed launch
+    (``FIXED_LAUNCHES``) with a value of that launch other than its own."""
+    impl = keys.get("impl")
+    fixed = FIXED_LAUNCHES.get(impl)
+    if not fixed:
         return
-    clash = {k: v for k, v in keys.items() if k in WSPEC_LAUNCH and v not in (WSPEC_LAUNCH[k], "auto")}
+    clash = {k: v for k, v in keys.items() if k in fixed and v not in (fixed[k], "auto")}
     if clash:
-        raise DecodeInputError(f"{source}: impl=wspec runs {WSPEC_LAUNCH} only, got {clash}")
+        raise DecodeInputError(f"{source}: impl={impl} runs {fixed} only, got {clash}")
 
 
-def wspec_producer_regs(maxnreg: int) -> int:
-    """The warp-specialized body's producer registers (its ``PRODUCER_REGS``): 96 under a register cap of 128 or less
-    (two CTAs per Hopper SM; the consumers take the rest), else 128."""
-    return 96 if 0 < int(maxnreg) <= 128 else 128
+def producer_regs(impl: str, maxnreg: int) -> int:
+    """The producer warps' registers of a warp-specialized body (its ``PRODUCER_REGS``). wspec: 96 under a register
+    cap of 128 or less (two CTAs per Hopper SM; the consumers take the rest), else 128. wgmma: 128 (the consumers
+    get 184 of its 168 x 384; fewer for the producers spills their double-buffered gathers)."""
+    if impl == "wspec":
+        return 96 if 0 < int(maxnreg) <= 128 else 128
+    return 128
 
 
 def parse_config(text: str, source: str = "config") -> Dict[str, object]:
@@ -97,5 +110,5 @@ def parse_config(text: str, source: str = "config") -> Dict[str, object]:
         if key == "BLOCK_S" and num < 1:
             raise DecodeInputError(f"{source}: BLOCK_S={val} is out of range (>= 1)")
         out[key] = num
-    check_wspec_keys(out, source)
+    check_fixed_keys(out, source)
     return out

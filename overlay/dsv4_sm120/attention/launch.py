@@ -16,7 +16,7 @@ import torch
 from .. import settings
 from . import config
 from .config import DecodeInputError, Device, Launch
-from .keys import wspec_producer_regs
+from .keys import producer_regs
 from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
 from .plan import cdiv, plan_span, plan_splits, ws_words
 
@@ -176,12 +176,12 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
         SPLIT_KERNELS["reg"][(T, s1 + s2, HG)](*args, KCVT=bool(cfg["e4m3_int_decode"]),
                                                DEC_LATE=bool(cfg["late_decode"]),
                                                SPAN=bool(cfg["spanning_splits"]), **flags)
-    elif impl == "wspec":
-        if "wspec" not in SPLIT_KERNELS:
-            raise DecodeInputError("impl=wspec is a Gluon kernel and this Triton has no Gluon "
-                                   "(triton.experimental.gluon); use another impl")
-        SPLIT_KERNELS["wspec"][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
-                                                 PRODUCER_REGS=wspec_producer_regs(cfg["maxnreg"]), **flags)
+    elif impl in ("wspec", "wgmma"):
+        if impl not in SPLIT_KERNELS:
+            raise DecodeInputError(f"impl={impl} is a Gluon kernel and this Triton has no Gluon "
+                                   "(triton.experimental.gluon) or not its Hopper module; use another impl")
+        SPLIT_KERNELS[impl][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
+                                              PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), **flags)
     else:
         SPLIT_KERNELS["flat"][(T, s1 + s2, HG)](*args, **flags)
 

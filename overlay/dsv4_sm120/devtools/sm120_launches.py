@@ -148,7 +148,7 @@ def _attention_shapes():
 def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str) -> List[Launch]:
     from ..attention.config import BODY_KEYS
     from ..attention.key_aliases import CONSTEXPR
-    from ..attention.keys import wspec_producer_regs
+    from ..attention.keys import producer_regs
 
     impl = cfg["impl"]
     fp8 = qk == "fp8"
@@ -159,8 +159,8 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
             cst[CONSTEXPR.get(k, k)] = bool(cfg[k]) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
-    if impl == "wspec":   # as attention.launch passes it
-        cst["PRODUCER_REGS"] = wspec_producer_regs(cfg["maxnreg"])
+    if impl in ("wspec", "wgmma"):   # as attention.launch passes it
+        cst["PRODUCER_REGS"] = producer_regs(impl, cfg["maxnreg"])
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg["maxnreg"]:
         opts["maxnreg"] = cfg["maxnreg"]
@@ -170,7 +170,7 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
     need = {"ctas": max(1, int(cfg["waves"])) if span else 1}
     if fp8:
         need["mma"] = "fp8"
-    acc = "*bf16" if impl in ("tiled", "reg", "wspec") and cfg.get("PART_BF16") else "*fp32"
+    acc = "*bf16" if impl in ("tiled", "reg", "wspec", "wgmma") and cfg.get("PART_BF16") else "*fp32"
     out = [Launch("attention", f"attention.split_kernel_{impl}", cst, opts, {"acc_ws": acc}, need, [origin])]
     if fp8 and impl == "tiled":
         out.append(Launch("attention", "attention.q_fp8_kernel", dict(BLOCK_H=cfg["BLOCK_H"], INTERP=False),

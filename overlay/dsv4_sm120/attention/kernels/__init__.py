@@ -14,6 +14,8 @@ scales, keeps rope in bf16, runs an online softmax in base 2 and writes the un-n
 * ``split_kernel_wspec`` (``wspec.py``, Gluon, GPU only): warp-specialized, producer warps gather and decode the
   blocks into a shared-memory ring while consumer warps run QK / softmax / PV; bf16 QK; absent where the installed
   Triton has no Gluon.
+* ``split_kernel_wgmma`` (``wgmma.py``, Gluon, sm_90 only): the same producer / consumer split with 64 heads per
+  program and Hopper warpgroup MMAs, so a block is gathered and decoded once for up to 64 heads; bf16 QK.
 
 ``combine_kernel`` (``combine.py``), grid ``(T, H, 512 / BLOCK_D)``, merges the ``S`` partials and the sink into
 bf16 ``out`` and the natural-log ``lse`` without the sink (zeros and ``-inf`` for rows with no valid candidate).
@@ -35,6 +37,12 @@ except ImportError:  # pragma: no cover - an older Triton: the body is not offer
     split_kernel_wspec = None
 else:
     SPLIT_KERNELS["wspec"] = split_kernel_wspec
+try:  # Gluon's Hopper module (warpgroup MMA)
+    from .wgmma import split_kernel_wgmma
+except ImportError:  # pragma: no cover - an older Triton: the body is not offered
+    split_kernel_wgmma = None
+else:
+    SPLIT_KERNELS["wgmma"] = split_kernel_wgmma
 
 __all__ = ["SPLIT_KERNELS", "combine_kernel", "q_fp8_kernel", "split_kernel_flat", "split_kernel_reg",
            "split_kernel_tiled", "E4M3_BF16_ASM"]

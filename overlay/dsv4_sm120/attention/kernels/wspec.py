@@ -36,7 +36,7 @@ if E4M3X4_SCALED_ASM.value.count("mul.rn.bf16x2") != 2:  # common's text changed
 @gluon.jit
 def _gather(cache, idx_row, n0, cend, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
     # the raw block at candidates n0 ..: seven [BLOCK_N, 16]-word e4m3 tiles, their [BLOCK_N] UE8M0 bytes, the
-    # [BLOCK_N, 32]-word rope (bf16 pairs)
+    # [BLOCK_N, 32]-word rope (bf16 pairs), and which candidates exist ([BLOCK_N] bool)
     BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     BR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     lanes = gl.arange(0, 16, layout=gl.SliceLayout(0, BL))
@@ -57,7 +57,7 @@ def _gather(cache, idx_row, n0, cend, end, P, PB64, PB2_64, BLOCK_N: gl.constexp
     lanes32 = gl.arange(0, 32, layout=gl.SliceLayout(0, BR))
     r0 = gl.expand_dims(gl.convert_layout(ro // 2, gl.SliceLayout(1, BR)), 1) + gl.expand_dims(lanes32, 0)
     rope = gl.load(words + r0, mask=gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, BR)), 1), other=0)
-    return k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope
+    return k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, valid
 
 
 @gluon.jit
@@ -74,7 +74,7 @@ def _dec(k32, ksc):
 def _store_block(slot_w, raw):
     # decode a raw block into a ring slot's word view [BLOCK_N, 256], tile by tile (a few registers at a time):
     # nope tile t -> word columns 32t .., rope -> 224 ..
-    k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope = raw
+    k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, valid = raw
     slot_w.slice(0, 32, dim=1).store(_dec(k0, c0))
     slot_w.slice(32, 32, dim=1).store(_dec(k1, c1))
     slot_w.slice(64, 32, dim=1).store(_dec(k2, c2))

@@ -1,0 +1,201 @@
+"""Split kernel, Hopper warpgroup-MMA body (``impl=wgmma``, bf16 QK only; Gluon, sm_90 only): 64 heads per
+program, so a candidate block is gathered and decoded once for up to 64 heads instead of once per 16.
+
+Four producer warps gather a 64-candidate block in two 32-candidate halves (the next half's loads in flight while
+the current one is decoded, as in ``wspec``), decode e4m3 with the tile scale folded in and store bf16 into a
+two-slot ring of ``[64, 512]`` tiles in the wgmma operand layout (128-byte swizzle). Two consumer warpgroups (the
+launch's 8 warps) run ``S = Q K^T`` with Q ``[64, 512]`` in shared memory (each warpgroup 32 of the 64 candidates),
+the online softmax, and ``O += P V`` (each warpgroup 256 of the 512 output columns, P from registers), the block's
+slot going back to the producers after PV. One CTA of 12 warps per SM: Q and the ring take 192 KB; the producers
+run at ``PRODUCER_REGS`` and the consumers take the rest of the launch's ``maxnreg`` x 384 registers.
+
+Why: the mma.sync bodies run 16 heads per program, so 32 and 64 heads gather, decode and stage every block two
+and four times, and their consumers re-read Q from shared memory per warp; a warpgroup MMA reads each operand
+tile once per warpgroup. Same contract as ``split_kernel_reg`` with ``SPAN`` (chunks of main ++ extra).
+sm_120 has no warpgroup MMA: the launch refuses this body there, and Triton's CPU interpreter does not run Gluon.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+from .common import _online_softmax, _store_softmax_state
+from .wspec import _dec, _gather
+
+HALF = gl.constexpr(32)  # candidates per producer gather
+# a barrier over the calling partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def _bf16_tile(words):
+    # [HALF, 32] int32 words (bf16 pairs, low half first) -> [HALF, 64] bf16
+    lo = (words & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    hi = (words >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return gl.join(lo, hi).reshape([words.shape[0], 64])
+
+
+@gluon.jit
+def _store_half(slot, flags, raw, h: gl.constexpr):
+    # decode a raw half block into rows [HALF * h, HALF * (h + 1)) of a ring slot [64, 512], tile by tile, and its
+    # candidates' validity into ``flags`` [HALF] (the slot's half h)
+    k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, valid = raw
+    rows = slot.slice(HALF * h, HALF, dim=0)
+    rows.slice(0, 64, dim=1).store(_bf16_tile(_dec(k0, c0)))
+    rows.slice(64, 64, dim=1).store(_bf16_tile(_dec(k1, c1)))
+    rows.slice(128, 64, dim=1).store(_bf16_tile(_dec(k2, c2)))
+    rows.slice(192, 64, dim=1).store(_bf16_tile(_dec(k3, c3)))
+    rows.slice(256, 64, dim=1).store(_bf16_tile(_dec(k4, c4)))
+    rows.slice(320, 64, dim=1).store(_bf16_tile(_dec(k5, c5)))
+    rows.slice(384, 64, dim=1).store(_bf16_tile(_dec(k6, c6)))
+    rows.slice(448, 64, dim=1).store(_bf16_tile(rope))
+    flags.store(valid.to(gl.int32))
+
+
+@gluon.jit
+def _segment_end(len_ptr, K, t, start, chunk, HAS_LEN: gl.constexpr):
+    # the end of this program's candidates [start, start + chunk) of one cache: the cache's K, or the row's length
+    end = gl.minimum(start + chunk, K)
+    if HAS_LEN:
+        end = gl.minimum(end, gl.load(len_ptr + t))
+    return end
+
+
+@gluon.jit
+def _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
+             HAS_LEN: gl.constexpr, SLOTS: gl.constexpr):
+    # the producer's pass over [start, start + chunk) of one cache: 64-candidate block j goes to slot (i + j) % SLOTS
+    # once the consumers have freed it; returns the running block count
+    idx_row = idx_ptr + t.to(gl.int64) * idx_st
+    cend = gl.minimum(start + chunk, K)
+    end = _segment_end(len_ptr, K, t, start, chunk, HAS_LEN)
+    PB64 = PB.to(gl.int64)
+    PB2_64 = PB2.to(gl.int64)
+    first = _gather(cache, idx_row, start, cend, end, P, PB64, PB2_64, HALF)
+    for n0 in range(start, end, 2 * HALF):
+        second = _gather(cache, idx_row, n0 + HALF, cend, end, P, PB64, PB2_64, HALF)
+        b = i % SLOTS
+        mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
+        _store_half(ring.index(b), flags.index(2 * b), first, 0)
+        first = _gather(cache, idx_row, n0 + 2 * HALF, cend, end, P, PB64, PB2_64, HALF)
+        _store_half(ring.index(b), flags.index(2 * b + 1), second, 1)
+        # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every
+        # producer warp before the one arrival
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(full.index(b))
+        i += 1
+    return i
+
+
+@gluon.jit
+def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+    # the program's chunk [start, start + chunk) of main ++ extra: the main cache's part, then the extra cache's
+    i = 0
+    if start < K:
+        i = _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
+                     HAS_LEN, SLOTS)
+    if HAS_2:
+        if start + chunk > K:
+            lo2 = gl.maximum(start - K, 0)
+            i = _produce(i, ring, flags, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, t,
+                         lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS)
+
+
+@gluon.jit
+def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
+              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+    # the blocks the producers fill for this program (as many as _producer's passes make), each: S = Q K^T, online
+    # softmax, O = alpha O + P V, the slot back to the producers; then the partial to the workspace
+    SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    OL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=OL, k_width=2)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    t64 = t.to(gl.int64)
+    # Q of the 64 heads into shared memory, once (heads >= H: zeros)
+    hq = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
+                mask=gl.expand_dims(hq < H, 1), other=0.0)
+    q_s.store(q)
+    fence_async_shared()
+    _partition_barrier()
+    nb = 0
+    if start < K:
+        nb = gl.cdiv(gl.maximum(_segment_end(len_ptr, K, t, start, chunk, HAS_LEN) - start, 0), 2 * HALF)
+    if HAS_2:
+        if start + chunk > K:
+            lo2 = gl.maximum(start - K, 0)
+            end2 = _segment_end(len2_ptr, K2, t, lo2, start + chunk - K - lo2, HAS_LEN2)
+            nb += gl.cdiv(gl.maximum(end2 - lo2, 0), 2 * HALF)
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, SL))
+    o = gl.zeros([64, 512], gl.float32, OL)
+    for i in range(nb):
+        b = i % SLOTS
+        mbarrier.wait(full.index(b), (i // SLOTS) & 1)
+        kv = ring.index(b)
+        sc = warpgroup_mma(q_s, kv.permute([1, 0]), gl.zeros([64, 2 * HALF], gl.float32, SL))
+        vc = flags._reinterpret(gl.int32, [SLOTS, 2 * HALF], FL).index(b).load(gl.SliceLayout(0, SL)) != 0
+        p, alpha, m_i, l_i = _online_softmax(sc, vc, m_i, l_i, sm_scale_log2)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, OL)), 1)
+        o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), PA), kv, o)
+        # both warpgroups are done with the slot before the one arrival
+        _partition_barrier()
+        mbarrier.arrive(empty.index(b))
+    # the partial: 512 values per head (nope 0..447 then rope) and (m, l)
+    h = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, OL))
+    d = gl.arange(0, 512, layout=gl.SliceLayout(0, OL))
+    gl.store(acc_ws + gl.expand_dims(((t64 * S + s) * HP + h) * 512, 1) + gl.expand_dims(d, 0),
+             o.to(acc_ws.dtype.element_ty), mask=gl.expand_dims(h < H, 1))
+    hs = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
+    _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
+
+
+@gluon.jit
+def split_kernel_wgmma(
+    q_ptr, stride_qt, stride_qh,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 96, SLOTS: gl.constexpr = 2,
+):
+    """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64, spanning splits), with the
+    warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps."""
+    gl.static_assert(BLOCK_H == 64, "the warpgroup-MMA body takes 64 heads per program")
+    gl.static_assert(BLOCK_N == 2 * HALF, "the warpgroup-MMA body consumes 64-candidate blocks")
+    gl.static_assert(SPAN, "the warpgroup-MMA body takes spanning splits")
+    t = gl.program_id(0)
+    s = gl.program_id(1)
+    g = gl.program_id(2)
+    main = main_ptr.to(gl.pointer_type(gl.uint8))
+    extra = extra_ptr.to(gl.pointer_type(gl.uint8))
+    start = s * main_chunk
+    chunk = main_chunk
+    NV: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 2 * HALF, 512], NV)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], NV)
+    # each slot's candidate validity, by half (producer) and as one row per slot (consumers: a reinterpretation)
+    flags = gl.allocate_shared_memory(gl.int32, [2 * SLOTS, HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(SLOTS):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    gl.warp_specialize([
+        (_consumer, (q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
+                     start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS)),
+        (_producer, (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
+                     main_PB2, start, chunk,
+                     extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS)),
+    ], [4], [PRODUCER_REGS])
