@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from .common import _online_softmax, _store_softmax_state
-from .wspec import _dec, _gather
+from .wspec import _block_idx, _dec, _gather_rows
 
 HALF = gl.constexpr(32)  # candidates per producer gather
 # a barrier over the calling partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on
@@ -73,13 +73,19 @@ def _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P,
     end = _segment_end(len_ptr, K, t, start, chunk, HAS_LEN)
     PB64 = PB.to(gl.int64)
     PB2_64 = PB2.to(gl.int64)
-    first = _gather(cache, idx_row, start, cend, end, P, PB64, PB2_64, HALF)
+    # slot ids are loaded a block ahead of the gathers that use them (one memory latency off each gather)
+    first = _gather_rows(cache, _block_idx(idx_row, start, cend, HALF), start, end, P, PB64, PB2_64, HALF)
+    ib = _block_idx(idx_row, start + HALF, cend, HALF)
+    ia = _block_idx(idx_row, start + 2 * HALF, cend, HALF)
     for n0 in range(start, end, 2 * HALF):
-        second = _gather(cache, idx_row, n0 + HALF, cend, end, P, PB64, PB2_64, HALF)
+        second = _gather_rows(cache, ib, n0 + HALF, end, P, PB64, PB2_64, HALF)
+        ib = _block_idx(idx_row, n0 + 3 * HALF, cend, HALF)
+        ia_next = _block_idx(idx_row, n0 + 4 * HALF, cend, HALF)
         b = i % SLOTS
         mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
         _store_half(ring.index(b), flags.index(2 * b), first, 0)
-        first = _gather(cache, idx_row, n0 + 2 * HALF, cend, end, P, PB64, PB2_64, HALF)
+        first = _gather_rows(cache, ia, n0 + 2 * HALF, end, P, PB64, PB2_64, HALF)
+        ia = ia_next
         _store_half(ring.index(b), flags.index(2 * b + 1), second, 1)
         # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every
         # producer warp before the one arrival
@@ -166,7 +172,7 @@ def split_kernel_wgmma(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 96, SLOTS: gl.constexpr = 2,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 128, SLOTS: gl.constexpr = 2,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64, spanning splits), with the
     warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps."""

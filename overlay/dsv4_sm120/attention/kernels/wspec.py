@@ -34,14 +34,22 @@ if E4M3X4_SCALED_ASM.value.count("mul.rn.bf16x2") != 2:  # common's text changed
 
 
 @gluon.jit
-def _gather(cache, idx_row, n0, cend, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
-    # the raw block at candidates n0 ..: seven [BLOCK_N, 16]-word e4m3 tiles, their [BLOCK_N] UE8M0 bytes, the
-    # [BLOCK_N, 32]-word rope (bf16 pairs), and which candidates exist ([BLOCK_N] bool)
+def _block_idx(idx_row, n0, cend, BLOCK_N: gl.constexpr):
+    # the candidates' slot ids at n0 .. (-1 past cend), in the layout _gather_rows takes them
+    BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    cand = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BL))
+    return gl.load(idx_row + cand, mask=cand < cend, other=-1)
+
+
+@gluon.jit
+def _gather_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
+    # the raw block of the candidates n0 .. with slot ids idx (_block_idx): seven [BLOCK_N, 16]-word e4m3 tiles,
+    # their [BLOCK_N] UE8M0 bytes, the [BLOCK_N, 32]-word rope (bf16 pairs), and which candidates exist
+    # ([BLOCK_N] bool)
     BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     BR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     lanes = gl.arange(0, 16, layout=gl.SliceLayout(0, BL))
     cand = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BL))
-    idx = gl.load(idx_row + cand, mask=cand < cend, other=-1)
     valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
     words = cache.to(gl.pointer_type(gl.int32))
     r2 = gl.expand_dims(row // 4, 1) + gl.expand_dims(lanes, 0)
@@ -58,6 +66,12 @@ def _gather(cache, idx_row, n0, cend, end, P, PB64, PB2_64, BLOCK_N: gl.constexp
     r0 = gl.expand_dims(gl.convert_layout(ro // 2, gl.SliceLayout(1, BR)), 1) + gl.expand_dims(lanes32, 0)
     rope = gl.load(words + r0, mask=gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, BR)), 1), other=0)
     return k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, valid
+
+
+@gluon.jit
+def _gather(cache, idx_row, n0, cend, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
+    # the raw block at candidates n0 .. (_gather_rows of their _block_idx)
+    return _gather_rows(cache, _block_idx(idx_row, n0, cend, BLOCK_N), n0, end, P, PB64, PB2_64, BLOCK_N)
 
 
 @gluon.jit
