@@ -233,3 +233,39 @@ def test_the_warp_specialized_body_launch_rules():
         config.resolve(16, 6, 128, 512, config.Device("cpu", None, 4), overrides={"impl": "wspec"}, interpret=True)
     with pytest.raises(DecodeInputError, match="no fp8 QK path"):
         config.resolve(16, 6, 128, 512, HOPPER_132, qk="fp8", overrides={"impl": "wspec"})
+
+
+def test_the_warpgroup_mma_body_launch_rules():
+    """impl=wgmma: the register body's spanning splits with its fixed launch (64 heads, 64-candidate blocks, 8
+    consumer warps, register cap 168: one 384-thread CTA per SM, so one wave), on Hopper only (sm_120 and sm_100 are
+    refused with a message naming the architecture), a clash with the fixed keys refused when the text is parsed, the
+    interpreter and fp8 QK refused with a clear error; the workspace holds 64 head rows per head block."""
+    for H, HG in ((8, 1), (16, 1), (64, 1), (128, 2)):
+        L = config.resolve(H, 384, 128, 512, HOPPER_132, overrides={"impl": "wgmma"})
+        c = L.config
+        assert (c["impl"], c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["spanning_splits"], c["maxnreg"]) == \
+            ("wgmma", 64, 64, 8, 1, 168)
+        assert c["waves"] == 1.0
+        S, chunk, s2, _ = L.plan
+        assert s2 == 0 and chunk % 64 == 0 and S * chunk >= 640 and (S - 1) * chunk < 640
+        assert L.plan == config.resolve(H, 384, 128, 512, HOPPER_132, overrides={
+            "impl": "reg", "BLOCK_N": 64, "BLOCK_H": 64, "waves": 1}).plan
+    # few rows: the splits fill the SMs once (one CTA each)
+    S, chunk, _, _ = config.resolve(64, 6, 128, 512, HOPPER_132, overrides={"impl": "wgmma"}).plan
+    assert 6 * S <= 132 and chunk == 64 * -(-10 // S)
+    for cap in ((12, 0), (10, 0), (8, 9)):
+        with pytest.raises(DecodeInputError, match=rf"impl=wgmma runs on sm_90 only \(this device is sm_{cap[0]}{cap[1]}\)"):
+            config.resolve(64, 6, 128, 512, config.Device("x", cap, 132), overrides={"impl": "wgmma"})
+    for bad in ("impl=wgmma,BLOCK_N=32", "impl=wgmma,num_warps=4", "impl=wgmma,maxnreg=0", "impl=wgmma,BLOCK_H=16"):
+        with pytest.raises(DecodeInputError, match="DSV4_SM120_ATTN_CONFIG: impl=wgmma runs"):
+            config.parse_config(bad, "DSV4_SM120_ATTN_CONFIG")
+    assert config.parse_config("impl=wgmma,BLOCK_N=64,waves=2") == {"impl": "wgmma", "BLOCK_N": 64, "waves": 2.0}
+    assert config.resolve(64, 6, 128, 512, HOPPER_132, overrides={"impl": "wgmma", "waves": 2}).config["waves"] == 2.0
+    with pytest.raises(DecodeInputError, match="interpreter cannot run it"):
+        config.resolve(64, 6, 128, 512, config.Device("cpu", None, 4), overrides={"impl": "wgmma"}, interpret=True)
+    with pytest.raises(DecodeInputError, match="no fp8 QK path"):
+        config.resolve(64, 6, 128, 512, HOPPER_132, qk="fp8", overrides={"impl": "wgmma"})
+    from dsv4_sm120.attention.launch import row_chunks
+    from dsv4_sm120.attention.plan import ws_words
+    (t0, t1, L), = row_chunks(16, 6, 128, 512, HOPPER_132, "bf16", {"impl": "wgmma"}, False, 1 << 30)
+    assert (t0, t1, L.config["BLOCK_H"]) == (0, 6, 64) and ws_words("wgmma", 1) == 258 and ws_words("wgmma", 0) == 514

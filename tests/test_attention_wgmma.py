@@ -1,0 +1,82 @@
+"""The Hopper warpgroup-MMA split body (impl=wgmma, a Gluon kernel) on a CPU box: Triton's interpreter does not run
+Gluon, so its numerics are proven on the H200 (tests/gpu/test_attention_gpu.py: the wgmma variants, and the whole file
+with DSV4_SM120_TEST_ATTN_CONFIG=impl=wgmma; bench/results/attention.csv) and here it is compiled for sm_90 with the
+launch options attention.launch gives it, and refused where it cannot run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from conftest import gpu_compile_result  # noqa: E402
+from attention_cases import Case, build  # noqa: E402
+from dsv4_sm120.attention import DecodeInputError, sparse_mla_decode  # noqa: E402
+
+_WGMMA_COMPILE = r"""
+import json, re
+from dsv4_sm120.attention import config
+from dsv4_sm120.attention.keys import producer_regs
+from dsv4_sm120.attention.kernels import SPLIT_KERNELS
+from dsv4_sm120.devtools.sass import compile_inspect, split_kernel_source
+# the launch attention.launch makes on an H200
+L = config.resolve(64, 384, 128, 512, config.Device("NVIDIA H200", (9, 0), 132), overrides={"impl": "wgmma"})
+c = L.config
+cst = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
+           FP8_QK=False, INTERP=False, SPAN=bool(c["spanning_splits"]), PRODUCER_REGS=producer_regs("wgmma", c["maxnreg"]))
+opts = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "maxnreg": c["maxnreg"]}
+out = {}
+try:
+    k, sass, res = compile_inspect(split_kernel_source(SPLIT_KERNELS["wgmma"], cst), 90, opts)
+except Exception as e:
+    out["sm90"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+else:
+    ptx = k.asm["ptx"]
+    out["sm90"] = dict(res, shared=k.metadata.shared, sass=len(sass), producer=cst["PRODUCER_REGS"],
+                       maxnreg=c["maxnreg"], threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),
+                       setmaxnreg=re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
+                       mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
+                       wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16", ptx))),
+                       proxy_fences=len(re.findall(r"fence\.proxy\.async", ptx)),
+                       hgmma=len(re.findall(r"\bHGMMA\.64x\d+x16\.F32\.BF16\b", sass)),
+                       ldg128=len(re.findall(r"\bLDG\.E\.128\b", sass)))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_the_warpgroup_mma_body_compiles_for_hopper():
+    """impl=wgmma compiles for sm_90 as launched: 384 threads (8 consumer + 4 producer warps) at a cap of 168
+    registers, which fills the register file once (one CTA per SM); the producers drop to their 128 registers and the
+    consumers take the rest (184); Q and the two-slot ring in 201 KB of the 227 KB a block may have; the QK (N = 32 per
+    warpgroup) and PV (N = 256) warpgroup MMAs; proxy fences between the generic-proxy stores and the MMAs' reads;
+    16-byte gathers; a bounded stack (Triton 3.6: 16 B, 3.8: 64 B of spills in the producer)."""
+    r = gpu_compile_result(_WGMMA_COMPILE, timeout=900)["sm90"]
+    assert "error" not in r, r
+    assert r["threads"] == 384 and r["maxnreg"] * 384 <= 65536, r
+    assert r["shared"] <= 227 * 1024, r
+    assert r["wgmma"] == ["m64n256k16", "m64n32k16"], r
+    assert r["mbarrier_waits"] >= 2 and r["proxy_fences"] >= 2, r
+    counts = {int(n) for _, n in r["setmaxnreg"]}
+    consumers = (r["maxnreg"] * 384 - r["producer"] * 128) // 256 // 8 * 8
+    assert r["producer"] in counts and consumers in counts, r
+    if r["sass"] == 0:
+        pytest.skip("cuobjdump gave no SASS here")
+    assert r["regs"] == r["maxnreg"] and r["hgmma"] >= 36 and r["ldg128"] >= 14, r
+    assert r.get("stack", 0) <= 128, r
+
+
+def test_the_warpgroup_mma_body_is_refused_clearly_where_it_cannot_run(monkeypatch):
+    """Under Triton's CPU interpreter (these tests) a call asking for impl=wgmma is refused with a clear error, not a
+    traceback from the Gluon frontend; an fp8 QK request with it likewise; a launch key it does not take is refused
+    when the setting is read."""
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=wgmma")
+    kw = build(Case(T=1, H=4, K=16, seed=5))
+    with pytest.raises(DecodeInputError, match="interpreter cannot run it"):
+        sparse_mla_decode(**kw, qk_mode="bf16")
+    with pytest.raises(DecodeInputError, match="no fp8 QK path"):
+        sparse_mla_decode(**kw, qk_mode="fp8")
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=wgmma,BLOCK_H=16")
+    with pytest.raises(DecodeInputError, match="impl=wgmma runs"):
+        sparse_mla_decode(**kw, qk_mode="bf16")
