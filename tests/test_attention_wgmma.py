@@ -24,17 +24,20 @@ from dsv4_sm120.devtools.sass import compile_inspect, split_kernel_source
 # the launch attention.launch makes on an H200
 L = config.resolve(64, 384, 128, 512, config.Device("NVIDIA H200", (9, 0), 132), overrides={"impl": "wgmma"})
 c = L.config
-cst = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-           FP8_QK=False, INTERP=False, SPAN=bool(c["spanning_splits"]), PRODUCER_REGS=producer_regs("wgmma", c["maxnreg"]))
+base = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
+            FP8_QK=False, INTERP=False, SPAN=bool(c["spanning_splits"]), PRODUCER_REGS=producer_regs("wgmma", c["maxnreg"]))
 opts = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "maxnreg": c["maxnreg"]}
 out = {}
-try:
+# as launched: partials for the combine (no output pointers), or one split per row writing out / lse itself
+for name, extra in (("sm90", dict(out_ptr=None, lse_ptr=None, sink_ptr=None)), ("sm90_final", dict(FINAL=True, HAS_SINK=True))):
+  cst = dict(base, **extra)
+  try:
     k, sass, res = compile_inspect(split_kernel_source(SPLIT_KERNELS["wgmma"], cst), 90, opts)
-except Exception as e:
-    out["sm90"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-else:
+  except Exception as e:
+    out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+  else:
     ptx = k.asm["ptx"]
-    out["sm90"] = dict(res, shared=k.metadata.shared, sass=len(sass), producer=cst["PRODUCER_REGS"],
+    out[name] = dict(res, shared=k.metadata.shared, sass=len(sass), producer=cst["PRODUCER_REGS"],
                        maxnreg=c["maxnreg"], threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),
                        setmaxnreg=re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
                        mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
@@ -51,8 +54,14 @@ def test_the_warpgroup_mma_body_compiles_for_hopper():
     registers, which fills the register file once (one CTA per SM); the producers drop to their 128 registers and the
     consumers take the rest (184); Q and the two-slot ring in 201 KB of the 227 KB a block may have; the QK (N = 32 per
     warpgroup) and PV (N = 256) warpgroup MMAs; proxy fences between the generic-proxy stores and the MMAs' reads;
-    16-byte gathers; a bounded stack (Triton 3.6: 16 B, 3.8: 64 B of spills in the producer)."""
-    r = gpu_compile_result(_WGMMA_COMPILE, timeout=900)["sm90"]
+    16-byte gathers; a bounded stack (a few spilled words in the producer). Both builds: partials
+    for the combine, and one split per row writing out / lse itself."""
+    both = gpu_compile_result(_WGMMA_COMPILE, timeout=900)
+    for r in both.values():
+        _check_hopper_build(r)
+
+
+def _check_hopper_build(r):
     assert "error" not in r, r
     assert r["threads"] == 384 and r["maxnreg"] * 384 <= 65536, r
     assert r["shared"] <= 227 * 1024, r

@@ -153,10 +153,11 @@ def test_cuda_graph_replay_with_changing_indices(mode):
      dict(impl="reg", BLOCK_N=64, DEC_LATE=1, SPAN=1, waves=0.5),
      dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, SPAN=1, waves=2),
      # the Hopper warpgroup-MMA body (64 heads per program: here 16 of them masked); waves=8 cuts rows across the
-     # main / extra boundary
-     dict(impl="wgmma"), dict(impl="wgmma", waves=8, PART_BF16=0)],
+     # main / extra boundary; waves=0.01 leaves one split per row, whose program writes out / lse itself
+     dict(impl="wgmma"), dict(impl="wgmma", waves=8, PART_BF16=0), dict(impl="wgmma", waves=0.01)],
     ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-fp32part", "reg64-declate",
-         "reg32-4warps-declate", "reg64-span", "reg32-4warps-span", "wgmma", "wgmma-split-fp32part"])
+         "reg32-4warps-declate", "reg64-span", "reg32-4warps-span", "wgmma", "wgmma-split-fp32part",
+         "wgmma-one-split-writes-out"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant, monkeypatch):
     from dsv4_sm120.attention.config import BF16_ONLY_IMPLS

@@ -142,8 +142,17 @@ def row_chunks(H: int, T: int, K1: int, K2: int, device: Device, qk: str, overri
     return out
 
 
+def writes_output(L: Launch) -> bool:
+    """Whether the split launch of ``L`` writes ``out`` / ``lse`` itself (the warpgroup-MMA body with one split per
+    row), so no combine follows it."""
+    s1, _, s2, _ = L.plan
+    return L.config["impl"] == "wgmma" and s1 + s2 == 1
+
+
 def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int, fp8: bool, softmax_scale: float,
-                  interp: bool) -> None:
+                  interp: bool, final=None) -> None:
+    """The split launch of ``L``; ``final`` = ``(out, lse, attn_sink)`` where it writes the output itself
+    (``writes_output``)."""
     cfg = L.config
     s1, c1, s2, c2 = L.plan
     T = q.shape[0]
@@ -180,6 +189,10 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
         if impl not in SPLIT_KERNELS:
             raise DecodeInputError(f"impl={impl} is a Gluon kernel and this Triton has no Gluon "
                                    "(triton.experimental.gluon) or not its Hopper module; use another impl")
+        if final is not None:
+            out, lse, sink = final
+            flags.update(out_ptr=out, lse_ptr=lse, sink_ptr=sink if sink is not None else m_ws, FINAL=True,
+                         HAS_SINK=sink is not None)
         SPLIT_KERNELS[impl][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
                                               PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), **flags)
     else:
@@ -216,6 +229,10 @@ def _run(L: Launch, q, main, extra, attn_sink, softmax_scale, fp8, out, lse, H: 
     else:
         acc_ws = ws[: nrow * 512]
         m_ws, l_ws = ws[nrow * 512: nrow * 513], ws[nrow * 513: nrow * 514]
+    if writes_output(L):
+        _launch_split(L, q, main, extra, acc_ws, m_ws, l_ws, H, HP, fp8, softmax_scale, interp,
+                      final=(out, lse, attn_sink))
+        return
     _launch_split(L, q, main, extra, acc_ws, m_ws, l_ws, H, HP, fp8, softmax_scale, interp)
     launch_combine(L, acc_ws, m_ws, l_ws, attn_sink, out, lse, H, HP, interp)
 

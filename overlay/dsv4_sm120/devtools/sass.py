@@ -90,9 +90,9 @@ def split_kernel_signature(fn, cst: Dict[str, object], acc: str = "*bf16") -> Di
             sig[n] = "constexpr"
         elif n == "acc_ws":
             sig[n] = acc
-        elif n == "q_ptr":
+        elif n in ("q_ptr", "out_ptr"):
             sig[n] = "*bf16"
-        elif n in ("m_ws", "l_ws"):
+        elif n in ("m_ws", "l_ws", "lse_ptr", "sink_ptr"):
             sig[n] = "*fp32"
         elif n.endswith("_ptr"):
             sig[n] = "*i32" if ("idx" in n or "len" in n) else "*u8"

@@ -38,19 +38,22 @@ def _bf16_tile(words):
 
 
 @gluon.jit
+def _cat(a, b):
+    # [R, C] and [R, C] -> [R, 2C], side by side
+    return gl.join(a, gl.convert_layout(b, a.type.layout)).permute([0, 2, 1]).reshape([a.shape[0], 2 * a.shape[1]])
+
+
+@gluon.jit
 def _store_half(slot, flags, raw, h: gl.constexpr):
-    # decode a raw half block into rows [HALF * h, HALF * (h + 1)) of a ring slot [64, 512], tile by tile, and its
-    # candidates' validity into ``flags`` [HALF] (the slot's half h)
+    # decode a raw half block into rows [HALF * h, HALF * (h + 1)) of a ring slot [64, 512] in one store (Triton's
+    # barrier pass fences consecutive stores into one buffer with a barrier each), and its candidates' validity
+    # into ``flags`` [HALF] (the slot's half h)
     k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, valid = raw
-    rows = slot.slice(HALF * h, HALF, dim=0)
-    rows.slice(0, 64, dim=1).store(_bf16_tile(_dec(k0, c0)))
-    rows.slice(64, 64, dim=1).store(_bf16_tile(_dec(k1, c1)))
-    rows.slice(128, 64, dim=1).store(_bf16_tile(_dec(k2, c2)))
-    rows.slice(192, 64, dim=1).store(_bf16_tile(_dec(k3, c3)))
-    rows.slice(256, 64, dim=1).store(_bf16_tile(_dec(k4, c4)))
-    rows.slice(320, 64, dim=1).store(_bf16_tile(_dec(k5, c5)))
-    rows.slice(384, 64, dim=1).store(_bf16_tile(_dec(k6, c6)))
-    rows.slice(448, 64, dim=1).store(_bf16_tile(rope))
+    lo = _cat(_cat(_bf16_tile(_dec(k0, c0)), _bf16_tile(_dec(k1, c1))),
+              _cat(_bf16_tile(_dec(k2, c2)), _bf16_tile(_dec(k3, c3))))
+    hi = _cat(_cat(_bf16_tile(_dec(k4, c4)), _bf16_tile(_dec(k5, c5))),
+              _cat(_bf16_tile(_dec(k6, c6)), _bf16_tile(rope)))
+    slot.slice(HALF * h, HALF, dim=0).store(_cat(lo, hi))
     flags.store(valid.to(gl.int32))
 
 
@@ -113,11 +116,30 @@ def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P
 
 
 @gluon.jit
+def _store_output(out_ptr, lse_ptr, sink_ptr, t64, H, h, d, hs, o, m_i, l_i, HAS_SINK: gl.constexpr):
+    # out[t, h] = O / (l + 2^(sink * log2(e) - m)) in bf16 and lse[t, h] = ln(2^m l) (without the sink), as
+    # combine_kernel computes them for one split: zeros and -inf where the row has no valid candidate
+    m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+    lonely = l_i == 0.0
+    denom = l_i
+    if HAS_SINK:
+        denom += gl.exp2(gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * 1.4426950408889634 - m_ref)
+    inv = gl.where(lonely, 0.0, 1.0 / gl.where(lonely, 1.0, denom))
+    o = o * gl.expand_dims(gl.convert_layout(inv, h.type.layout), 1)
+    gl.store(out_ptr + gl.expand_dims((t64 * H + h) * 512, 1) + gl.expand_dims(d, 0), o.to(gl.bfloat16),
+             mask=gl.expand_dims(h < H, 1))
+    lse = gl.where(lonely, float("-inf"), (m_ref + gl.log2(gl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(lse_ptr + t64 * H + hs, lse, mask=hs < H)
+
+
+@gluon.jit
 def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
-              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+              FINAL: gl.constexpr, HAS_SINK: gl.constexpr):
     # the blocks the producers fill for this program (as many as _producer's passes make), each: S = Q K^T, online
-    # softmax, O = alpha O + P V, the slot back to the producers; then the partial to the workspace
+    # softmax, O = alpha O + P V, the slot back to the producers; then the partial to the workspace, or (FINAL) the
+    # row's output and lse
     SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     OL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=OL, k_width=2)
@@ -155,13 +177,17 @@ def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, 
         # both warpgroups are done with the slot before the one arrival
         _partition_barrier()
         mbarrier.arrive(empty.index(b))
-    # the partial: 512 values per head (nope 0..447 then rope) and (m, l)
     h = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, OL))
     d = gl.arange(0, 512, layout=gl.SliceLayout(0, OL))
-    gl.store(acc_ws + gl.expand_dims(((t64 * S + s) * HP + h) * 512, 1) + gl.expand_dims(d, 0),
-             o.to(acc_ws.dtype.element_ty), mask=gl.expand_dims(h < H, 1))
     hs = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
-    _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
+    if FINAL:
+        # the program holds all of its row's candidates: the combine's arithmetic for one split, here
+        _store_output(out_ptr, lse_ptr, sink_ptr, t64, H, h, d, hs, o, m_i, l_i, HAS_SINK)
+    else:
+        # the partial: 512 values per head (nope 0..447 then rope) and (m, l)
+        gl.store(acc_ws + gl.expand_dims(((t64 * S + s) * HP + h) * 512, 1) + gl.expand_dims(d, 0),
+                 o.to(acc_ws.dtype.element_ty), mask=gl.expand_dims(h < H, 1))
+        _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
 
 
 @gluon.jit
@@ -173,9 +199,12 @@ def split_kernel_wgmma(
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
     SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 128, SLOTS: gl.constexpr = 2,
+    out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64, spanning splits), with the
-    warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps."""
+    warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps. ``FINAL`` (one split
+    per row, ``S`` = 1): the program writes the row's ``out`` [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with
+    the sink ``sink_ptr`` (``HAS_SINK``), and the combine is not launched."""
     gl.static_assert(BLOCK_H == 64, "the warpgroup-MMA body takes 64 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the warpgroup-MMA body consumes 64-candidate blocks")
     gl.static_assert(SPAN, "the warpgroup-MMA body takes spanning splits")
@@ -199,7 +228,7 @@ def split_kernel_wgmma(
     gl.warp_specialize([
         (_consumer, (q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
                      start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS)),
+                     out_ptr, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL, HAS_SINK)),
         (_producer, (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
                      main_PB2, start, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
