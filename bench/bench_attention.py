@@ -99,10 +99,12 @@ TILED_AUTO = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxn
 TILED_W2 = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxnreg=auto,waves=2,PREFETCH=0,"
             "e4m3_int_decode=1,PART_BF16=1")
 FLAT = "impl=flat,BLOCK_H={H},BLOCK_N=32,num_warps=8,num_stages=1,maxnreg=0,waves=2"
+# the Hopper warpgroup-MMA body (timed where the GPU runs it: attention.config.IMPL_ARCHS)
+WGMMA = "impl=wgmma,BLOCK_H=64,BLOCK_N=64,num_warps=8,num_stages=1,maxnreg=168,waves=1,spanning_splits=1,PART_BF16=1"
 LAUNCH_CANDIDATES = {  # (heads, qk) -> candidate launch texts
     (16, "bf16"): (REG, TILED_AUTO), (16, "fp8"): (TILED_AUTO, TILED_W2),
-    (32, "bf16"): (REG, FLAT.format(H=32), TILED_W2), (32, "fp8"): (TILED_W2, FLAT.format(H=32), TILED_AUTO),
-    (64, "bf16"): (REG, FLAT.format(H=64), TILED_W2), (64, "fp8"): (TILED_W2, FLAT.format(H=64), TILED_AUTO)}
+    (32, "bf16"): (REG, FLAT.format(H=32), TILED_W2, WGMMA), (32, "fp8"): (TILED_W2, FLAT.format(H=32), TILED_AUTO),
+    (64, "bf16"): (REG, FLAT.format(H=64), TILED_W2, WGMMA), (64, "fp8"): (TILED_W2, FLAT.format(H=64), TILED_AUTO)}
 CASES.update({f"launch_h{h}": ("swa128+c4", h, LAUNCH_B) for h in (16, 32, 64)})
 GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"),
           "all": tuple(c for c in CASES if not c.startswith("launch")),
@@ -447,6 +449,9 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
                 ov = config.parse_config(v, f"--variants item {v!r}")
                 if mode == "fp8" and ov.get("impl") in config.BF16_ONLY_IMPLS:
                     continue  # bf16-only bodies refuse fp8 QK
+                archs = config.IMPL_ARCHS.get(ov.get("impl"))
+                if archs and torch.cuda.get_device_capability()[0] not in archs:
+                    continue  # a body this architecture does not run (refused by the launch)
 
                 def f(i, mode=mode, ov=ov):
                     launch.CONFIG_OVERRIDE.clear()
