@@ -111,7 +111,8 @@ def test_the_comparison_sees_a_changed_table(tmp_path):
 def test_every_level_holds_every_shape_with_complete_entries():
     """A level (device, architecture, default) that has one shape has them all (a missing one would fall back to
     another level's rules for that shape only), every entry names a body and the keys it reads, and the size keys
-    of the device tables are grid rows (buckets written as first and last row)."""
+    of the device tables are grid rows (buckets written as first and last row); a body that runs on some
+    architectures only (impl=wgmma: Hopper) appears in tables of those architectures only."""
     files = sorted(p.name for p in (lt.TABLE_DIR / "attention").glob("*.json"))
     shapes = {f"H={h},qk={q}" for h in (16, 32, 64) for q in ("bf16", "fp8")}
     levels = {}
@@ -125,7 +126,11 @@ def test_every_level_holds_every_shape_with_complete_entries():
     for name in files:
         for size, cfg in lt.read_table(lt.TABLE_DIR / "attention" / name).items():
             impl = cfg["impl"]
-            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg"), (name, size)
+            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg", "wgmma"), (name, size)
+            if impl in config.IMPL_ARCHS:
+                dev = name[: -len(".json")].split(",device_name=")[1]
+                major = {"NVIDIA_H200": 9}.get(dev) or (int(dev[len("arch_sm_"):]) // 10 if dev.startswith("arch_sm_") else None)
+                assert major in config.IMPL_ARCHS[impl], (name, size, impl)
             need = set(config.COMMON_KEYS) | set(config.BODY_KEYS[impl])
             assert need <= set(cfg) and set(cfg) <= set(config.KEYS), (name, size, sorted(set(cfg) ^ need))
             assert not set(cfg) & set(config.COMBINE_KEYS), (name, size)  # combine keys come from the plan

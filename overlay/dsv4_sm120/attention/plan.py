@@ -42,15 +42,22 @@ def plan_splits(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, w
 # share of the combine. Fitted on the H200 (bench/results/attention.csv, spec_rows cases with waves=4 / 6 variants:
 # the model below predicted 0.83-1.27x against measured 0.89-1.19x at 48-384 rows).
 PROGRAM_OVERHEAD_BLOCKS = 1
+# The warpgroup-MMA body's (64-candidate blocks, one CTA per SM): Q for 64 heads, the ring's first fill, and with
+# more than one split per row the partials and the combine, which a single split's program skips (it writes the
+# output). Fitted on the H200 (launch_h64 rows of 2026-12-03 06:59): 192 rows in 2 splits (3 rounds of 6 blocks)
+# took 102.9 us, 256 rows in 1 split (2 rounds of 11) 92.2 us; with 5 blocks, 192 rows take one split.
+WGMMA_PROGRAM_OVERHEAD_BLOCKS = 5
 
 
-def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0):
+def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0,
+              overhead: int = PROGRAM_OVERHEAD_BLOCKS):
     """Split plan of the spanning register body (SPAN=1): (splits, chunk) over the concatenated candidate list
     (main ++ extra, K1 + K2 candidates). The chunk is a whole number of blocks, so every program but the last of a
     row owns the same work.
 
     ``waves * num_sms`` programs run at once (2 per SM for a body that fits twice), so ``P`` equal programs finish
-    in ``ceil(P / slots)`` rounds, each as long as one program: ``blocks + PROGRAM_OVERHEAD_BLOCKS``. The plan is
+    in ``ceil(P / slots)`` rounds, each as long as one program: ``blocks + overhead`` (``PROGRAM_OVERHEAD_BLOCKS``,
+    or the body's own). The plan is
     the split count with the shortest ``rounds x program`` (ties: fewer splits). While the rows alone fit the
     slots this is mostly the most splits that fill one round (a second, partial round costs a whole program's
     time); with more rows than slots it cuts rows into a few chunks so the last round is not left half empty
@@ -62,7 +69,7 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
     for want in range(1, nb + 1):
         blocks = cdiv(nb, want)
         splits = cdiv(nb, blocks)
-        key = (cdiv(progs * splits, slots) * (blocks + PROGRAM_OVERHEAD_BLOCKS), splits)
+        key = (cdiv(progs * splits, slots) * (blocks + overhead), splits)
         if best is None or key < best[0]:
             best = (key, blocks)
     chunk = best[1] * block_n
@@ -70,11 +77,11 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
 
 
 def split_plan(span: bool, T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int,
-               waves: float) -> Tuple[int, int, int, int]:
+               waves: float, overhead: int = PROGRAM_OVERHEAD_BLOCKS) -> Tuple[int, int, int, int]:
     """(s_main, chunk_main, s_extra, chunk_extra) of a launch; the spanning plan's splits all count as main
     splits (the kernel reads ``main_chunk`` only)."""
     if span:
-        S, chunk = plan_span(T, HG, K1, K2, block_n, num_sms, waves)
+        S, chunk = plan_span(T, HG, K1, K2, block_n, num_sms, waves, overhead)
         return S, chunk, 0, block_n
     return plan_splits(T, HG, K1, K2, block_n, num_sms, waves)
 
