@@ -7,7 +7,8 @@ two-slot ring of ``[64, 512]`` tiles in the wgmma operand layout (128-byte swizz
 launch's 8 warps) run ``S = Q K^T`` with Q ``[64, 512]`` in shared memory (each warpgroup 32 of the 64 candidates),
 the online softmax, and ``O += P V`` (each warpgroup 256 of the 512 output columns, P from registers), the block's
 slot going back to the producers after PV. One CTA of 12 warps per SM: Q and the ring take 192 KB; the producers
-run at ``PRODUCER_REGS`` and the consumers take the rest of the launch's ``maxnreg`` x 384 registers.
+run at ``PRODUCER_REGS`` and the consumers take the rest of the launch's ``maxnreg`` x 384 registers. A program
+that holds all of its row's candidates (one split, ``FINAL``) writes the row's output and lse itself.
 
 Why: the mma.sync bodies run 16 heads per program, so 32 and 64 heads gather, decode and stage every block two
 and four times, and their consumers re-read Q from shared memory per warp; a warpgroup MMA reads each operand
