@@ -305,6 +305,12 @@ def test_overlay_env_check_catches_attention_typos_before_start(tmp_path):
     assert len(bad) == 1 and "no fp8 QK path" in bad[0]
     # the caller's environment counts too (it reaches the servers)
     assert pf.check_overlay_env(plan_for(), base={"DSV4_SM120_ATTN_CONFIG": "impl=fast"})
+    # a body the servers' sm_120 GPUs do not run (Hopper's warpgroup MMA), named alone or with its own keys
+    for text in ("impl=wgmma", "waves=1,impl=wgmma,BLOCK_N=64"):
+        bad = pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_CONFIG=text), base={})
+        assert len(bad) == 1 and "impl=wgmma" in bad[0] and "sm_90 only" in bad[0] and "sm_120" in bad[0], bad
+        assert "\n" not in bad[0] and "reg" in bad[0] and "wgmma, " not in bad[0].split("one of")[1], bad
+    assert pf.check_overlay_env(plan_for(DSV4_SM120_ATTN_CONFIG="impl=wspec"), base={}) == []
     # every registered setting, the lines the patched SGLang's startup would stop at (dsv4_sm120.settings)
     from dsv4_sm120.settings import validate
 

@@ -119,12 +119,15 @@ def _attention_device(nsm: int):
 
 
 def _attention_requests():
-    """(qk, launch overrides, label) of every way the product asks for a split launch on sm_120."""
-    from ..attention.config import IMPLS, BF16_ONLY_IMPLS, parse_config
+    """(qk, launch overrides, label) of every way the product asks for a split launch on sm_120 (a body bound to other
+    architectures, ``keys.IMPL_ARCHS``, is refused there with an error, not launched)."""
+    from ..attention.config import IMPL_ARCHS, IMPLS, BF16_ONLY_IMPLS, parse_config
     from ..calibrate.attention import VARIANTS
 
     out = [("bf16", {}, ""), ("fp8", {}, "")]
     for impl in IMPLS:
+        if CAPABILITY[0] not in IMPL_ARCHS.get(impl, (CAPABILITY[0],)):
+            continue
         for qk in ("bf16", "fp8"):
             if not (qk == "fp8" and impl in BF16_ONLY_IMPLS):
                 out.append((qk, {"impl": impl}, f"impl={impl}"))

@@ -280,17 +280,36 @@ def check_alloc_conf(plan: Plan, env: Dict[str, str]) -> List[str]:
     return out
 
 
+def check_attention_arch(env: Dict[str, str]) -> List[str]:
+    """A split body named in ``DSV4_SM120_ATTN_CONFIG`` that sm_120 does not run (``impl=wgmma``, Hopper's
+    warpgroup MMA): the servers' GPUs are sm_120 (the gpu check), so the first decode would stop the server."""
+    from ..attention.keys import IMPL_ARCHS, IMPLS, DecodeInputError, parse_config
+
+    text = env.get("DSV4_SM120_ATTN_CONFIG") or ""
+    try:
+        impl = parse_config(text).get("impl")
+    except DecodeInputError:
+        return []  # reported by settings.validate
+    archs = IMPL_ARCHS.get(impl)
+    if not archs or 12 in archs:
+        return []
+    others = ", ".join(i for i in IMPLS if 12 in IMPL_ARCHS.get(i, (12,)))
+    return [f"DSV4_SM120_ATTN_CONFIG={text!r} names impl={impl}, which runs on "
+            f"{', '.join(f'sm_{a}0' for a in archs)} only, and the servers' GPUs are sm_120: remove impl={impl} "
+            f"(or name one of {others})"]
+
+
 def check_overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> List[str]:
     """The problems the patched SGLang's startup would stop at (``dsv4_sm120.settings.validate`` of the
     servers' environment: the caller's plus serve/env/*.env: invalid values, retired names, unknown
-    ``DSV4_SM120_*`` names), and an allocator setting the KV transfer cannot work with (``check_alloc_conf``),
-    reported before anything starts."""
+    ``DSV4_SM120_*`` names; a split body sm_120 does not run, ``check_attention_arch``), and an allocator setting
+    the KV transfer cannot work with (``check_alloc_conf``), reported before anything starts."""
     from .. import settings
 
     env = dict(os.environ if base is None else base)
     for k, v, _ in plan.common_env:
         env.setdefault(k, v)
-    return settings.validate(env) + check_alloc_conf(plan, env)
+    return settings.validate(env) + check_attention_arch(env) + check_alloc_conf(plan, env)
 
 
 # ---------------------------------------------------------------------------- machine profile
