@@ -1,7 +1,8 @@
 """The Hopper warpgroup-MMA split body (impl=wgmma, a Gluon kernel) on a CPU box: Triton's interpreter does not run
 Gluon, so its numerics are proven on the H200 (tests/gpu/test_attention_gpu.py: the wgmma variants, and the whole file
 with DSV4_SM120_TEST_ATTN_CONFIG=impl=wgmma; bench/results/attention.csv) and here it is compiled for sm_90 with the
-launch options attention.launch gives it, and refused where it cannot run."""
+launch options attention.launch gives it (its refusals where it cannot run: tests/test_attention_wspec.py,
+test_attention_config.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest import gpu_compile_result  # noqa: E402
-from attention_cases import Case, build  # noqa: E402
-from dsv4_sm120.attention import DecodeInputError, sparse_mla_decode  # noqa: E402
 
 _WGMMA_COMPILE = r"""
 import json, re
@@ -27,24 +26,27 @@ c = L.config
 base = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
             FP8_QK=False, INTERP=False, SPAN=bool(c["spanning_splits"]), PRODUCER_REGS=producer_regs("wgmma", c["maxnreg"]))
 opts = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "maxnreg": c["maxnreg"]}
-out = {}
-# as launched: partials for the combine (no output pointers), or one split per row writing out / lse itself
-for name, extra in (("sm90", dict(out_ptr=None, lse_ptr=None, sink_ptr=None)), ("sm90_final", dict(FINAL=True, HAS_SINK=True))):
-  cst = dict(base, **extra)
-  try:
-    k, sass, res = compile_inspect(split_kernel_source(SPLIT_KERNELS["wgmma"], cst), 90, opts)
-  except Exception as e:
-    out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-  else:
+
+
+def build(cst):
+    try:
+        k, sass, res = compile_inspect(split_kernel_source(SPLIT_KERNELS["wgmma"], cst), 90, opts)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     ptx = k.asm["ptx"]
-    out[name] = dict(res, shared=k.metadata.shared, sass=len(sass), producer=cst["PRODUCER_REGS"],
-                       maxnreg=c["maxnreg"], threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),
-                       setmaxnreg=re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
-                       mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
-                       wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16", ptx))),
-                       proxy_fences=len(re.findall(r"fence\.proxy\.async", ptx)),
-                       hgmma=len(re.findall(r"\bHGMMA\.64x\d+x16\.F32\.BF16\b", sass)),
-                       ldg128=len(re.findall(r"\bLDG\.E\.128\b", sass)))
+    return dict(res, shared=k.metadata.shared, sass=len(sass), producer=cst["PRODUCER_REGS"], maxnreg=c["maxnreg"],
+                threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),
+                setmaxnreg=re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
+                mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
+                wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16", ptx))),
+                proxy_fences=len(re.findall(r"fence\.proxy\.async", ptx)),
+                hgmma=len(re.findall(r"\bHGMMA\.64x\d+x16\.F32\.BF16\b", sass)),
+                ldg128=len(re.findall(r"\bLDG\.E\.128\b", sass)))
+
+
+# as launched: partials for the combine (no output pointers), or one split per row writing out / lse itself
+out = {"sm90": build(dict(base, out_ptr=None, lse_ptr=None, sink_ptr=None)),
+       "sm90_final": build(dict(base, FINAL=True, HAS_SINK=True))}
 print("RESULT" + json.dumps(out))
 """
 
@@ -75,17 +77,3 @@ def _check_hopper_build(r):
     assert r["regs"] == r["maxnreg"] and r["hgmma"] >= 36 and r["ldg128"] >= 14, r
     assert r.get("stack", 0) <= 128, r
 
-
-def test_the_warpgroup_mma_body_is_refused_clearly_where_it_cannot_run(monkeypatch):
-    """Under Triton's CPU interpreter (these tests) a call asking for impl=wgmma is refused with a clear error, not a
-    traceback from the Gluon frontend; an fp8 QK request with it likewise; a launch key it does not take is refused
-    when the setting is read."""
-    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=wgmma")
-    kw = build(Case(T=1, H=4, K=16, seed=5))
-    with pytest.raises(DecodeInputError, match="interpreter cannot run it"):
-        sparse_mla_decode(**kw, qk_mode="bf16")
-    with pytest.raises(DecodeInputError, match="no fp8 QK path"):
-        sparse_mla_decode(**kw, qk_mode="fp8")
-    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=wgmma,BLOCK_H=16")
-    with pytest.raises(DecodeInputError, match="impl=wgmma runs"):
-        sparse_mla_decode(**kw, qk_mode="bf16")

@@ -66,12 +66,17 @@ def test_the_warp_specialized_body_compiles_for_hopper_and_sm120():
     assert out["sm120"].get("stack", 0) == 0, out["sm120"]
 
 
-def test_the_warp_specialized_body_is_refused_clearly_where_it_cannot_run(monkeypatch):
-    """Under Triton's CPU interpreter (these tests) a call asking for impl=wspec is refused with a clear error, not a
-    traceback from the Gluon frontend; an fp8 QK request with it likewise."""
-    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", "impl=wspec")
+@pytest.mark.parametrize("impl,clash", [("wspec", "BLOCK_N=64"), ("wgmma", "BLOCK_H=16")])
+def test_the_gluon_bodies_are_refused_clearly_where_they_cannot_run(monkeypatch, impl, clash):
+    """Under Triton's CPU interpreter (these tests) a call asking for a Gluon body (impl=wspec, impl=wgmma) is
+    refused with a clear error, not a traceback from the Gluon frontend; an fp8 QK request with it likewise, and a
+    launch key its fixed launch does not take when the setting is read."""
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", f"impl={impl}")
     kw = build(Case(T=1, H=4, K=16, seed=3))
     with pytest.raises(DecodeInputError, match="interpreter cannot run it"):
         sparse_mla_decode(**kw, qk_mode="bf16")
     with pytest.raises(DecodeInputError, match="no fp8 QK path"):
         sparse_mla_decode(**kw, qk_mode="fp8")
+    monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", f"impl={impl},{clash}")
+    with pytest.raises(DecodeInputError, match=f"impl={impl} runs"):
+        sparse_mla_decode(**kw, qk_mode="bf16")

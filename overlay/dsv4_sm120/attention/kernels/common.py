@@ -8,7 +8,8 @@ which sees the inlined scopes in the line info, may order a few instructions dif
 * ``_mma_operand``: a ``tl.dot`` operand, upcast to fp32 under the interpreter (P as the PV A operand is
   ``_mma_operand(p.to(tl.bfloat16), INTERP)``);
 * the fp8 QK path's MX quantization of Q, ``_q_mx_quantize``, and its pre-launch kernel ``q_fp8_kernel``;
-* the KV cache: page addressing of a candidate block (``_token_rows``), the seven e4m3 nope tiles and their
+* the KV cache: a program's candidate range in one cache (``_segment_bounds``), page addressing of a candidate
+  block (``_token_rows``), the seven e4m3 nope tiles and their
   UE8M0 scales (``_k_tile`` / ``_k_tiles``, ``_k_scale`` / ``_k_scales``, ``_k_tile_again``), the e4m3 -> bf16
   decode (``_e4m3_bf16``) and the scale value (``_ue8m0``)."""
 
@@ -82,6 +83,17 @@ def _token_rows(idx, inb, P, PB64, PB2_64):
     off = (idx32 - page32 * P).to(tl.int64)
     page = page32.to(tl.int64)
     return valid, page * PB64 + off * 576, page * PB64 + P * 576 + off * 8, page * PB2_64 + off * 288 + 224
+
+
+@triton.jit
+def _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN: tl.constexpr):
+    """A program's candidates ``[start, start + chunk)`` of one cache: ``(cend, end)``, the chunk's end within the
+    cache's ``K`` candidates and that end cut at row ``t``'s length ``len_ptr[t]`` (``HAS_LEN``)."""
+    cend = tl.minimum(start + chunk, K)
+    end = cend
+    if HAS_LEN:
+        end = tl.minimum(end, tl.load(len_ptr + t))
+    return cend, end
 
 
 @triton.jit

@@ -14,6 +14,7 @@ from .common import (
     _k_tiles,
     _mma_operand,
     _online_softmax,
+    _segment_bounds,
     _softmax_init,
     _store_partial,
     _store_softmax_state,
@@ -123,10 +124,7 @@ def _reg_segment(
     # the online-softmax state (m_i, l_i, the eight accumulator tiles) in and out
     lanes = tl.arange(0, 64)
     idx_row = idx_ptr + t.to(tl.int64) * idx_st
-    cend = tl.minimum(start + chunk, K)
-    end = cend
-    if HAS_LEN:
-        end = tl.minimum(end, tl.load(len_ptr + t))
+    cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
     PB64 = PB.to(tl.int64)
     PB2_64 = PB2.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)

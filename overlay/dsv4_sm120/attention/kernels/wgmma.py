@@ -22,7 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from .common import _online_softmax, _store_softmax_state
+from .common import _online_softmax, _segment_bounds, _store_softmax_state
 from .wspec import _block_idx, _dec, _gather_rows
 
 HALF = gl.constexpr(32)  # candidates per producer gather
@@ -59,22 +59,12 @@ def _store_half(slot, flags, raw, h: gl.constexpr):
 
 
 @gluon.jit
-def _segment_end(len_ptr, K, t, start, chunk, HAS_LEN: gl.constexpr):
-    # the end of this program's candidates [start, start + chunk) of one cache: the cache's K, or the row's length
-    end = gl.minimum(start + chunk, K)
-    if HAS_LEN:
-        end = gl.minimum(end, gl.load(len_ptr + t))
-    return end
-
-
-@gluon.jit
 def _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
              HAS_LEN: gl.constexpr, SLOTS: gl.constexpr):
     # the producer's pass over [start, start + chunk) of one cache: 64-candidate block j goes to slot (i + j) % SLOTS
     # once the consumers have freed it; returns the running block count
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
-    cend = gl.minimum(start + chunk, K)
-    end = _segment_end(len_ptr, K, t, start, chunk, HAS_LEN)
+    cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
     PB64 = PB.to(gl.int64)
     PB2_64 = PB2.to(gl.int64)
     # slot ids are loaded a block ahead of the gathers that use them (one memory latency off each gather)
@@ -157,11 +147,12 @@ def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, 
     _partition_barrier()
     nb = 0
     if start < K:
-        nb = gl.cdiv(gl.maximum(_segment_end(len_ptr, K, t, start, chunk, HAS_LEN) - start, 0), 2 * HALF)
+        _, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
+        nb = gl.cdiv(gl.maximum(end - start, 0), 2 * HALF)
     if HAS_2:
         if start + chunk > K:
             lo2 = gl.maximum(start - K, 0)
-            end2 = _segment_end(len2_ptr, K2, t, lo2, start + chunk - K - lo2, HAS_LEN2)
+            _, end2 = _segment_bounds(len2_ptr, K2, t, lo2, start + chunk - K - lo2, HAS_LEN2)
             nb += gl.cdiv(gl.maximum(end2 - lo2, 0), 2 * HALF)
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, SL))

@@ -20,8 +20,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
 
-from .common import (E4M3_BF16_ASM, _k_scales, _online_softmax, _store_partial, _store_softmax_state,
-                     _token_rows)
+from .common import (E4M3_BF16_ASM, _k_scales, _online_softmax, _segment_bounds, _store_partial,
+                     _store_softmax_state, _token_rows)
 
 # one 32-bit word of four e4m3 bytes and its tile's UE8M0 scale as a bf16 pair ($3) -> two bf16 pairs (the four
 # values, scaled, exact): common.E4M3_BF16_ASM's bit moves, each result then multiplied by the scale
@@ -105,10 +105,7 @@ def _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, 
     # the producer's pass over [start, start + chunk) of one cache: block j goes to slot (i + j) % SLOTS once the
     # consumer has freed it; returns the running block count
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
-    cend = gl.minimum(start + chunk, K)
-    end = cend
-    if HAS_LEN:
-        end = gl.minimum(end, gl.load(len_ptr + t))
+    cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
     PB64 = PB.to(gl.int64)
     PB2_64 = PB2.to(gl.int64)
     raw = _gather(cache, idx_row, start, cend, end, P, PB64, PB2_64, BLOCK_N)
@@ -132,10 +129,7 @@ def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty
     opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     opB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
-    cend = gl.minimum(start + chunk, K)
-    end = cend
-    if HAS_LEN:
-        end = gl.minimum(end, gl.load(len_ptr + t))
+    cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
     offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     for n0 in range(start, end, BLOCK_N):
         cc = n0 + offs_c
