@@ -270,7 +270,12 @@ def test_the_warpgroup_mma_body_launch_rules():
         config.resolve(64, 6, 128, 512, config.Device("cpu", None, 4), overrides={"impl": "wgmma"}, interpret=True)
     with pytest.raises(DecodeInputError, match="no fp8 QK path"):
         config.resolve(64, 6, 128, 512, HOPPER_132, qk="fp8", overrides={"impl": "wgmma"})
-    from dsv4_sm120.attention.launch import row_chunks
+    from dsv4_sm120.attention.launch import row_chunks, writes_output
     from dsv4_sm120.attention.plan import ws_words
     (t0, t1, L), = row_chunks(16, 6, 128, 512, HOPPER_132, "bf16", {"impl": "wgmma"}, False, 1 << 30)
     assert (t0, t1, L.config["BLOCK_H"]) == (0, 6, 64) and ws_words("wgmma", 1) == 258 and ws_words("wgmma", 0) == 514
+    # one split per row: the split program writes out / lse and no combine runs; several: partials + combine
+    for T, one in ((6, False), (48, False), (96, True), (192, True), (384, True)):
+        L = config.resolve(64, T, 128, 512, HOPPER_132, overrides={"impl": "wgmma"})
+        assert writes_output(L) == one == (L.plan[0] + L.plan[2] == 1), (T, L.plan)
+    assert not writes_output(config.resolve(64, 384, 128, 512, HOPPER_132, overrides={"impl": "reg"}))
