@@ -99,7 +99,7 @@ TILED_AUTO = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxn
 TILED_W2 = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxnreg=auto,waves=2,PREFETCH=0,"
             "e4m3_int_decode=1,PART_BF16=1")
 FLAT = "impl=flat,BLOCK_H={H},BLOCK_N=32,num_warps=8,num_stages=1,maxnreg=0,waves=2"
-# the Hopper warpgroup-MMA body (timed where the GPU runs it: attention.config.IMPL_ARCHS)
+# the Hopper warpgroup-MMA body (timed where the GPU runs it: attention.keys.runs_on)
 WGMMA = "impl=wgmma,BLOCK_H=64,BLOCK_N=64,num_warps=8,num_stages=1,maxnreg=168,waves=1,spanning_splits=1,PART_BF16=1"
 LAUNCH_CANDIDATES = {  # (heads, qk) -> candidate launch texts
     (16, "bf16"): (REG, TILED_AUTO), (16, "fp8"): (TILED_AUTO, TILED_W2),
@@ -419,6 +419,7 @@ def main(argv=None):
 
 def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context, rows_per_req=1):
     from dsv4_sm120.attention import config, launch
+    from dsv4_sm120.attention.keys import runs_on
     from dsv4_sm120.attention.reference import rel_fro, sparse_mla_decode_ref
 
     dev = torch.device("cuda")
@@ -449,8 +450,7 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
                 ov = config.parse_config(v, f"--variants item {v!r}")
                 if mode == "fp8" and ov.get("impl") in config.BF16_ONLY_IMPLS:
                     continue  # bf16-only bodies refuse fp8 QK
-                archs = config.IMPL_ARCHS.get(ov.get("impl"))
-                if archs and torch.cuda.get_device_capability()[0] not in archs:
+                if not runs_on(ov.get("impl"), torch.cuda.get_device_capability()[0]):
                     continue  # a body this architecture does not run (refused by the launch)
 
                 def f(i, mode=mode, ov=ov):

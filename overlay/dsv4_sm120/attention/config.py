@@ -40,7 +40,7 @@ from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
 from .keys import (BF16_ONLY_IMPLS, FIXED_LAUNCHES, GPU_ONLY_IMPLS, IMPL_ARCHS, IMPLS, KEYS, REG_TABLE_IMPLS,
-                   DecodeInputError, check_fixed_keys, parse_config)
+                   DecodeInputError, arch_names, check_fixed_keys, parse_config, runs_on)
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -202,8 +202,8 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         raise DecodeInputError(f"impl={impl} has no fp8 QK path (use qk_mode='bf16')")
     if interpret and impl in GPU_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} is a GPU launch (a Gluon kernel): Triton's interpreter cannot run it")
-    if impl in IMPL_ARCHS and not interpret and device.capability and device.capability[0] not in IMPL_ARCHS[impl]:
-        raise DecodeInputError(f"impl={impl} runs on sm_{'/sm_'.join(f'{a}0' for a in IMPL_ARCHS[impl])} only "
+    if not interpret and device.capability and not runs_on(impl, device.capability[0]):
+        raise DecodeInputError(f"impl={impl} runs on {arch_names(impl)} only "
                                f"(this device is sm_{device.capability[0]}{device.capability[1]}); use another impl")
     if interpret:
         cfg, source = dict(INTERPRETER_LAUNCH), "interpreter"

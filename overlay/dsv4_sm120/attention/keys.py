@@ -26,8 +26,19 @@ WGMMA_LAUNCH = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "
 # the bodies with a fixed launch: a launch naming one of them with another value of these keys is refused
 # (check_fixed_keys)
 FIXED_LAUNCHES = {"wspec": WSPEC_LAUNCH, "wgmma": WGMMA_LAUNCH}
-# the architectures (capability major) a body runs on, where it is not all of them
+# the architectures (capability major) a body runs on, where it is not all of them (runs_on)
 IMPL_ARCHS = {"wgmma": (9,)}
+
+
+def runs_on(impl, major: int) -> bool:
+    """Whether split body ``impl`` runs on GPUs of capability major ``major`` (``IMPL_ARCHS``; any other body runs
+    everywhere). A body that does not is refused by the launch with an error."""
+    return major in IMPL_ARCHS.get(impl, (major,))
+
+
+def arch_names(impl) -> str:
+    """The architectures ``impl`` runs on, as text (``sm_90``), for messages."""
+    return ", ".join(f"sm_{a}0" for a in IMPL_ARCHS[impl])
 
 
 # launch keys a user may set (DSV4_SM120_ATTN_CONFIG, bench --variants) and how each value is read

@@ -120,13 +120,14 @@ def _attention_device(nsm: int):
 
 def _attention_requests():
     """(qk, launch overrides, label) of every way the product asks for a split launch on sm_120 (a body bound to other
-    architectures, ``keys.IMPL_ARCHS``, is refused there with an error, not launched)."""
-    from ..attention.config import IMPL_ARCHS, IMPLS, BF16_ONLY_IMPLS, parse_config
+    architectures, ``keys.runs_on``, is refused there with an error, not launched)."""
+    from ..attention.config import IMPLS, BF16_ONLY_IMPLS, parse_config
+    from ..attention.keys import runs_on
     from ..calibrate.attention import VARIANTS
 
     out = [("bf16", {}, ""), ("fp8", {}, "")]
     for impl in IMPLS:
-        if CAPABILITY[0] not in IMPL_ARCHS.get(impl, (CAPABILITY[0],)):
+        if not runs_on(impl, CAPABILITY[0]):
             continue
         for qk in ("bf16", "fp8"):
             if not (qk == "fp8" and impl in BF16_ONLY_IMPLS):
@@ -152,6 +153,7 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
     from ..attention.config import BODY_KEYS
     from ..attention.key_aliases import CONSTEXPR
     from ..attention.keys import producer_regs
+    from ..attention.plan import ws_words
 
     impl = cfg["impl"]
     fp8 = qk == "fp8"
@@ -173,7 +175,7 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
     need = {"ctas": max(1, int(cfg["waves"])) if span else 1}
     if fp8:
         need["mma"] = "fp8"
-    acc = "*bf16" if impl in ("tiled", "reg", "wspec", "wgmma") and cfg.get("PART_BF16") else "*fp32"
+    acc = "*bf16" if ws_words(impl, cfg.get("PART_BF16", 0)) == 258 else "*fp32"
     out = [Launch("attention", f"attention.split_kernel_{impl}", cst, opts, {"acc_ws": acc}, need, [origin])]
     if fp8 and impl == "tiled":
         out.append(Launch("attention", "attention.q_fp8_kernel", dict(BLOCK_H=cfg["BLOCK_H"], INTERP=False),

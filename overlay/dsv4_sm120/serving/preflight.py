@@ -283,20 +283,18 @@ def check_alloc_conf(plan: Plan, env: Dict[str, str]) -> List[str]:
 def check_attention_arch(env: Dict[str, str]) -> List[str]:
     """A split body named in ``DSV4_SM120_ATTN_CONFIG`` that sm_120 does not run (``impl=wgmma``, Hopper's
     warpgroup MMA): the servers' GPUs are sm_120 (the gpu check), so the first decode would stop the server."""
-    from ..attention.keys import IMPL_ARCHS, IMPLS, DecodeInputError, parse_config
+    from ..attention.keys import IMPLS, DecodeInputError, arch_names, parse_config, runs_on
 
     text = env.get("DSV4_SM120_ATTN_CONFIG") or ""
     try:
         impl = parse_config(text).get("impl")
     except DecodeInputError:
         return []  # reported by settings.validate
-    archs = IMPL_ARCHS.get(impl)
-    if not archs or 12 in archs:
+    if runs_on(impl, 12):
         return []
-    others = ", ".join(i for i in IMPLS if 12 in IMPL_ARCHS.get(i, (12,)))
-    return [f"DSV4_SM120_ATTN_CONFIG={text!r} names impl={impl}, which runs on "
-            f"{', '.join(f'sm_{a}0' for a in archs)} only, and the servers' GPUs are sm_120: remove impl={impl} "
-            f"(or name one of {others})"]
+    others = ", ".join(i for i in IMPLS if runs_on(i, 12))
+    return [f"DSV4_SM120_ATTN_CONFIG={text!r} names impl={impl}, which runs on {arch_names(impl)} only, and the "
+            f"servers' GPUs are sm_120: remove impl={impl} (or name one of {others})"]
 
 
 def check_overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> List[str]:
