@@ -60,33 +60,56 @@ def _store_half(slot, flags, raw, h: gl.constexpr):
 
 @gluon.jit
 def _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-             HAS_LEN: gl.constexpr, SLOTS: gl.constexpr):
+             HAS_LEN: gl.constexpr, SLOTS: gl.constexpr, DEEP: gl.constexpr):
     # the producer's pass over [start, start + chunk) of one cache: 64-candidate block j goes to slot (i + j) % SLOTS
     # once the consumers have freed it; returns the running block count
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
     cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
     PB64 = PB.to(gl.int64)
     PB2_64 = PB2.to(gl.int64)
-    # slot ids are loaded a block ahead of the gathers that use them (one memory latency off each gather)
-    first = _gather_rows(cache, _block_idx(idx_row, start, cend, HALF), start, end, P, PB64, PB2_64, HALF)
-    ib = _block_idx(idx_row, start + HALF, cend, HALF)
-    ia = _block_idx(idx_row, start + 2 * HALF, cend, HALF)
-    for n0 in range(start, end, 2 * HALF):
-        second = _gather_rows(cache, ib, n0 + HALF, end, P, PB64, PB2_64, HALF)
-        ib = _block_idx(idx_row, n0 + 3 * HALF, cend, HALF)
-        ia_next = _block_idx(idx_row, n0 + 4 * HALF, cend, HALF)
-        b = i % SLOTS
-        mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
-        _store_half(ring.index(b), flags.index(2 * b), first, 0)
-        first = _gather_rows(cache, ia, n0 + 2 * HALF, end, P, PB64, PB2_64, HALF)
-        ia = ia_next
-        _store_half(ring.index(b), flags.index(2 * b + 1), second, 1)
-        # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every
-        # producer warp before the one arrival
-        fence_async_shared()
-        _partition_barrier()
-        mbarrier.arrive(full.index(b))
-        i += 1
+    if DEEP:
+        # two halves in flight while one is decoded and stored
+        h0 = _gather_rows(cache, _block_idx(idx_row, start, cend, HALF), start, end, P, PB64, PB2_64, HALF)
+        h1 = _gather_rows(cache, _block_idx(idx_row, start + HALF, cend, HALF), start + HALF, end, P, PB64, PB2_64,
+                          HALF)
+        ia = _block_idx(idx_row, start + 2 * HALF, cend, HALF)
+        ib = _block_idx(idx_row, start + 3 * HALF, cend, HALF)
+        for n0 in range(start, end, 2 * HALF):
+            h2 = _gather_rows(cache, ia, n0 + 2 * HALF, end, P, PB64, PB2_64, HALF)
+            ia = _block_idx(idx_row, n0 + 4 * HALF, cend, HALF)
+            b = i % SLOTS
+            mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
+            _store_half(ring.index(b), flags.index(2 * b), h0, 0)
+            h3 = _gather_rows(cache, ib, n0 + 3 * HALF, end, P, PB64, PB2_64, HALF)
+            ib = _block_idx(idx_row, n0 + 5 * HALF, cend, HALF)
+            _store_half(ring.index(b), flags.index(2 * b + 1), h1, 1)
+            fence_async_shared()
+            _partition_barrier()
+            mbarrier.arrive(full.index(b))
+            h0 = h2
+            h1 = h3
+            i += 1
+    else:
+        # slot ids are loaded a block ahead of the gathers that use them (one memory latency off each gather)
+        first = _gather_rows(cache, _block_idx(idx_row, start, cend, HALF), start, end, P, PB64, PB2_64, HALF)
+        ib = _block_idx(idx_row, start + HALF, cend, HALF)
+        ia = _block_idx(idx_row, start + 2 * HALF, cend, HALF)
+        for n0 in range(start, end, 2 * HALF):
+            second = _gather_rows(cache, ib, n0 + HALF, end, P, PB64, PB2_64, HALF)
+            ib = _block_idx(idx_row, n0 + 3 * HALF, cend, HALF)
+            ia_next = _block_idx(idx_row, n0 + 4 * HALF, cend, HALF)
+            b = i % SLOTS
+            mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
+            _store_half(ring.index(b), flags.index(2 * b), first, 0)
+            first = _gather_rows(cache, ia, n0 + 2 * HALF, end, P, PB64, PB2_64, HALF)
+            ia = ia_next
+            _store_half(ring.index(b), flags.index(2 * b + 1), second, 1)
+            # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every
+            # producer warp before the one arrival
+            fence_async_shared()
+            _partition_barrier()
+            mbarrier.arrive(full.index(b))
+            i += 1
     return i
 
 
@@ -103,7 +126,8 @@ def _item(w, S, HG, main_chunk):
 @gluon.jit
 def _producer(ring, flags, full, empty, n_items, S, HG, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, chunk,
               cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+              DEEP: gl.constexpr):
     # this program's work items in turn, each its chunk [start, start + chunk) of main ++ extra: the main cache's
     # part, then the extra cache's; the ring runs on across items, so the next item's first blocks are gathered
     # while the consumers finish this one
@@ -112,12 +136,12 @@ def _producer(ring, flags, full, empty, n_items, S, HG, cache, idx_ptr, idx_st, 
         t, s, g, start = _item(w, S, HG, chunk)
         if start < K:
             i = _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-                         HAS_LEN, SLOTS)
+                         HAS_LEN, SLOTS, DEEP)
         if HAS_2:
             if start + chunk > K:
                 lo2 = gl.maximum(start - K, 0)
                 i = _produce(i, ring, flags, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, t,
-                             lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS)
+                             lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, DEEP)
 
 
 @gluon.jit
@@ -223,7 +247,7 @@ def split_kernel_wgmma(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
     SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 128, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
-    n_rows=1,
+    n_rows=1, DEEP: gl.constexpr = False,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64, spanning splits), with the
     warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps. Persistent: a 1-D grid of
@@ -257,5 +281,5 @@ def split_kernel_wgmma(
         (_producer, (ring, flags, full, empty, n_items, S, HG, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                      main_P, main_PB, main_PB2, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
-                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS)),
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, DEEP)),
     ], [4], [PRODUCER_REGS])
