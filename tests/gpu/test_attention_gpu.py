@@ -173,23 +173,6 @@ def test_variants(mode, variant, monkeypatch):
                      extra_K=300, lengths="random", all_invalid_rows=(0,), seed=951), device="cuda"), mode)
 
 
-@pytest.mark.parametrize("waves", [0.01, 1, 8], ids=["one-split", "default", "many-splits"])
-def test_wgmma_programs_run_several_items(waves, monkeypatch):
-    """impl=wgmma runs a persistent grid (one program per SM, each taking every programs-th (row, split, head group)
-    item): with more items than SMs, ragged lengths (items of 0 .. all blocks) and empty rows, every program's later
-    items must see their own blocks (the ring's count runs on across items) and write their own rows."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("impl=wgmma runs on Hopper only (refused elsewhere: tests/test_attention_config.py)")
-    from dsv4_sm120.attention.launch import device_facts
-
-    _set_launch(monkeypatch, dict(_env_config(), impl="wgmma", waves=waves))
-    sms = device_facts(torch.device("cuda")).num_sms
-    for H, T, seed in ((64, 2 * sms + 37, 960), (40, 3 * sms + 5, 961)):
-        kw = build(Case(T=T, H=H, main_page=64, main_pages=8, K=128, extra="c4", extra_pages=12, extra_K=512,
-                        lengths="random", all_invalid_rows=(1, T - 1), seed=seed), device="cuda")
-        check(kw, "bf16", max_rows=48)
-
-
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 @pytest.mark.parametrize("case", matrix())
 def test_matrix(case, mode):

@@ -193,14 +193,8 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
             out, lse, sink = final
             flags.update(out_ptr=out, lse_ptr=lse, sink_ptr=sink if sink is not None else m_ws, FINAL=True,
                          HAS_SINK=sink is not None)
-        grid = (T, s1 + s2, HG)
-        if impl == "wgmma":
-            # persistent: at most one program per SM (its shared memory holds one), each running every
-            # programs-th (row, split, head group) item
-            grid = (min(T * (s1 + s2) * HG, device_facts(q.device).num_sms),)
-            flags["n_rows"] = T
-        SPLIT_KERNELS[impl][grid](*args, SPAN=bool(cfg["spanning_splits"]),
-                                  PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), **flags)
+        SPLIT_KERNELS[impl][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
+                                              PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), **flags)
     else:
         SPLIT_KERNELS["flat"][(T, s1 + s2, HG)](*args, **flags)
 

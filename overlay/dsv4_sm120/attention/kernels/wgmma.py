@@ -60,88 +60,50 @@ def _store_half(slot, flags, raw, h: gl.constexpr):
 
 @gluon.jit
 def _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-             HAS_LEN: gl.constexpr, SLOTS: gl.constexpr, DEEP: gl.constexpr):
+             HAS_LEN: gl.constexpr, SLOTS: gl.constexpr):
     # the producer's pass over [start, start + chunk) of one cache: 64-candidate block j goes to slot (i + j) % SLOTS
     # once the consumers have freed it; returns the running block count
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
     cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
     PB64 = PB.to(gl.int64)
     PB2_64 = PB2.to(gl.int64)
-    if DEEP:
-        # two halves in flight while one is decoded and stored
-        h0 = _gather_rows(cache, _block_idx(idx_row, start, cend, HALF), start, end, P, PB64, PB2_64, HALF)
-        h1 = _gather_rows(cache, _block_idx(idx_row, start + HALF, cend, HALF), start + HALF, end, P, PB64, PB2_64,
-                          HALF)
-        ia = _block_idx(idx_row, start + 2 * HALF, cend, HALF)
-        ib = _block_idx(idx_row, start + 3 * HALF, cend, HALF)
-        for n0 in range(start, end, 2 * HALF):
-            h2 = _gather_rows(cache, ia, n0 + 2 * HALF, end, P, PB64, PB2_64, HALF)
-            ia = _block_idx(idx_row, n0 + 4 * HALF, cend, HALF)
-            b = i % SLOTS
-            mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
-            _store_half(ring.index(b), flags.index(2 * b), h0, 0)
-            h3 = _gather_rows(cache, ib, n0 + 3 * HALF, end, P, PB64, PB2_64, HALF)
-            ib = _block_idx(idx_row, n0 + 5 * HALF, cend, HALF)
-            _store_half(ring.index(b), flags.index(2 * b + 1), h1, 1)
-            fence_async_shared()
-            _partition_barrier()
-            mbarrier.arrive(full.index(b))
-            h0 = h2
-            h1 = h3
-            i += 1
-    else:
-        # slot ids are loaded a block ahead of the gathers that use them (one memory latency off each gather)
-        first = _gather_rows(cache, _block_idx(idx_row, start, cend, HALF), start, end, P, PB64, PB2_64, HALF)
-        ib = _block_idx(idx_row, start + HALF, cend, HALF)
-        ia = _block_idx(idx_row, start + 2 * HALF, cend, HALF)
-        for n0 in range(start, end, 2 * HALF):
-            second = _gather_rows(cache, ib, n0 + HALF, end, P, PB64, PB2_64, HALF)
-            ib = _block_idx(idx_row, n0 + 3 * HALF, cend, HALF)
-            ia_next = _block_idx(idx_row, n0 + 4 * HALF, cend, HALF)
-            b = i % SLOTS
-            mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
-            _store_half(ring.index(b), flags.index(2 * b), first, 0)
-            first = _gather_rows(cache, ia, n0 + 2 * HALF, end, P, PB64, PB2_64, HALF)
-            ia = ia_next
-            _store_half(ring.index(b), flags.index(2 * b + 1), second, 1)
-            # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every
-            # producer warp before the one arrival
-            fence_async_shared()
-            _partition_barrier()
-            mbarrier.arrive(full.index(b))
-            i += 1
+    # slot ids are loaded a block ahead of the gathers that use them (one memory latency off each gather)
+    first = _gather_rows(cache, _block_idx(idx_row, start, cend, HALF), start, end, P, PB64, PB2_64, HALF)
+    ib = _block_idx(idx_row, start + HALF, cend, HALF)
+    ia = _block_idx(idx_row, start + 2 * HALF, cend, HALF)
+    for n0 in range(start, end, 2 * HALF):
+        second = _gather_rows(cache, ib, n0 + HALF, end, P, PB64, PB2_64, HALF)
+        ib = _block_idx(idx_row, n0 + 3 * HALF, cend, HALF)
+        ia_next = _block_idx(idx_row, n0 + 4 * HALF, cend, HALF)
+        b = i % SLOTS
+        mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
+        _store_half(ring.index(b), flags.index(2 * b), first, 0)
+        first = _gather_rows(cache, ia, n0 + 2 * HALF, end, P, PB64, PB2_64, HALF)
+        ia = ia_next
+        _store_half(ring.index(b), flags.index(2 * b + 1), second, 1)
+        # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every
+        # producer warp before the one arrival
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(full.index(b))
+        i += 1
     return i
 
 
 @gluon.jit
-def _item(w, S, HG, main_chunk):
-    # work item w of the persistent grid -> (row t, split s, head group g, chunk start): head groups fastest, then
-    # splits, so the items in flight at once share rows (Q, candidates) in L2
-    g = w % HG
-    s = (w // HG) % S
-    t = w // (HG * S)
-    return t, s, g, s * main_chunk
-
-
-@gluon.jit
-def _producer(ring, flags, full, empty, n_items, S, HG, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, chunk,
+def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
               cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-              DEEP: gl.constexpr):
-    # this program's work items in turn, each its chunk [start, start + chunk) of main ++ extra: the main cache's
-    # part, then the extra cache's; the ring runs on across items, so the next item's first blocks are gathered
-    # while the consumers finish this one
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+    # the program's chunk [start, start + chunk) of main ++ extra: the main cache's part, then the extra cache's
     i = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        t, s, g, start = _item(w, S, HG, chunk)
-        if start < K:
-            i = _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-                         HAS_LEN, SLOTS, DEEP)
-        if HAS_2:
-            if start + chunk > K:
-                lo2 = gl.maximum(start - K, 0)
-                i = _produce(i, ring, flags, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, t,
-                             lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, DEEP)
+    if start < K:
+        i = _produce(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
+                     HAS_LEN, SLOTS)
+    if HAS_2:
+        if start + chunk > K:
+            lo2 = gl.maximum(start - K, 0)
+            i = _produce(i, ring, flags, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, t,
+                         lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS)
 
 
 @gluon.jit
@@ -162,21 +124,20 @@ def _store_output(out_ptr, lse_ptr, sink_ptr, t64, H, h, d, hs, o, m_i, l_i, HAS
 
 
 @gluon.jit
-def _consume_item(i, q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
-                  len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
-                  HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-                  FINAL: gl.constexpr, HAS_SINK: gl.constexpr):
-    # one work item: the blocks the producers fill for it (as many as _producer's passes make), each: S = Q K^T,
-    # online softmax, O = alpha O + P V, the slot back to the producers; then the partial to the workspace, or
-    # (FINAL) the row's output and lse; returns the running block count
+def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
+              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+              FINAL: gl.constexpr, HAS_SINK: gl.constexpr):
+    # the blocks the producers fill for this program (as many as _producer's passes make), each: S = Q K^T, online
+    # softmax, O = alpha O + P V, the slot back to the producers; then the partial to the workspace, or (FINAL) the
+    # row's output and lse
     SL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     OL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=OL, k_width=2)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     t64 = t.to(gl.int64)
-    # Q of the 64 heads into shared memory (heads >= H: zeros); the previous item's MMAs are done with it (both
-    # warpgroups passed the barrier after its last block)
+    # Q of the 64 heads into shared memory, once (heads >= H: zeros)
     hq = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
     dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
     q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
@@ -196,7 +157,7 @@ def _consume_item(i, q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh,
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, SL))
     o = gl.zeros([64, 512], gl.float32, OL)
-    for _ in range(nb):
+    for i in range(nb):
         b = i % SLOTS
         mbarrier.wait(full.index(b), (i // SLOTS) & 1)
         kv = ring.index(b)
@@ -205,10 +166,9 @@ def _consume_item(i, q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh,
         p, alpha, m_i, l_i = _online_softmax(sc, vc, m_i, l_i, sm_scale_log2)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, OL)), 1)
         o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), PA), kv, o)
-        # both warpgroups are done with the slot (and with Q) before the one arrival
+        # both warpgroups are done with the slot before the one arrival
         _partition_barrier()
         mbarrier.arrive(empty.index(b))
-        i += 1
     h = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, OL))
     d = gl.arange(0, 512, layout=gl.SliceLayout(0, OL))
     hs = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
@@ -220,21 +180,6 @@ def _consume_item(i, q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh,
         gl.store(acc_ws + gl.expand_dims(((t64 * S + s) * HP + h) * 512, 1) + gl.expand_dims(d, 0),
                  o.to(acc_ws.dtype.element_ty), mask=gl.expand_dims(h < H, 1))
         _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
-    return i
-
-
-@gluon.jit
-def _consumer(q_s, ring, flags, full, empty, n_items, HG, q_ptr, stride_qt, stride_qh, len_ptr, K, chunk,
-              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-              FINAL: gl.constexpr, HAS_SINK: gl.constexpr):
-    # this program's work items in the producers' order
-    i = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        t, s, g, start = _item(w, S, HG, chunk)
-        i = _consume_item(i, q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start,
-                          chunk, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr,
-                          sink_ptr, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, FINAL, HAS_SINK)
 
 
 @gluon.jit
@@ -247,22 +192,20 @@ def split_kernel_wgmma(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
     SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 128, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
-    n_rows=1, DEEP: gl.constexpr = False,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64, spanning splits), with the
-    warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps. Persistent: a 1-D grid of
-    at most one program per SM, each running the work items ``pid, pid + programs, ...`` of the ``n_rows x S x
-    HP / 64`` (row, split, head group) items, so a program's fixed costs (Q, the ring's first fill, the output)
-    overlap the next item's gathers. ``FINAL`` (one split per row, ``S`` = 1): the program writes the row's ``out``
-    [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with the sink ``sink_ptr`` (``HAS_SINK``), and the combine is
-    not launched."""
+    warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps. ``FINAL`` (one split
+    per row, ``S`` = 1): the program writes the row's ``out`` [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with
+    the sink ``sink_ptr`` (``HAS_SINK``), and the combine is not launched."""
     gl.static_assert(BLOCK_H == 64, "the warpgroup-MMA body takes 64 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the warpgroup-MMA body consumes 64-candidate blocks")
     gl.static_assert(SPAN, "the warpgroup-MMA body takes spanning splits")
-    HG = HP // BLOCK_H
-    n_items = n_rows * S * HG
+    t = gl.program_id(0)
+    s = gl.program_id(1)
+    g = gl.program_id(2)
     main = main_ptr.to(gl.pointer_type(gl.uint8))
     extra = extra_ptr.to(gl.pointer_type(gl.uint8))
+    start = s * main_chunk
     chunk = main_chunk
     NV: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 2 * HALF, 512], NV)
@@ -275,11 +218,11 @@ def split_kernel_wgmma(
         mbarrier.init(full.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
     gl.warp_specialize([
-        (_consumer, (q_s, ring, flags, full, empty, n_items, HG, q_ptr, stride_qt, stride_qh, main_len_ptr, main_K,
-                     chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+        (_consumer, (q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
+                     start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
                      out_ptr, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL, HAS_SINK)),
-        (_producer, (ring, flags, full, empty, n_items, S, HG, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K,
-                     main_P, main_PB, main_PB2, chunk,
+        (_producer, (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
+                     main_PB2, start, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
-                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, DEEP)),
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS)),
     ], [4], [PRODUCER_REGS])
