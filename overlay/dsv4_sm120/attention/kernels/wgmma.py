@@ -49,11 +49,11 @@ def _store_half(slot, flags, raw, h: gl.constexpr):
     # decode a raw half block into rows [HALF * h, HALF * (h + 1)) of a ring slot [64, 512] in one store (Triton's
     # barrier pass fences consecutive stores into one buffer with a barrier each), and its candidates' validity
     # into ``flags`` [HALF] (the slot's half h)
-    k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, valid = raw
-    lo = _cat(_cat(_bf16_tile(_dec(k0, c0)), _bf16_tile(_dec(k1, c1))),
-              _cat(_bf16_tile(_dec(k2, c2)), _bf16_tile(_dec(k3, c3))))
-    hi = _cat(_cat(_bf16_tile(_dec(k4, c4)), _bf16_tile(_dec(k5, c5))),
-              _cat(_bf16_tile(_dec(k6, c6)), _bf16_tile(rope)))
+    k0, k1, k2, k3, k4, k5, k6, s_lo, s_hi, rope, valid = raw
+    lo = _cat(_cat(_bf16_tile(_dec(k0, s_lo, 0)), _bf16_tile(_dec(k1, s_lo, 8))),
+              _cat(_bf16_tile(_dec(k2, s_lo, 16)), _bf16_tile(_dec(k3, s_lo, 24))))
+    hi = _cat(_cat(_bf16_tile(_dec(k4, s_hi, 0)), _bf16_tile(_dec(k5, s_hi, 8))),
+              _cat(_bf16_tile(_dec(k6, s_hi, 16)), _bf16_tile(rope)))
     slot.slice(HALF * h, HALF, dim=0).store(_cat(lo, hi))
     flags.store(valid.to(gl.int32))
 
@@ -107,7 +107,30 @@ def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P
 
 
 @gluon.jit
-def _store_output(out_ptr, lse_ptr, sink_ptr, t64, H, h, d, hs, o, m_i, l_i, HAS_SINK: gl.constexpr):
+def _stage_rows(stage, x, dst_ptr, row0, nrows, STAGE: gl.constexpr):
+    # x [64, 512] (the accumulator layout) -> dst_ptr[(row0 + r) * 512 + c] for r < nrows, in dst's type. STAGE:
+    # through shared memory ``stage`` (a free [64, 512] bf16 tile; bf16 only), read back as 16-byte vectors along
+    # the rows, so a warp's store covers whole 32-byte sectors (the accumulator layout holds two adjacent columns
+    # per thread: 4-byte stores, half-sector pieces)
+    if STAGE:
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        stage.store(x.to(gl.bfloat16))
+        _partition_barrier()
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+        c = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+        gl.store(dst_ptr + gl.expand_dims((row0 + r).to(gl.int64) * 512, 1) + gl.expand_dims(c, 0), stage.load(QL),
+                 mask=gl.expand_dims(r < nrows, 1))
+    else:
+        OL: gl.constexpr = x.type.layout
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, OL))
+        c = gl.arange(0, 512, layout=gl.SliceLayout(0, OL))
+        gl.store(dst_ptr + gl.expand_dims((row0 + r).to(gl.int64) * 512, 1) + gl.expand_dims(c, 0),
+                 x.to(dst_ptr.dtype.element_ty), mask=gl.expand_dims(r < nrows, 1))
+
+
+@gluon.jit
+def _store_output(stage, out_ptr, lse_ptr, sink_ptr, t64, H, g, hs, o, m_i, l_i, HAS_SINK: gl.constexpr,
+                  STAGE_OUT: gl.constexpr):
     # out[t, h] = O / (l + 2^(sink * log2(e) - m)) in bf16 and lse[t, h] = ln(2^m l) (without the sink), as
     # combine_kernel computes them for one split: zeros and -inf where the row has no valid candidate
     m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -116,9 +139,8 @@ def _store_output(out_ptr, lse_ptr, sink_ptr, t64, H, h, d, hs, o, m_i, l_i, HAS
     if HAS_SINK:
         denom += gl.exp2(gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * 1.4426950408889634 - m_ref)
     inv = gl.where(lonely, 0.0, 1.0 / gl.where(lonely, 1.0, denom))
-    o = o * gl.expand_dims(gl.convert_layout(inv, h.type.layout), 1)
-    gl.store(out_ptr + gl.expand_dims((t64 * H + h) * 512, 1) + gl.expand_dims(d, 0), o.to(gl.bfloat16),
-             mask=gl.expand_dims(h < H, 1))
+    o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, o.type.layout)), 1)
+    _stage_rows(stage, o, out_ptr, t64 * H + g * 64, H - g * 64, STAGE_OUT)
     lse = gl.where(lonely, float("-inf"), (m_ref + gl.log2(gl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
     gl.store(lse_ptr + t64 * H + hs, lse, mask=hs < H)
 
@@ -127,7 +149,7 @@ def _store_output(out_ptr, lse_ptr, sink_ptr, t64, H, h, d, hs, o, m_i, l_i, HAS
 def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
               len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
               HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-              FINAL: gl.constexpr, HAS_SINK: gl.constexpr):
+              FINAL: gl.constexpr, HAS_SINK: gl.constexpr, STAGE_OUT: gl.constexpr):
     # the blocks the producers fill for this program (as many as _producer's passes make), each: S = Q K^T, online
     # softmax, O = alpha O + P V, the slot back to the producers; then the partial to the workspace, or (FINAL) the
     # row's output and lse
@@ -169,16 +191,15 @@ def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, 
         # both warpgroups are done with the slot before the one arrival
         _partition_barrier()
         mbarrier.arrive(empty.index(b))
-    h = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, OL))
-    d = gl.arange(0, 512, layout=gl.SliceLayout(0, OL))
     hs = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, SL))
+    # Q's tile is free now (every MMA that read it is done: the barrier after the last block) and stages the rows
     if FINAL:
         # the program holds all of its row's candidates: the combine's arithmetic for one split, here
-        _store_output(out_ptr, lse_ptr, sink_ptr, t64, H, h, d, hs, o, m_i, l_i, HAS_SINK)
+        _store_output(q_s, out_ptr, lse_ptr, sink_ptr, t64, H, g, hs, o, m_i, l_i, HAS_SINK, STAGE_OUT)
     else:
         # the partial: 512 values per head (nope 0..447 then rope) and (m, l)
-        gl.store(acc_ws + gl.expand_dims(((t64 * S + s) * HP + h) * 512, 1) + gl.expand_dims(d, 0),
-                 o.to(acc_ws.dtype.element_ty), mask=gl.expand_dims(h < H, 1))
+        _stage_rows(q_s, o, acc_ws, (t64 * S + s) * HP + g * 64, H - g * 64,
+                    STAGE_OUT and acc_ws.dtype.element_ty == gl.bfloat16)
         _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
 
 
@@ -192,6 +213,7 @@ def split_kernel_wgmma(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
     SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 128, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
+    STAGE_OUT: gl.constexpr = True,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64, spanning splits), with the
     warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps. ``FINAL`` (one split
@@ -220,7 +242,7 @@ def split_kernel_wgmma(
     gl.warp_specialize([
         (_consumer, (q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
                      start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                     out_ptr, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL, HAS_SINK)),
+                     out_ptr, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL, HAS_SINK, STAGE_OUT)),
         (_producer, (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
                      main_PB2, start, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,

@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
 
-from .common import (E4M3_BF16_ASM, _k_scales, _online_softmax, _segment_bounds, _store_partial,
+from .common import (E4M3_BF16_ASM, _online_softmax, _segment_bounds, _store_partial,
                      _store_softmax_state, _token_rows)
 
 # one 32-bit word of four e4m3 bytes and its tile's UE8M0 scale as a bf16 pair ($3) -> two bf16 pairs (the four
@@ -44,7 +44,8 @@ def _block_idx(idx_row, n0, cend, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _gather_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
     # the raw block of the candidates n0 .. with slot ids idx (_block_idx): seven [BLOCK_N, 16]-word e4m3 tiles,
-    # their [BLOCK_N] UE8M0 bytes, the [BLOCK_N, 32]-word rope (bf16 pairs), and which candidates exist
+    # the [BLOCK_N] scale rows as two 32-bit words (UE8M0 bytes of tiles 0-3 and 4-6, little-endian: two loads and
+    # two registers instead of seven of each), the [BLOCK_N, 32]-word rope (bf16 pairs), and which candidates exist
     # ([BLOCK_N] bool)
     BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     BR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -61,11 +62,12 @@ def _gather_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
     k4 = gl.load(words + r2 + 64, mask=v2, other=0)
     k5 = gl.load(words + r2 + 80, mask=v2, other=0)
     k6 = gl.load(words + r2 + 96, mask=v2, other=0)
-    c0, c1, c2, c3, c4, c5, c6 = _k_scales(cache, sb, valid)
+    s_lo = gl.load(words + sb // 4, mask=valid, other=0)
+    s_hi = gl.load(words + sb // 4 + 1, mask=valid, other=0)
     lanes32 = gl.arange(0, 32, layout=gl.SliceLayout(0, BR))
     r0 = gl.expand_dims(gl.convert_layout(ro // 2, gl.SliceLayout(1, BR)), 1) + gl.expand_dims(lanes32, 0)
     rope = gl.load(words + r0, mask=gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, BR)), 1), other=0)
-    return k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, valid
+    return k0, k1, k2, k3, k4, k5, k6, s_lo, s_hi, rope, valid
 
 
 @gluon.jit
@@ -75,9 +77,10 @@ def _gather(cache, idx_row, n0, cend, end, P, PB64, PB2_64, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _dec(k32, ksc):
-    # a [BLOCK_N, 16]-word e4m3 tile and its [BLOCK_N] UE8M0 scales -> its 64 bf16 values as [BLOCK_N, 32] words
-    sc = ksc.to(gl.int32)
+def _dec(k32, sw, SHIFT: gl.constexpr):
+    # a [BLOCK_N, 16]-word e4m3 tile and its [BLOCK_N] UE8M0 scales (byte SHIFT / 8 of the scale words ``sw``) -> its
+    # 64 bf16 values as [BLOCK_N, 32] words
+    sc = (sw >> SHIFT) & 0xFF
     sc2 = gl.expand_dims((sc << 7) | (sc << 23), 1)  # the scale 2^(byte - 127) as a bf16 pair
     lo, hi = gl.inline_asm_elementwise(E4M3X4_SCALED_ASM, "=r,=r,r,r", [k32, sc2], dtype=(gl.int32, gl.int32),
                                        is_pure=True, pack=1)
@@ -88,14 +91,14 @@ def _dec(k32, ksc):
 def _store_block(slot_w, raw):
     # decode a raw block into a ring slot's word view [BLOCK_N, 256], tile by tile (a few registers at a time):
     # nope tile t -> word columns 32t .., rope -> 224 ..
-    k0, k1, k2, k3, k4, k5, k6, c0, c1, c2, c3, c4, c5, c6, rope, valid = raw
-    slot_w.slice(0, 32, dim=1).store(_dec(k0, c0))
-    slot_w.slice(32, 32, dim=1).store(_dec(k1, c1))
-    slot_w.slice(64, 32, dim=1).store(_dec(k2, c2))
-    slot_w.slice(96, 32, dim=1).store(_dec(k3, c3))
-    slot_w.slice(128, 32, dim=1).store(_dec(k4, c4))
-    slot_w.slice(160, 32, dim=1).store(_dec(k5, c5))
-    slot_w.slice(192, 32, dim=1).store(_dec(k6, c6))
+    k0, k1, k2, k3, k4, k5, k6, s_lo, s_hi, rope, valid = raw
+    slot_w.slice(0, 32, dim=1).store(_dec(k0, s_lo, 0))
+    slot_w.slice(32, 32, dim=1).store(_dec(k1, s_lo, 8))
+    slot_w.slice(64, 32, dim=1).store(_dec(k2, s_lo, 16))
+    slot_w.slice(96, 32, dim=1).store(_dec(k3, s_lo, 24))
+    slot_w.slice(128, 32, dim=1).store(_dec(k4, s_hi, 0))
+    slot_w.slice(160, 32, dim=1).store(_dec(k5, s_hi, 8))
+    slot_w.slice(192, 32, dim=1).store(_dec(k6, s_hi, 16))
     slot_w.slice(224, 32, dim=1).store(rope)
 
 
