@@ -41,26 +41,33 @@ def build(cst):
                 wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16", ptx))),
                 proxy_fences=len(re.findall(r"fence\.proxy\.async", ptx)),
                 hgmma=len(re.findall(r"\bHGMMA\.64x\d+x16\.F32\.BF16\b", sass)),
-                ldg128=len(re.findall(r"\bLDG\.E\.128\b", sass)))
+                ldg128=len(re.findall(r"\bLDG\.E\.128\b", sass)), stg128=len(re.findall(r"\bSTG\.E\.128\b", sass)),
+                stl=len(re.findall(r"\bSTL(\.\d+)?\b", sass)))
 
 
 # as launched: partials for the combine (no output pointers), or one split per row writing out / lse itself
+# (16 heads: the output stored from the accumulator layout, not staged)
 out = {"sm90": build(dict(base, out_ptr=None, lse_ptr=None, sink_ptr=None)),
-       "sm90_final": build(dict(base, FINAL=True, HAS_SINK=True))}
+       "sm90_final": build(dict(base, FINAL=True, HAS_SINK=True)),
+       "sm90_final_unstaged": build(dict(base, FINAL=True, HAS_SINK=True, STAGE_OUT=False))}
 print("RESULT" + json.dumps(out))
 """
 
 
 def test_the_warpgroup_mma_body_compiles_for_hopper():
     """impl=wgmma compiles for sm_90 as launched: 384 threads (8 consumer + 4 producer warps) at a cap of 168
-    registers, which fills the register file once (one CTA per SM); the producers drop to their 128 registers and the
+    registers, which fills the register file once (one CTA per SM); the producers run at their 136 registers and the
     consumers take the rest (184); Q and the two-slot ring in 201 KB of the 227 KB a block may have; the QK (N = 32 per
     warpgroup) and PV (N = 256) warpgroup MMAs; proxy fences between the generic-proxy stores and the MMAs' reads;
-    16-byte gathers; a bounded stack (a few spilled words in the producer). Both builds: partials
-    for the combine, and one split per row writing out / lse itself."""
-    both = gpu_compile_result(_WGMMA_COMPILE, timeout=900)
-    for r in both.values():
+    16-byte gathers; a bounded stack (a few spilled words). The builds: partials for the combine, one split per row
+    writing out / lse itself, both staging their rows through shared memory (16-byte stores), and the unstaged
+    output of 16 heads."""
+    builds = gpu_compile_result(_WGMMA_COMPILE, timeout=900)
+    for name, r in builds.items():
         _check_hopper_build(r)
+        if r["sass"]:
+            # staged: 64 x 512 bf16 over 256 consumer threads = 16 vector stores each; unstaged: none
+            assert (r["stg128"] >= 16) == (name != "sm90_final_unstaged"), (name, r)
 
 
 def _check_hopper_build(r):
@@ -71,9 +78,8 @@ def _check_hopper_build(r):
     assert r["mbarrier_waits"] >= 2 and r["proxy_fences"] >= 2, r
     counts = {int(n) for _, n in r["setmaxnreg"]}
     consumers = (r["maxnreg"] * 384 - r["producer"] * 128) // 256 // 8 * 8
-    assert r["producer"] in counts and consumers in counts, r
+    assert r["producer"] in counts and consumers == 184 and consumers in counts, r
     if r["sass"] == 0:
         pytest.skip("cuobjdump gave no SASS here")
     assert r["regs"] == r["maxnreg"] and r["hgmma"] >= 36 and r["ldg128"] >= 14, r
     assert r.get("stack", 0) <= 128, r
-

@@ -8,7 +8,8 @@ launch's 8 warps) run ``S = Q K^T`` with Q ``[64, 512]`` in shared memory (each 
 the online softmax, and ``O += P V`` (each warpgroup 256 of the 512 output columns, P from registers), the block's
 slot going back to the producers after PV. One CTA of 12 warps per SM: Q and the ring take 192 KB; the producers
 run at ``PRODUCER_REGS`` and the consumers take the rest of the launch's ``maxnreg`` x 384 registers. A program
-that holds all of its row's candidates (one split, ``FINAL``) writes the row's output and lse itself.
+that holds all of its row's candidates (one split, ``FINAL``) writes the row's output and lse itself; the output
+or partial goes through Q's tile, free by then, for whole-sector stores (``STAGE_OUT``).
 
 Why: the mma.sync bodies run 16 heads per program, so 32 and 64 heads gather, decode and stage every block two
 and four times, and their consumers re-read Q from shared memory per warp; a warpgroup MMA reads each operand
@@ -211,14 +212,16 @@ def split_kernel_wgmma(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 128, SLOTS: gl.constexpr = 2,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 136, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
     STAGE_OUT: gl.constexpr = True,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64, spanning splits), with the
     warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps. ``FINAL`` (one split
     per row, ``S`` = 1): the program writes the row's ``out`` [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with
-    the sink ``sink_ptr`` (``HAS_SINK``), and the combine is not launched."""
+    the sink ``sink_ptr`` (``HAS_SINK``), and the combine is not launched. ``STAGE_OUT``: the output (and a bf16
+    partial) leave through Q's shared-memory tile as 16-byte row vectors instead of the accumulator layout's 4-byte
+    pieces (the launch sets it where most of the 64 head rows are real: H > 16)."""
     gl.static_assert(BLOCK_H == 64, "the warpgroup-MMA body takes 64 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the warpgroup-MMA body consumes 64-candidate blocks")
     gl.static_assert(SPAN, "the warpgroup-MMA body takes spanning splits")
