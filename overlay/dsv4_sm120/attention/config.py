@@ -209,6 +209,10 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         cfg, source = dict(INTERPRETER_LAUNCH), "interpreter"
     else:
         cfg, source = table_entry(H, call_rows, qk, device, impl, root)
+        if impl is None and cfg.get("impl") == "wgmma" and call_rows * P.cdiv(K1 + K2, 64) < P.WGMMA_MIN_BLOCKS:
+            # too little work for the warpgroup-MMA body's fixed cost (plan.WGMMA_MIN_BLOCKS): the register body
+            cfg, source = table_entry(H, call_rows, qk, device, "reg", root)
+            source += " (few blocks for impl=wgmma)"
     cfg.update(user)
     impl = cfg["impl"]
     if impl not in IMPLS:
@@ -228,7 +232,8 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     HG = P.cdiv(H, int(cfg["BLOCK_H"]))
     span = impl in REG_TABLE_IMPLS and bool(int(cfg.get("spanning_splits", 0)))
     overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if impl == "wgmma" else P.PROGRAM_OVERHEAD_BLOCKS
-    plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead)
+    combine = P.WGMMA_COMBINE_BLOCKS if impl == "wgmma" else 0
+    plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
     s1, c1, s2, c2 = plan
     if cfg.get("num_stages", "auto") == "auto":
         bn = int(cfg["BLOCK_N"])

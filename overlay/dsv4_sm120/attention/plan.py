@@ -47,10 +47,19 @@ PROGRAM_OVERHEAD_BLOCKS = 1
 # output). Fitted on the H200 (launch_h64 rows of 2026-12-03 06:59): 192 rows in 2 splits (3 rounds of 6 blocks)
 # took 102.9 us, 256 rows in 1 split (2 rounds of 11) 92.2 us; with 5 blocks, 192 rows take one split.
 WGMMA_PROGRAM_OVERHEAD_BLOCKS = 5
+# ... and what a plan of more than one split per row pays once on top (the partials' round trip and the combine
+# launch, which a single split's programs skip): SWA-only rows (two blocks) at 48 rows run one split (H200: 12.9
+# against 14.0 us at 32 heads, 16.2 against 18.9 at 64), rows of four blocks still split (c128 at 16k, 32 heads, 48
+# rows: 17.6 against 19.8 us in one split).
+WGMMA_COMBINE_BLOCKS = 1
+# Below this many 64-candidate blocks in a call (rows x blocks per row) the register body runs where a table names
+# impl=wgmma: its fixed cost per program outweighs a few blocks (H200, 64 heads, 6 rows: SWA-only, 12 blocks, 7.2 us
+# against 10.3; c4, 60 blocks, 12.5 against 11.5). The tables come from launch sweeps over SWA + c4 rows (ten blocks).
+WGMMA_MIN_BLOCKS = 48
 
 
 def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0,
-              overhead: int = PROGRAM_OVERHEAD_BLOCKS):
+              overhead: int = PROGRAM_OVERHEAD_BLOCKS, combine: int = 0):
     """Split plan of the spanning register body (SPAN=1): (splits, chunk) over the concatenated candidate list
     (main ++ extra, K1 + K2 candidates). The chunk is a whole number of blocks, so every program but the last of a
     row owns the same work.
@@ -58,7 +67,8 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
     ``waves * num_sms`` programs run at once (2 per SM for a body that fits twice), so ``P`` equal programs finish
     in ``ceil(P / slots)`` rounds, each as long as one program: ``blocks + overhead`` (``PROGRAM_OVERHEAD_BLOCKS``,
     or the body's own). The plan is
-    the split count with the shortest ``rounds x program`` (ties: fewer splits). While the rows alone fit the
+    the split count with the shortest ``rounds x program`` (ties: fewer splits), plus ``combine`` blocks for any
+    plan of more than one split where one split costs no combine (the warpgroup-MMA body). While the rows alone fit the
     slots this is mostly the most splits that fill one round (a second, partial round costs a whole program's
     time); with more rows than slots it cuts rows into a few chunks so the last round is not left half empty
     (384 rows on 264 slots: 2 splits, 3 rounds of 10 blocks instead of 2 rounds of 20)."""
@@ -69,7 +79,7 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
     for want in range(1, nb + 1):
         blocks = cdiv(nb, want)
         splits = cdiv(nb, blocks)
-        key = (cdiv(progs * splits, slots) * (blocks + overhead), splits)
+        key = (cdiv(progs * splits, slots) * (blocks + overhead) + (combine if splits > 1 else 0), splits)
         if best is None or key < best[0]:
             best = (key, blocks)
     chunk = best[1] * block_n
@@ -77,11 +87,11 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
 
 
 def split_plan(span: bool, T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int,
-               waves: float, overhead: int = PROGRAM_OVERHEAD_BLOCKS) -> Tuple[int, int, int, int]:
+               waves: float, overhead: int = PROGRAM_OVERHEAD_BLOCKS, combine: int = 0) -> Tuple[int, int, int, int]:
     """(s_main, chunk_main, s_extra, chunk_extra) of a launch; the spanning plan's splits all count as main
     splits (the kernel reads ``main_chunk`` only)."""
     if span:
-        S, chunk = plan_span(T, HG, K1, K2, block_n, num_sms, waves, overhead)
+        S, chunk = plan_span(T, HG, K1, K2, block_n, num_sms, waves, overhead, combine)
         return S, chunk, 0, block_n
     return plan_splits(T, HG, K1, K2, block_n, num_sms, waves)
 
