@@ -279,3 +279,30 @@ def test_the_warpgroup_mma_body_launch_rules():
         L = config.resolve(64, T, 128, 512, HOPPER_132, overrides={"impl": "wgmma"})
         assert writes_output(L) == one == (L.plan[0] + L.plan[2] == 1), (T, L.plan)
     assert not writes_output(config.resolve(64, 384, 128, 512, HOPPER_132, overrides={"impl": "reg"}))
+
+
+def test_the_warpgroup_mma_body_is_chosen_by_work_and_pays_for_its_combine():
+    """Where the H200's tables name impl=wgmma: a call of fewer than plan.WGMMA_MIN_BLOCKS 64-candidate blocks (rows x
+    blocks per row) takes the register body instead (its fixed cost outweighs a few blocks: 64 heads, 6 SWA-only rows),
+    a named impl=wgmma is kept; and its split plan charges a plan of several splits the combine a single split does
+    not launch, in proportion to the heads (SWA-only rows: 64 heads at 48 rows in one split, 32 heads at 24 in two)."""
+    from dsv4_sm120.attention import plan as P
+
+    h200 = config.Device("NVIDIA H200", (9, 0), 132)
+    # (heads, rows, extra candidates, body, by the rule): 6 x 2 blocks < 48 <= 6 x 10; one row of 64 heads is 4 grid
+    # rows, where the table itself names the register body
+    for H, T, K2, impl, rule in ((64, 6, 0, "reg", True), (64, 6, 512, "wgmma", False), (64, 24, 0, "wgmma", False),
+                                 (32, 24, 0, "wgmma", False), (64, 1, 1024, "reg", False)):
+        L = config.resolve(H, T, 128, K2, h200)
+        assert L.config["impl"] == impl and ("few blocks" in L.source) == rule, (H, T, K2, L)
+    assert config.resolve(64, 6, 128, 0, h200, overrides={"impl": "wgmma"}).config["impl"] == "wgmma"
+
+    def best_splits(H, T, nb):
+        # the plan's model written out: rounds of 132 one-CTA slots x (blocks + 5), + the combine for S > 1
+        cost = {S: -(-T * S // 132) * (-(-nb // S) + P.WGMMA_PROGRAM_OVERHEAD_BLOCKS)
+                + (P.WGMMA_COMBINE_BLOCKS * H / 64 if S > 1 else 0) for S in range(1, nb + 1)}
+        return min(cost, key=lambda S: (cost[S], S))
+
+    for H, T, K2, S in ((64, 48, 0, 1), (32, 24, 0, 2), (32, 48, 128, 2), (64, 24, 128, 4), (64, 96, 512, 1)):
+        L = config.resolve(H, T, 128, K2, h200, overrides={"impl": "wgmma"})
+        assert L.plan[0] + L.plan[2] == S == best_splits(H, T, -(-(128 + K2) // 64)), (H, T, K2, L.plan)

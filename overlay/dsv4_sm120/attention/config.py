@@ -232,7 +232,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     HG = P.cdiv(H, int(cfg["BLOCK_H"]))
     span = impl in REG_TABLE_IMPLS and bool(int(cfg.get("spanning_splits", 0)))
     overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if impl == "wgmma" else P.PROGRAM_OVERHEAD_BLOCKS
-    combine = P.WGMMA_COMBINE_BLOCKS if impl == "wgmma" else 0
+    combine = P.WGMMA_COMBINE_BLOCKS * H / 64 if impl == "wgmma" else 0.0
     plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
     s1, c1, s2, c2 = plan
     if cfg.get("num_stages", "auto") == "auto":

@@ -47,11 +47,11 @@ PROGRAM_OVERHEAD_BLOCKS = 1
 # output). Fitted on the H200 (launch_h64 rows of 2026-12-03 06:59): 192 rows in 2 splits (3 rounds of 6 blocks)
 # took 102.9 us, 256 rows in 1 split (2 rounds of 11) 92.2 us; with 5 blocks, 192 rows take one split.
 WGMMA_PROGRAM_OVERHEAD_BLOCKS = 5
-# ... and what a plan of more than one split per row pays once on top (the partials' round trip and the combine
-# launch, which a single split's programs skip): SWA-only rows (two blocks) at 48 rows run one split (H200: 12.9
-# against 14.0 us at 32 heads, 16.2 against 18.9 at 64), rows of four blocks still split (c128 at 16k, 32 heads, 48
-# rows: 17.6 against 19.8 us in one split).
-WGMMA_COMBINE_BLOCKS = 1
+# ... and what a plan of more than one split per row pays once on top, per 64 heads (the partials' round trip and the
+# combine launch, which a single split's programs skip; both scale with the heads). Fitted on the H200 (spec_rows
+# at 9882354 and e0cb96a, same kernels, one and two splits): SWA-only rows (two blocks) at 48 rows of 64 heads run in
+# one split (11.4 against 13.4 us in two), at 24 rows of 32 heads in two (10.2 against 11.0 in one).
+WGMMA_COMBINE_BLOCKS = 1.5
 # Below this many 64-candidate blocks in a call (rows x blocks per row) the register body runs where a table names
 # impl=wgmma: its fixed cost per program outweighs a few blocks (H200, 64 heads, 6 rows: SWA-only, 12 blocks, 7.2 us
 # against 10.3; c4, 60 blocks, 12.5 against 11.5). The tables come from launch sweeps over SWA + c4 rows (ten blocks).
@@ -59,17 +59,16 @@ WGMMA_MIN_BLOCKS = 48
 
 
 def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0,
-              overhead: int = PROGRAM_OVERHEAD_BLOCKS, combine: int = 0):
+              overhead: int = PROGRAM_OVERHEAD_BLOCKS, combine: float = 0.0):
     """Split plan of the spanning register body (SPAN=1): (splits, chunk) over the concatenated candidate list
     (main ++ extra, K1 + K2 candidates). The chunk is a whole number of blocks, so every program but the last of a
     row owns the same work.
 
     ``waves * num_sms`` programs run at once (2 per SM for a body that fits twice), so ``P`` equal programs finish
     in ``ceil(P / slots)`` rounds, each as long as one program: ``blocks + overhead`` (``PROGRAM_OVERHEAD_BLOCKS``,
-    or the body's own). The plan is
-    the split count with the shortest ``rounds x program`` (ties: fewer splits), plus ``combine`` blocks for any
-    plan of more than one split where one split costs no combine (the warpgroup-MMA body). While the rows alone fit the
-    slots this is mostly the most splits that fill one round (a second, partial round costs a whole program's
+    or the body's own), plus ``combine`` blocks for a plan of more than one split where one split launches no
+    combine (the warpgroup-MMA body). The plan is the split count with the shortest time (ties: fewer splits).
+    While the rows alone fit the slots this is mostly the most splits that fill one round (a second, partial round costs a whole program's
     time); with more rows than slots it cuts rows into a few chunks so the last round is not left half empty
     (384 rows on 264 slots: 2 splits, 3 rounds of 10 blocks instead of 2 rounds of 20)."""
     nb = max(1, cdiv(K1 + K2, block_n))
@@ -86,8 +85,8 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
     return max(1, cdiv(K1 + K2, chunk)), chunk
 
 
-def split_plan(span: bool, T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int,
-               waves: float, overhead: int = PROGRAM_OVERHEAD_BLOCKS, combine: int = 0) -> Tuple[int, int, int, int]:
+def split_plan(span: bool, T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float,
+               overhead: int = PROGRAM_OVERHEAD_BLOCKS, combine: float = 0.0) -> Tuple[int, int, int, int]:
     """(s_main, chunk_main, s_extra, chunk_extra) of a launch; the spanning plan's splits all count as main
     splits (the kernel reads ``main_chunk`` only)."""
     if span:

@@ -245,7 +245,8 @@ def split_kernel_wgmma(
     gl.warp_specialize([
         (_consumer, (q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
                      start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                     out_ptr, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL, HAS_SINK, STAGE_OUT)),
+                     out_ptr, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL, HAS_SINK,
+                     STAGE_OUT)),
         (_producer, (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
                      main_PB2, start, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
