@@ -67,10 +67,10 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
     ``waves * num_sms`` programs run at once (2 per SM for a body that fits twice), so ``P`` equal programs finish
     in ``ceil(P / slots)`` rounds, each as long as one program: ``blocks + overhead`` (``PROGRAM_OVERHEAD_BLOCKS``,
     or the body's own), plus ``combine`` blocks for a plan of more than one split where one split launches no
-    combine (the warpgroup-MMA body). The plan is the split count with the shortest time (ties: fewer splits).
-    While the rows alone fit the slots this is mostly the most splits that fill one round (a second, partial round costs a whole program's
-    time); with more rows than slots it cuts rows into a few chunks so the last round is not left half empty
-    (384 rows on 264 slots: 2 splits, 3 rounds of 10 blocks instead of 2 rounds of 20)."""
+    combine (the warpgroup-MMA body). The plan is the split count with the shortest time (ties: fewer splits). While
+    the rows alone fit the slots this is mostly the most splits that fill one round (a second, partial round costs a
+    whole program's time); with more rows than slots it cuts rows into a few chunks so the last round is not left
+    half empty (384 rows on 264 slots: 2 splits, 3 rounds of 10 blocks instead of 2 rounds of 20)."""
     nb = max(1, cdiv(K1 + K2, block_n))
     slots = max(1, int(waves * num_sms))
     progs = max(1, T * HG)
