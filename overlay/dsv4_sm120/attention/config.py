@@ -41,7 +41,7 @@ from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
 from .keys import (BF16_ONLY_IMPLS, FIXED_LAUNCHES, GPU_ONLY_IMPLS, IMPL_ARCHS, IMPLS, KEYS, REG_TABLE_IMPLS,
-                   DecodeInputError, arch_names, check_fixed_keys, parse_config, runs_on)
+                   WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_fixed_keys, parse_config, runs_on)
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -51,7 +51,8 @@ COMMON_KEYS = ("impl", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg
 COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
              "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
-             "wspec": ("spanning_splits", "PART_BF16"), "wgmma": ("spanning_splits", "PART_BF16")}
+             "wspec": ("spanning_splits", "PART_BF16"), "wgmma": ("spanning_splits", "PART_BF16"),
+             "wgmma_t": ("spanning_splits", "PART_BF16")}
 # the warp-specialized body's default register cap by architecture major (its fixed launch: keys.WSPEC_LAUNCH): on
 # Hopper 128 (two CTAs of 8 warps per SM in its 228 KB of shared memory; the producer warps then give registers to
 # the consumers), elsewhere none (sm_120's 100 KB hold one CTA; a cap only spills); a user may set maxnreg
@@ -210,10 +211,12 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         cfg, source = dict(INTERPRETER_LAUNCH), "interpreter"
     else:
         cfg, source = table_entry(H, call_rows, qk, device, impl, root)
-        if impl is None and cfg.get("impl") == "wgmma" and call_rows * P.cdiv(K1 + K2, 64) < P.WGMMA_MIN_BLOCKS:
-            # too little work for the warpgroup-MMA body's fixed cost (plan.WGMMA_MIN_BLOCKS): the register body
+        named = cfg.get("impl")
+        if impl is None and named in ("wgmma", "wgmma_t") and call_rows * P.cdiv(K1 + K2, 64) < P.WGMMA_MIN_BLOCKS:
+            # too little work for a warpgroup-MMA body's fixed cost (plan.WGMMA_MIN_BLOCKS): the register body
             cfg, source = table_entry(H, call_rows, qk, device, "reg", root)
-            source += " (few blocks for impl=wgmma)"
+            source += f" (few blocks for impl={named})"
+    source_impl = None if impl is not None else cfg.get("impl")   # the body the table entry itself names
     cfg.update(user)
     impl = cfg["impl"]
     if impl not in IMPLS:
@@ -221,9 +224,14 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     if impl in FIXED_LAUNCHES:
         check_fixed_keys(dict(user, impl=impl), "launch")
         cfg.update(FIXED_LAUNCHES[impl])
+    if impl == "wgmma_t" and "BLOCK_H" not in user and (source_impl != "wgmma_t"
+                                                          or cfg.get("BLOCK_H") not in WGMMA_T_BLOCK_H):
+        # the heads are the MMA's N: all of them up to 32 in one program, unless the user or an entry naming this
+        # body says 16
+        cfg["BLOCK_H"] = 16 if H <= 16 else 32
     if impl == "wspec" and "maxnreg" not in user:
         cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
-    if impl == "wgmma" and "waves" not in user:
+    if impl in ("wgmma", "wgmma_t") and "waves" not in user:
         cfg["waves"] = 1.0   # one CTA per SM
     rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)
     if cfg.get("waves") == "auto":
@@ -232,8 +240,9 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         cfg["PREFETCH"] = _auto_prefetch(rows, nsm)
     HG = P.cdiv(H, int(cfg["BLOCK_H"]))
     span = impl in REG_TABLE_IMPLS and bool(int(cfg.get("spanning_splits", 0)))
-    overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if impl == "wgmma" else P.PROGRAM_OVERHEAD_BLOCKS
-    combine = P.WGMMA_COMBINE_BLOCKS * H / 64 if impl == "wgmma" else 0.0
+    wg = impl in ("wgmma", "wgmma_t")
+    overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if wg else P.PROGRAM_OVERHEAD_BLOCKS
+    combine = P.WGMMA_COMBINE_BLOCKS * H / 64 if wg else 0.0
     plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
     s1, c1, s2, c2 = plan
     if cfg.get("num_stages", "auto") == "auto":

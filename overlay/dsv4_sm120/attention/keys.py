@@ -11,23 +11,28 @@ from typing import Dict
 
 from .key_aliases import canonical
 
-IMPLS = ("tiled", "flat", "reg", "wspec", "wgmma")
-BF16_ONLY_IMPLS = ("reg", "wspec", "wgmma")
+IMPLS = ("tiled", "flat", "reg", "wspec", "wgmma", "wgmma_t")
+BF16_ONLY_IMPLS = ("reg", "wspec", "wgmma", "wgmma_t")
 # bodies written in Gluon: GPU launches only (Triton's CPU interpreter does not run them)
-GPU_ONLY_IMPLS = ("wspec", "wgmma")
+GPU_ONLY_IMPLS = ("wspec", "wgmma", "wgmma_t")
 # bodies that take the impl=reg launch table and its spanning splits
-REG_TABLE_IMPLS = ("reg", "wspec", "wgmma")
+REG_TABLE_IMPLS = ("reg", "wspec", "wgmma", "wgmma_t")
 # the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
 # spanning splits)
 WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "spanning_splits": 1}
 # the Hopper warpgroup-MMA body's (kernels/wgmma.py: 64 heads, 64-candidate blocks, 8 consumer warps + 4 producer
 # warps, spanning splits; 168 registers x 384 threads fill an SM's register file, one CTA per SM)
 WGMMA_LAUNCH = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "spanning_splits": 1, "maxnreg": 168}
+# the candidates-as-M warpgroup-MMA body's (kernels/wgmma_t.py: 64-candidate blocks, 4 consumer warps + two
+# partitions of 4 producer warps, spanning splits, one CTA of 384 threads per SM); its BLOCK_H, the MMA's N, is 16
+# or 32 (WGMMA_T_BLOCK_H)
+WGMMA_T_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "spanning_splits": 1, "maxnreg": 168}
+WGMMA_T_BLOCK_H = (16, 32)
 # the bodies with a fixed launch: a launch naming one of them with another value of these keys is refused
 # (check_fixed_keys)
-FIXED_LAUNCHES = {"wspec": WSPEC_LAUNCH, "wgmma": WGMMA_LAUNCH}
+FIXED_LAUNCHES = {"wspec": WSPEC_LAUNCH, "wgmma": WGMMA_LAUNCH, "wgmma_t": WGMMA_T_LAUNCH}
 # the architectures (capability major) a body runs on, where it is not all of them (runs_on)
-IMPL_ARCHS = {"wgmma": (9,)}
+IMPL_ARCHS = {"wgmma": (9,), "wgmma_t": (9,)}
 
 
 def runs_on(impl, major: int) -> bool:
@@ -68,6 +73,9 @@ def check_fixed_keys(keys: Dict[str, object], source: str) -> None:
     if not fixed:
         return
     clash = {k: v for k, v in keys.items() if k in fixed and v not in (fixed[k], "auto")}
+    if impl == "wgmma_t" and keys.get("BLOCK_H", 16) not in WGMMA_T_BLOCK_H:
+        clash["BLOCK_H"] = keys["BLOCK_H"]
+        fixed = dict(fixed, BLOCK_H=" or ".join(map(str, WGMMA_T_BLOCK_H)))
     if clash:
         raise DecodeInputError(f"{source}: impl={impl} runs {fixed} only, got {clash}")
 
@@ -76,7 +84,8 @@ def producer_regs(impl: str, maxnreg: int) -> int:
     """The producer warps' registers of a warp-specialized body (its ``PRODUCER_REGS``). wspec: 96 under a register
     cap of 128 or less (two CTAs per Hopper SM; the consumers take the rest), else 128. wgmma: 136, the most that
     leaves the consumers their 184 of its 168 x 384 (at 128 ptxas spills a just-gathered word, whose store then
-    waits for the load; H200: 9% faster at H = 64, c128 at 128k, 96 rows)."""
+    waits for the load; H200: 9% faster at H = 64, c128 at 128k, 96 rows). wgmma_t: 136 for each of its two producer
+    partitions, which leaves its one consumer warpgroup 232."""
     if impl == "wspec":
         return 96 if 0 < int(maxnreg) <= 128 else 128
     return 136

@@ -146,7 +146,7 @@ def writes_output(L: Launch) -> bool:
     """Whether the split launch of ``L`` writes ``out`` / ``lse`` itself (the warpgroup-MMA body with one split per
     row), so no combine follows it."""
     s1, _, s2, _ = L.plan
-    return L.config["impl"] == "wgmma" and s1 + s2 == 1
+    return L.config["impl"] in ("wgmma", "wgmma_t") and s1 + s2 == 1
 
 
 def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int, fp8: bool, softmax_scale: float,
@@ -185,7 +185,7 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
         SPLIT_KERNELS["reg"][(T, s1 + s2, HG)](*args, KCVT=bool(cfg["e4m3_int_decode"]),
                                                DEC_LATE=bool(cfg["late_decode"]),
                                                SPAN=bool(cfg["spanning_splits"]), **flags)
-    elif impl in ("wspec", "wgmma"):
+    elif impl in ("wspec", "wgmma", "wgmma_t"):
         if impl not in SPLIT_KERNELS:
             raise DecodeInputError(f"impl={impl} is a Gluon kernel and this Triton has no Gluon "
                                    "(triton.experimental.gluon) or not its Hopper module; use another impl")

@@ -136,5 +136,5 @@ def combine_plan(T: int, H: int, S: int, num_sms: int, BLOCK_D: Optional[int] = 
 
 def ws_words(impl: str, part_bf16: int) -> int:
     """4-byte workspace words per (row, split, head): the partial accumulator (fp32, or bf16 with PART_BF16 in the
-    bodies that take it: tiled, reg, wspec, wgmma) + m + l."""
-    return 258 if impl in ("tiled", "reg", "wspec", "wgmma") and part_bf16 else 514
+    bodies that take it: tiled, reg, wspec, wgmma, wgmma_t) + m + l."""
+    return 258 if impl in ("tiled", "reg", "wspec", "wgmma", "wgmma_t") and part_bf16 else 514

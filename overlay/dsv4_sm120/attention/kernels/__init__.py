@@ -16,6 +16,8 @@ scales, keeps rope in bf16, runs an online softmax in base 2 and writes the un-n
   Triton has no Gluon.
 * ``split_kernel_wgmma`` (``wgmma.py``, Gluon, sm_90 only): the same producer / consumer split with 64 heads per
   program and Hopper warpgroup MMAs, so a block is gathered and decoded once for up to 64 heads; bf16 QK.
+* ``split_kernel_wgmma_t`` (``wgmma_t.py``, Gluon, sm_90 only): warpgroup MMAs with the candidates as M and 16 or 32
+  heads as N (no padded MMA rows at 16 heads), two producer partitions; bf16 QK.
 
 ``combine_kernel`` (``combine.py``), grid ``(T, H, 512 / BLOCK_D)``, merges the ``S`` partials and the sink into
 bf16 ``out`` and the natural-log ``lse`` without the sink (zeros and ``-inf`` for rows with no valid candidate).
@@ -43,6 +45,12 @@ except ImportError:  # pragma: no cover - an older Triton: the body is not offer
     split_kernel_wgmma = None
 else:
     SPLIT_KERNELS["wgmma"] = split_kernel_wgmma
+try:
+    from .wgmma_t import split_kernel_wgmma_t
+except ImportError:  # pragma: no cover
+    split_kernel_wgmma_t = None
+else:
+    SPLIT_KERNELS["wgmma_t"] = split_kernel_wgmma_t
 
 __all__ = ["SPLIT_KERNELS", "combine_kernel", "q_fp8_kernel", "split_kernel_flat", "split_kernel_reg",
            "split_kernel_tiled", "E4M3_BF16_ASM"]

@@ -1,0 +1,236 @@
+"""Split kernel, Hopper warpgroup-MMA body with the candidates as M (``impl=wgmma_t``, bf16 QK only; Gluon, sm_90
+only): ``BLOCK_H`` (16 or 32) heads per program as the MMA's N, so no row of the MMA is padding.
+
+The 64-head body (``wgmma.py``) puts the heads on the warpgroup MMA's M, which is 64: with 16 heads three quarters
+of its QK and PV work and of its Q reads are padding. Here both products are transposed: ``S^T = K Q^T`` (A: the
+block's ``[64, 512]`` ring slot, B: Q ``[BLOCK_H, 512]``) and ``O^T += V^T P^T`` (A: the same slot read
+transposed, ``[512, 64]``; B: ``P`` ``[BLOCK_H, 64]`` in bf16, written to shared memory per block). The softmax
+runs over M (the candidates, spread over the warpgroup's four warps): one cross-warp max per block; the running
+sums stay per thread and are added up once at the end.
+
+Two producer partitions of four warps each gather and decode one 32-candidate half of every 64-candidate block
+(each with the next block's half in flight while it decodes this one's: twice the bytes in flight of one
+partition doing both halves), into a two-slot ring in the wgmma operand layout (``_store_half`` of ``wgmma.py``);
+the slot is full when both have arrived. One consumer warpgroup (the launch's 4 warps) runs the products and the
+softmax; it writes the row's output and lse itself where it holds all of the row's candidates (``FINAL``), or its
+partial. One CTA of 12 warps per SM (the ring, Q and P take ~150 KB); the producers run at ``PRODUCER_REGS`` and
+the consumers take the rest of ``maxnreg`` x 384. Same contract as ``split_kernel_reg`` with ``SPAN``. sm_120 has no
+warpgroup MMA: the launch refuses this body there, and Triton's CPU interpreter does not run Gluon.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+from .common import _segment_bounds, _store_softmax_state
+from .wgmma import HALF, _partition_barrier, _store_half
+from .wspec import _block_idx, _gather_rows
+
+
+@gluon.jit
+def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
+                  HAS_LEN: gl.constexpr, SLOTS: gl.constexpr, h: gl.constexpr):
+    # half h of every 64-candidate block of [start, start + chunk) of one cache: block j's half goes to slot
+    # (i + j) % SLOTS once the consumers have freed it, the next block's half gathered while this one is decoded;
+    # returns the running block count
+    idx_row = idx_ptr + t.to(gl.int64) * idx_st
+    cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
+    PB64 = PB.to(gl.int64)
+    PB2_64 = PB2.to(gl.int64)
+    cur = _gather_rows(cache, _block_idx(idx_row, start + h * HALF, cend, HALF), start + h * HALF, end, P, PB64,
+                       PB2_64, HALF)
+    nid = _block_idx(idx_row, start + (2 + h) * HALF, cend, HALF)
+    for n0 in range(start, end, 2 * HALF):
+        nxt = _gather_rows(cache, nid, n0 + (2 + h) * HALF, end, P, PB64, PB2_64, HALF)
+        nid = _block_idx(idx_row, n0 + (4 + h) * HALF, cend, HALF)
+        b = i % SLOTS
+        mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
+        _store_half(ring.index(b), flags.index(2 * b + h), cur, h)
+        # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every warp
+        # of this partition before its one arrival
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(full.index(b))
+        cur = nxt
+        i += 1
+    return i
+
+
+@gluon.jit
+def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+              h: gl.constexpr):
+    # half h of the program's chunk [start, start + chunk) of main ++ extra: the main cache's part, then the extra's
+    i = 0
+    if start < K:
+        i = _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start,
+                          chunk, HAS_LEN, SLOTS, h)
+    if HAS_2:
+        if start + chunk > K:
+            lo2 = gl.maximum(start - K, 0)
+            i = _produce_half(i, ring, flags, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
+                              t, lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, h)
+
+
+@gluon.jit
+def _producer_lo(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+                 cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
+                 HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+    _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, 0)
+
+
+@gluon.jit
+def _producer_hi(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+                 cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
+                 HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+    _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, 1)
+
+
+@gluon.jit
+def _store_heads(stage, ot, dst_ptr, row0, nrows):
+    # ot [512, BH] fp32 (the accumulator layout: dims x heads) -> dst_ptr[(row0 + h) * 512 + d] for h < nrows, in
+    # dst's type; bf16 through shared memory ``stage`` (a free [BH, 512] bf16 tile), read back as 16-byte vectors
+    # along the 512 dims (the accumulator layout holds 8 consecutive dims per 8 lanes: 16-byte pieces)
+    BH: gl.constexpr = ot.shape[1]
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    r = gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
+    c = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    ptr = dst_ptr + gl.expand_dims((row0 + r).to(gl.int64) * 512, 1) + gl.expand_dims(c, 0)
+    if dst_ptr.dtype.element_ty == gl.bfloat16:
+        stage.store(gl.permute(ot.to(gl.bfloat16), [1, 0]))
+        _partition_barrier()
+        gl.store(ptr, stage.load(QL), mask=gl.expand_dims(r < nrows, 1))
+    else:
+        gl.store(ptr, gl.convert_layout(gl.permute(ot, [1, 0]), QL).to(dst_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(r < nrows, 1))
+
+
+@gluon.jit
+def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
+              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+              FINAL: gl.constexpr, HAS_SINK: gl.constexpr, BH: gl.constexpr):
+    # the blocks the producers fill for this program, each: S^T = K Q^T, the online softmax over the candidates
+    # (M), O^T = alpha O^T + V^T P^T, the slot back to the producers; then the partial, or (FINAL) the output
+    AL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    t64 = t.to(gl.int64)
+    # Q of the BH heads into shared memory, once (heads >= H: zeros)
+    hq = g * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
+                mask=gl.expand_dims(hq < H, 1), other=0.0)
+    q_s.store(q)
+    fence_async_shared()
+    _partition_barrier()
+    nb = 0
+    if start < K:
+        _, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
+        nb = gl.cdiv(gl.maximum(end - start, 0), 2 * HALF)
+    if HAS_2:
+        if start + chunk > K:
+            lo2 = gl.maximum(start - K, 0)
+            _, end2 = _segment_bounds(len2_ptr, K2, t, lo2, start + chunk - K - lo2, HAS_LEN2)
+            nb += gl.cdiv(gl.maximum(end2 - lo2, 0), 2 * HALF)
+    m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, AL))
+    # the running sums per thread and candidate lane ([64, BH]), added up over the candidates at the end
+    l_p = gl.zeros([2 * HALF, BH], gl.float32, AL)
+    ot = gl.zeros([512, BH], gl.float32, AL)
+    for i in range(nb):
+        b = i % SLOTS
+        mbarrier.wait(full.index(b), (i // SLOTS) & 1)
+        kv = ring.index(b)
+        st = warpgroup_mma(kv, q_s.permute([1, 0]), gl.zeros([2 * HALF, BH], gl.float32, AL))
+        vc = flags._reinterpret(gl.int32, [SLOTS, 2 * HALF], FL).index(b).load(gl.SliceLayout(1, AL)) != 0
+        x = gl.where(gl.expand_dims(vc, 1), st * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.expand_dims(gl.exp2(m_i - m_use), 0)
+        p = gl.exp2(x - gl.expand_dims(m_use, 0))
+        l_p = l_p * alpha + p
+        m_i = m_new
+        # P [BH, 64] bf16 as PV's B operand (K-major, read transposed); two buffers, so a warp writing the next
+        # block's P never races the MMA of this one
+        pb = p_s.index(i % 2)
+        pb.store(gl.permute(p.to(gl.bfloat16), [1, 0]))
+        fence_async_shared()
+        _partition_barrier()
+        ot = warpgroup_mma(kv.permute([1, 0]), pb.permute([1, 0]), ot * alpha)
+        # the warpgroup is done with the slot before the one arrival
+        _partition_barrier()
+        mbarrier.arrive(empty.index(b))
+    l_i = gl.sum(l_p, axis=0)
+    hs = g * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, AL))
+    # Q's tile is free now (the MMAs that read it are done: the barrier after the last block) and stages the rows
+    if FINAL:
+        # the program holds all of its row's candidates: the combine's arithmetic for one split, here: out =
+        # O / (l + 2^(sink log2(e) - m)) and lse = ln(2^m l) without the sink; zeros and -inf for no candidate
+        m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+        lonely = l_i == 0.0
+        denom = l_i
+        if HAS_SINK:
+            denom += gl.exp2(gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * 1.4426950408889634 - m_ref)
+        inv = gl.where(lonely, 0.0, 1.0 / gl.where(lonely, 1.0, denom))
+        _store_heads(q_s, ot * gl.expand_dims(inv, 0), out_ptr, t64 * H + g * BH, H - g * BH)
+        lse = gl.where(lonely, float("-inf"), (m_ref + gl.log2(gl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(lse_ptr + t64 * H + hs, lse, mask=hs < H)
+    else:
+        # the partial: 512 values per head (nope 0..447 then rope) and (m, l)
+        _store_heads(q_s, ot, acc_ws, (t64 * S + s) * HP + g * BH, H - g * BH)
+        _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
+
+
+@gluon.jit
+def split_kernel_wgmma_t(
+    q_ptr, stride_qt, stride_qh,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
+    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 136, SLOTS: gl.constexpr = 2,
+    out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
+):
+    """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16 or 32, ``BLOCK_N`` 64, spanning splits),
+    with the candidates-as-M warpgroup-MMA body: 4 consumer warps (the launch's ``num_warps``) and two partitions
+    of 4 producer warps. ``FINAL`` (one split per row, ``S`` = 1): the program writes the row's ``out``
+    [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with the sink ``sink_ptr`` (``HAS_SINK``), and the combine is
+    not launched."""
+    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32, "the candidates-as-M body takes 16 or 32 heads per program")
+    gl.static_assert(BLOCK_N == 2 * HALF, "the candidates-as-M body consumes 64-candidate blocks")
+    gl.static_assert(SPAN, "the candidates-as-M body takes spanning splits")
+    t = gl.program_id(0)
+    s = gl.program_id(1)
+    g = gl.program_id(2)
+    main = main_ptr.to(gl.pointer_type(gl.uint8))
+    extra = extra_ptr.to(gl.pointer_type(gl.uint8))
+    start = s * main_chunk
+    chunk = main_chunk
+    NV: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 2 * HALF, 512], NV)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], NV)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, 2 * HALF], NV)
+    # each slot's candidate validity, by half (producers) and as one row per slot (consumers: a reinterpretation)
+    flags = gl.allocate_shared_memory(gl.int32, [2 * SLOTS, HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(SLOTS):
+        mbarrier.init(full.index(j), count=2)   # one arrival per producer partition (half)
+        mbarrier.init(empty.index(j), count=1)
+    prod = (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
+            main_PB2, start, chunk, extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB,
+            extra_PB2, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS)
+    gl.warp_specialize([
+        (_consumer, (q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
+                     start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                     out_ptr, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL, HAS_SINK,
+                     BLOCK_H)),
+        (_producer_lo, prod),
+        (_producer_hi, prod),
+    ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
