@@ -83,3 +83,65 @@ def _check_hopper_build(r):
         pytest.skip("cuobjdump gave no SASS here")
     assert r["regs"] == r["maxnreg"] and r["hgmma"] >= 36 and r["ldg128"] >= 14, r
     assert r.get("stack", 0) <= 128, r
+
+
+_WGMMA_T_COMPILE = r"""
+import json, re
+from dsv4_sm120.attention import config
+from dsv4_sm120.attention.keys import producer_regs
+from dsv4_sm120.attention.kernels import SPLIT_KERNELS
+from dsv4_sm120.devtools.sass import compile_inspect, split_kernel_source
+dev = config.Device("NVIDIA H200", (9, 0), 132)
+
+
+def build(H, cst, acc="*bf16"):
+    # the launch attention.launch makes on an H200 for H heads
+    c = config.resolve(H, 384, 128, 512, dev, overrides={"impl": "wgmma_t"}).config
+    base = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
+                FP8_QK=False, INTERP=False, SPAN=bool(c["spanning_splits"]),
+                PRODUCER_REGS=producer_regs("wgmma_t", c["maxnreg"]))
+    opts = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "maxnreg": c["maxnreg"]}
+    try:
+        k, sass, res = compile_inspect(split_kernel_source(SPLIT_KERNELS["wgmma_t"], dict(base, **cst), acc), 90, opts)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    ptx = k.asm["ptx"]
+    return dict(res, shared=k.metadata.shared, sass=len(sass), producer=base["PRODUCER_REGS"], maxnreg=c["maxnreg"],
+                block_h=c["BLOCK_H"], threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),
+                setmaxnreg=re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
+                wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16", ptx))),
+                proxy_fences=len(re.findall(r"fence\.proxy\.async", ptx)),
+                hgmma=len(re.findall(r"\bHGMMA\.64x\d+x16\.F32\.BF16\b", sass)),
+                ldg128=len(re.findall(r"\bLDG\.E\.128\b", sass)), stg128=len(re.findall(r"\bSTG\.E\.128\b", sass)))
+
+
+part = dict(out_ptr=None, lse_ptr=None, sink_ptr=None)
+out = {"h16_part": build(16, part), "h16_part_fp32": build(16, part, "*fp32"),
+       "h16_final": build(16, dict(FINAL=True, HAS_SINK=True)), "h32_final": build(32, dict(FINAL=True, HAS_SINK=True)),
+       "h8_part": build(8, part)}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_the_candidates_as_m_body_compiles_for_hopper():
+    """impl=wgmma_t compiles for sm_90 as launched: 384 threads (4 consumer warps + two partitions of 4 producer
+    warps) at a cap of 168 registers (one CTA per SM); each producer partition at its 136 and the consumer warpgroup
+    at the rest (232); the heads as the MMA's N (m64n16k16 for 8 and 16 heads, m64n32k16 for 32), 32 k-steps of QK
+    and 8 x 4 of PV per block; proxy fences between the generic-proxy stores (decoded K, P) and the MMAs' reads;
+    16-byte gathers and 16-byte output stores; no spills; the ring, Q and P within the 227 KB a block may have."""
+    builds = gpu_compile_result(_WGMMA_T_COMPILE, timeout=900)
+    for name, r in builds.items():
+        assert "error" not in r, (name, r)
+        assert r["block_h"] == (32 if name.startswith("h32") else 16), (name, r)
+        assert r["threads"] == 384 and r["maxnreg"] * 384 <= 65536 and r["shared"] <= 227 * 1024, (name, r)
+        assert r["wgmma"] == [f"m64n{r['block_h']}k16"], (name, r)
+        assert r["proxy_fences"] >= 3, (name, r)
+        counts = {int(n) for _, n in r["setmaxnreg"]}
+        consumers = (r["maxnreg"] * 384 - 2 * r["producer"] * 128) // 128 // 8 * 8
+        assert r["producer"] in counts and consumers == 232 and consumers in counts, (name, r)
+        if r["sass"] == 0:
+            pytest.skip("cuobjdump gave no SASS here")
+        assert r["regs"] == r["maxnreg"] and r.get("stack", 0) == 0, (name, r)
+        assert r["hgmma"] >= 64 and r["ldg128"] >= 14, (name, r)
+        # 16 or 32 heads x 512 bf16 over 128 consumer threads in 16-byte vectors
+        assert r["stg128"] >= r["block_h"] // 2, (name, r)
