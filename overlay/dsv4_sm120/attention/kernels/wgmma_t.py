@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from .common import _segment_bounds, _store_softmax_state
 from .wgmma import HALF, _partition_barrier, _store_half
@@ -31,43 +30,31 @@ from .wspec import _block_idx, _gather_rows
 
 
 @gluon.jit
-def _fill(i, ring, flags, full, empty, raw, h: gl.constexpr, SLOTS: gl.constexpr):
-    # a gathered half block into half h of the running block i's slot, once the consumers have freed it; returns
-    # the next block count
-    b = i % SLOTS
-    mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
-    _store_half(ring.index(b), flags.index(2 * b + h), raw, h)
-    # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every warp of
-    # this partition before its one arrival
-    fence_async_shared()
-    _partition_barrier()
-    mbarrier.arrive(full.index(b))
-    return i + 1
-
-
-@gluon.jit
 def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
                   HAS_LEN: gl.constexpr, SLOTS: gl.constexpr, h: gl.constexpr):
-    # half h of every 64-candidate block of [start, start + chunk) of one cache, block j's half to slot
-    # (i + j) % SLOTS, the next block's half gathered while this one's is decoded; returns the running block count.
-    # Two blocks per iteration, so the half in flight across the loop's back edge (``ra``) is the one assigned last:
-    # carrying "the next half" through one variable would copy its registers at the back edge, and the copy waits
-    # for the loads (one memory latency per block, exposed)
+    # half h of every 64-candidate block of [start, start + chunk) of one cache: block j's half goes to slot
+    # (i + j) % SLOTS once the consumers have freed it, the next block's half gathered while this one is decoded;
+    # returns the running block count
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
     cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
     PB64 = PB.to(gl.int64)
     PB2_64 = PB2.to(gl.int64)
-    o = h * HALF
-    ra = _gather_rows(cache, _block_idx(idx_row, start + o, cend, HALF), start + o, end, P, PB64, PB2_64, HALF)
-    ia = _block_idx(idx_row, start + 2 * HALF + o, cend, HALF)
-    for n0 in range(start, end, 4 * HALF):
-        rb = _gather_rows(cache, ia, n0 + 2 * HALF + o, end, P, PB64, PB2_64, HALF)
-        ib = _block_idx(idx_row, n0 + 4 * HALF + o, cend, HALF)
-        i = _fill(i, ring, flags, full, empty, ra, h, SLOTS)
-        ra = _gather_rows(cache, ib, n0 + 4 * HALF + o, end, P, PB64, PB2_64, HALF)
-        ia = _block_idx(idx_row, n0 + 6 * HALF + o, cend, HALF)
-        if n0 + 2 * HALF < end:
-            i = _fill(i, ring, flags, full, empty, rb, h, SLOTS)
+    cur = _gather_rows(cache, _block_idx(idx_row, start + h * HALF, cend, HALF), start + h * HALF, end, P, PB64,
+                       PB2_64, HALF)
+    nid = _block_idx(idx_row, start + (2 + h) * HALF, cend, HALF)
+    for n0 in range(start, end, 2 * HALF):
+        nxt = _gather_rows(cache, nid, n0 + (2 + h) * HALF, end, P, PB64, PB2_64, HALF)
+        nid = _block_idx(idx_row, n0 + (4 + h) * HALF, cend, HALF)
+        b = i % SLOTS
+        mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
+        _store_half(ring.index(b), flags.index(2 * b + h), cur, h)
+        # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every warp
+        # of this partition before its one arrival
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(full.index(b))
+        cur = nxt
+        i += 1
     return i
 
 
@@ -102,15 +89,6 @@ def _producer_hi(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K
                  HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
     _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
               cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, 1)
-
-
-@gluon.jit
-def _qk(ring, q_s, full, i, SLOTS: gl.constexpr, AL: gl.constexpr, BH: gl.constexpr):
-    # S^T = K Q^T of the running block i, issued asynchronously once its slot is full
-    b = i % SLOTS
-    mbarrier.wait(full.index(b), (i // SLOTS) & 1)
-    return warpgroup_mma(ring.index(b), q_s.permute([1, 0]), gl.zeros([2 * HALF, BH], gl.float32, AL),
-                         is_async=True)
 
 
 @gluon.jit
@@ -164,17 +142,11 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
     # the running sums per thread and candidate lane ([64, BH]), added up over the candidates at the end
     l_p = gl.zeros([2 * HALF, BH], gl.float32, AL)
     ot = gl.zeros([512, BH], gl.float32, AL)
-    # QK of the next block is issued before this block's softmax (asynchronous), so the tensor cores run it while
-    # the softmax runs on the other pipes
-    sq = warpgroup_mma_init(gl.zeros([2 * HALF, BH], gl.float32, AL))
-    if nb > 0:
-        sq = _qk(ring, q_s, full, nb * 0, SLOTS, AL, BH)   # (block 0, as a tensor)
     for i in range(nb):
         b = i % SLOTS
+        mbarrier.wait(full.index(b), (i // SLOTS) & 1)
         kv = ring.index(b)
-        st = warpgroup_mma_wait(0, deps=[sq])
-        if i + 1 < nb:
-            sq = _qk(ring, q_s, full, i + 1, SLOTS, AL, BH)
+        st = warpgroup_mma(kv, q_s.permute([1, 0]), gl.zeros([2 * HALF, BH], gl.float32, AL))
         vc = flags._reinterpret(gl.int32, [SLOTS, 2 * HALF], FL).index(b).load(gl.SliceLayout(1, AL)) != 0
         x = gl.where(gl.expand_dims(vc, 1), st * sm_scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(x, axis=0))
@@ -189,7 +161,6 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
         pb.store(gl.permute(p.to(gl.bfloat16), [1, 0]))
         fence_async_shared()
         _partition_barrier()
-        # (synchronous: its wait also covers the next block's QK, done by now)
         ot = warpgroup_mma(kv.permute([1, 0]), pb.permute([1, 0]), ot * alpha)
         # the warpgroup is done with the slot before the one arrival
         _partition_barrier()
