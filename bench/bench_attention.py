@@ -101,9 +101,13 @@ TILED_W2 = ("impl=tiled,BLOCK_H=16,BLOCK_N=64,num_warps=8,num_stages=auto,maxnre
 FLAT = "impl=flat,BLOCK_H={H},BLOCK_N=32,num_warps=8,num_stages=1,maxnreg=0,waves=2"
 # the Hopper warpgroup-MMA body (timed where the GPU runs it: attention.keys.runs_on)
 WGMMA = "impl=wgmma,BLOCK_H=64,BLOCK_N=64,num_warps=8,num_stages=1,maxnreg=168,waves=1,spanning_splits=1,PART_BF16=1"
+# its candidates-as-M sibling, all heads up to 32 as the MMA's N
+WGMMA_T = ("impl=wgmma_t,BLOCK_H={H},BLOCK_N=64,num_warps=4,num_stages=1,maxnreg=168,waves=1,spanning_splits=1,"
+           "PART_BF16=1")
 LAUNCH_CANDIDATES = {  # (heads, qk) -> candidate launch texts
-    (16, "bf16"): (REG, TILED_AUTO, WGMMA), (16, "fp8"): (TILED_AUTO, TILED_W2),
-    (32, "bf16"): (REG, FLAT.format(H=32), TILED_W2, WGMMA), (32, "fp8"): (TILED_W2, FLAT.format(H=32), TILED_AUTO),
+    (16, "bf16"): (REG, TILED_AUTO, WGMMA, WGMMA_T.format(H=16)), (16, "fp8"): (TILED_AUTO, TILED_W2),
+    (32, "bf16"): (REG, FLAT.format(H=32), TILED_W2, WGMMA, WGMMA_T.format(H=32)),
+    (32, "fp8"): (TILED_W2, FLAT.format(H=32), TILED_AUTO),
     (64, "bf16"): (REG, FLAT.format(H=64), TILED_W2, WGMMA), (64, "fp8"): (TILED_W2, FLAT.format(H=64), TILED_AUTO)}
 CASES.update({f"launch_h{h}": ("swa128+c4", h, LAUNCH_B) for h in (16, 32, 64)})
 GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"),
