@@ -306,3 +306,42 @@ def test_the_warpgroup_mma_body_is_chosen_by_work_and_pays_for_its_combine():
     for H, T, K2, S in ((64, 48, 0, 1), (32, 24, 0, 2), (32, 48, 128, 2), (64, 24, 128, 4), (64, 96, 512, 1)):
         L = config.resolve(H, T, 128, K2, h200, overrides={"impl": "wgmma"})
         assert L.plan[0] + L.plan[2] == S == best_splits(H, T, -(-(128 + K2) // 64)), (H, T, K2, L.plan)
+
+
+def test_the_candidates_as_m_body_takes_the_heads_as_n():
+    """impl=wgmma_t (Hopper only): its fixed launch (64-candidate blocks, 4 consumer warps, one CTA per SM, spanning
+    splits) whatever the table entry it came from; the heads as the MMA's N, 16 up to 16 heads and 32 above unless
+    the user (or an entry naming the body) says 16; BLOCK_H 64 and other keys of its fixed launch refused by name;
+    refused off Hopper; and where a table names it, a call of few blocks takes the register body as for wgmma."""
+    h200 = config.Device("NVIDIA H200", (9, 0), 132)
+    for H, bh in ((4, 16), (8, 16), (16, 16), (24, 32), (32, 32), (64, 32)):
+        c = config.resolve(H, 96, 128, 512, h200, overrides={"impl": "wgmma_t"}).config
+        assert (c["impl"], c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["maxnreg"], c["spanning_splits"],
+                c["waves"]) == ("wgmma_t", bh, 64, 4, 168, 1, 1.0), (H, c)
+    assert config.resolve(32, 96, 128, 512, h200, overrides={"impl": "wgmma_t", "BLOCK_H": 16}).config["BLOCK_H"] == 16
+    for bad in ({"BLOCK_H": 64}, {"BLOCK_H": 8}, {"num_warps": 8}, {"BLOCK_N": 32}):
+        with pytest.raises(DecodeInputError, match="impl=wgmma_t runs"):
+            config.resolve(16, 96, 128, 512, h200, overrides=dict(bad, impl="wgmma_t"))
+        with pytest.raises(DecodeInputError, match="impl=wgmma_t runs"):
+            config.parse_config(",".join(f"{k}={v}" for k, v in dict(bad, impl="wgmma_t").items()))
+    with pytest.raises(DecodeInputError, match="sm_90 only"):
+        config.resolve(16, 96, 128, 512, config.Device("NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188),
+                       overrides={"impl": "wgmma_t"})
+    # a table entry naming the body (a root of our own): taken at many blocks, the register body below the rule
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d) / "attention"
+        root.mkdir()
+        src = Path(config.lt.TABLE_DIR) / "attention"
+        for f in src.glob("*.json"):
+            (root / f.name).write_text(f.read_text())
+        entry = {"impl": "wgmma_t", "BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "maxnreg": 168,
+                 "waves": 1, "spanning_splits": 1, "PART_BF16": 1}
+        (root / "H=16,qk=bf16,device_name=NVIDIA_H200.json").write_text(json.dumps({"1": entry}))
+        many = config.resolve(16, 96, 128, 512, h200, root=Path(d))
+        few = config.resolve(16, 6, 128, 0, h200, root=Path(d))
+    assert many.config["impl"] == "wgmma_t" and many.config["BLOCK_H"] == 16, many
+    assert few.config["impl"] == "reg" and "few blocks for impl=wgmma_t" in few.source, few

@@ -66,9 +66,10 @@ def test_the_warp_specialized_body_compiles_for_hopper_and_sm120():
     assert out["sm120"].get("stack", 0) == 0, out["sm120"]
 
 
-@pytest.mark.parametrize("impl,clash", [("wspec", "BLOCK_N=64"), ("wgmma", "BLOCK_H=16")])
+@pytest.mark.parametrize("impl,clash", [("wspec", "BLOCK_N=64"), ("wgmma", "BLOCK_H=16"), ("wgmma_t", "BLOCK_H=64"),
+                                        ("wgmma_t", "num_warps=8")])
 def test_the_gluon_bodies_are_refused_clearly_where_they_cannot_run(monkeypatch, impl, clash):
-    """Under Triton's CPU interpreter (these tests) a call asking for a Gluon body (impl=wspec, impl=wgmma) is
+    """Under Triton's CPU interpreter (these tests) a call asking for a Gluon body (impl=wspec, wgmma, wgmma_t) is
     refused with a clear error, not a traceback from the Gluon frontend; an fp8 QK request with it likewise, and a
     launch key its fixed launch does not take when the setting is read."""
     monkeypatch.setenv("DSV4_SM120_ATTN_CONFIG", f"impl={impl}")
