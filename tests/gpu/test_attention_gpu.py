@@ -154,18 +154,22 @@ def test_cuda_graph_replay_with_changing_indices(mode):
      dict(impl="reg", BLOCK_N=32, num_warps=4, DEC_LATE=1, SPAN=1, waves=2),
      # the Hopper warpgroup-MMA body (64 heads per program: here 16 of them masked); waves=8 cuts rows across the
      # main / extra boundary; waves=0.01 leaves one split per row, whose program writes out / lse itself
-     dict(impl="wgmma"), dict(impl="wgmma", waves=8, PART_BF16=0), dict(impl="wgmma", waves=0.01)],
+     dict(impl="wgmma"), dict(impl="wgmma", waves=8, PART_BF16=0), dict(impl="wgmma", waves=0.01),
+     # its candidates-as-M sibling (16 heads as N), and 32 as N with half of them masked
+     dict(impl="wgmma_t"), dict(impl="wgmma_t", waves=8, PART_BF16=0), dict(impl="wgmma_t", waves=0.01),
+     dict(impl="wgmma_t", BLOCK_H=32, waves=8)],
     ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-fp32part", "reg64-declate",
          "reg32-4warps-declate", "reg64-span", "reg32-4warps-span", "wgmma", "wgmma-split-fp32part",
-         "wgmma-one-split-writes-out"])
+         "wgmma-one-split-writes-out", "wgmma_t", "wgmma_t-split-fp32part", "wgmma_t-one-split-writes-out",
+         "wgmma_t-32-heads-split"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant, monkeypatch):
     from dsv4_sm120.attention.config import BF16_ONLY_IMPLS
 
     if mode == "fp8" and variant.get("impl") in BF16_ONLY_IMPLS:
         pytest.skip(f"impl={variant['impl']} has no fp8 QK path (refused: tests/test_attention.py)")
-    if variant.get("impl") == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("impl=wgmma runs on Hopper only (refused elsewhere: tests/test_attention_config.py)")
+    if variant.get("impl") in ("wgmma", "wgmma_t") and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"impl={variant['impl']} runs on Hopper only (refused elsewhere: tests/test_attention_config.py)")
     _set_launch(monkeypatch, dict(_env_config(), **variant))
     check(build(Case(T=17, H=16, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
                      lengths="random", all_invalid_rows=(3,), seed=950), device="cuda"), mode)
