@@ -112,7 +112,8 @@ def test_every_level_holds_every_shape_with_complete_entries():
     """A level (device, architecture, default) that has one shape has them all (a missing one would fall back to
     another level's rules for that shape only), every entry names a body and the keys it reads, and the size keys
     of the device tables are grid rows (buckets written as first and last row); a body that runs on some
-    architectures only (impl=wgmma: Hopper) appears in tables of those architectures only."""
+    architectures only (impl=wgmma, wgmma_t: Hopper) appears in tables of those architectures only, with its fixed
+    launch."""
     files = sorted(p.name for p in (lt.TABLE_DIR / "attention").glob("*.json"))
     shapes = {f"H={h},qk={q}" for h in (16, 32, 64) for q in ("bf16", "fp8")}
     levels = {}
@@ -126,7 +127,9 @@ def test_every_level_holds_every_shape_with_complete_entries():
     for name in files:
         for size, cfg in lt.read_table(lt.TABLE_DIR / "attention" / name).items():
             impl = cfg["impl"]
-            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg", "wgmma"), (name, size)
+            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg", "wgmma", "wgmma_t"), (name, size)
+            if impl in config.FIXED_LAUNCHES:
+                config.check_fixed_keys(cfg, name)  # a table entry of a fixed-launch body keeps its launch
             if impl in config.IMPL_ARCHS:
                 dev = name[: -len(".json")].split(",device_name=")[1]
                 major = {"NVIDIA_H200": 9}.get(dev) or (int(dev[len("arch_sm_"):]) // 10 if dev.startswith("arch_sm_") else None)
@@ -201,7 +204,7 @@ def test_unknown_gpus_and_the_interpreter():
         assert (L.config["impl"], L.config["BLOCK_H"]) == ("tiled", bh) and L.source.endswith("default.json[1]")
     L = config.resolve(16, 3, 128, 512, H200, interpret=True)
     assert (L.config["impl"], L.config["BLOCK_N"], L.config["num_warps"], L.source) == ("tiled", 16, 4, "interpreter")
-    assert config.resolve(16, 1, 128, 512, H200).source == "H=16,qk=bf16,device_name=NVIDIA_H200.json[1]"
+    assert config.resolve(16, 8, 128, 512, H200).source == "H=16,qk=bf16,device_name=NVIDIA_H200.json[1]"
     # sm_121 shares sm_120's tables
     gb10 = config.Device("NVIDIA GB10", (12, 1), 48)
     assert "arch_sm_120" in config.resolve(64, 1, 128, 512, gb10, qk="fp8").source
@@ -292,7 +295,7 @@ def test_the_warpgroup_mma_body_is_chosen_by_work_and_pays_for_its_combine():
     # (heads, rows, extra candidates, body, by the rule): 6 x 2 blocks < 48 <= 6 x 10; one row of 64 heads is 4 grid
     # rows, where the table itself names the register body
     for H, T, K2, impl, rule in ((64, 6, 0, "reg", True), (64, 6, 512, "wgmma", False), (64, 24, 0, "wgmma", False),
-                                 (32, 24, 0, "wgmma", False), (64, 1, 1024, "reg", False)):
+                                 (64, 1, 1024, "reg", False)):
         L = config.resolve(H, T, 128, K2, h200)
         assert L.config["impl"] == impl and ("few blocks" in L.source) == rule, (H, T, K2, L)
     assert config.resolve(64, 6, 128, 0, h200, overrides={"impl": "wgmma"}).config["impl"] == "wgmma"
@@ -345,3 +348,11 @@ def test_the_candidates_as_m_body_takes_the_heads_as_n():
         few = config.resolve(16, 6, 128, 0, h200, root=Path(d))
     assert many.config["impl"] == "wgmma_t" and many.config["BLOCK_H"] == 16, many
     assert few.config["impl"] == "reg" and "few blocks for impl=wgmma_t" in few.source, few
+    # the H200's own tables (a launch sweep with wgmma_t a candidate): wgmma_t where a call has >= 64 blocks x 16-head
+    # groups (plan.WGMMA_T_MIN_WORK), the register body below; SWA-only rows hold two blocks, c4 rows ten
+    for H, T, K2, impl, bh in ((16, 24, 0, "reg", None), (8, 24, 0, "reg", None), (16, 48, 0, "wgmma_t", 16),
+                               (32, 24, 0, "wgmma_t", 32), (32, 12, 0, "reg", None), (16, 6, 512, "reg", None),
+                               (16, 7, 512, "wgmma_t", 16), (16, 6, 1024, "wgmma_t", 16), (16, 1, 512, "reg", None)):
+        L = config.resolve(H, T, 128, K2, h200)
+        assert L.config["impl"] == impl and (bh is None or L.config["BLOCK_H"] == bh), (H, T, K2, L)
+        assert ("few blocks for impl=wgmma_t" in L.source) == (impl == "reg"), (H, T, K2, L)

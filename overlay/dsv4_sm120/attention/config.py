@@ -212,8 +212,8 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     else:
         cfg, source = table_entry(H, call_rows, qk, device, impl, root)
         named = cfg.get("impl")
-        if impl is None and named in ("wgmma", "wgmma_t") and call_rows * P.cdiv(K1 + K2, 64) < P.WGMMA_MIN_BLOCKS:
-            # too little work for a warpgroup-MMA body's fixed cost (plan.WGMMA_MIN_BLOCKS): the register body
+        if impl is None and P.few_blocks(named, call_rows, P.cdiv(K1 + K2, 64), H):
+            # too little work for a warpgroup-MMA body's fixed cost (plan.few_blocks): the register body
             cfg, source = table_entry(H, call_rows, qk, device, "reg", root)
             source += f" (few blocks for impl={named})"
     source_impl = None if impl is not None else cfg.get("impl")   # the body the table entry itself names

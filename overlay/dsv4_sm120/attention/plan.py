@@ -56,6 +56,22 @@ WGMMA_COMBINE_BLOCKS = 1.5
 # impl=wgmma: its fixed cost per program outweighs a few blocks (H200, 64 heads, 6 rows: SWA-only, 12 blocks, 7.2 us
 # against 10.3; c4, 60 blocks, 12.5 against 11.5). The tables come from launch sweeps over SWA + c4 rows (ten blocks).
 WGMMA_MIN_BLOCKS = 48
+# The same rule for impl=wgmma_t (16 or 32 heads as the MMA's N), counted in blocks x 16-head groups (its work per
+# block grows with the heads while the register body's grows with the 16-head programs): H200, SWA-only rows at 24
+# rows (48 blocks) took 8-9% longer than the register body at 8 and 16 heads (e792ad4, spec_h8_swa / spec_h16_swa)
+# and 14% less at 32 heads (96); from 48 rows (96 blocks) it is 7-10% faster at 8 and 16 heads.
+WGMMA_T_MIN_WORK = 64
+
+
+def few_blocks(impl: str, rows: int, blocks_per_row: int, heads: int) -> bool:
+    """Whether a call of ``rows`` rows of ``blocks_per_row`` 64-candidate blocks is too little work for the
+    warpgroup-MMA body ``impl`` (``wgmma``: WGMMA_MIN_BLOCKS blocks; ``wgmma_t``: WGMMA_T_MIN_WORK blocks x 16-head
+    groups), so the register body runs where a table names it."""
+    if impl == "wgmma":
+        return rows * blocks_per_row < WGMMA_MIN_BLOCKS
+    if impl == "wgmma_t":
+        return rows * blocks_per_row * cdiv(heads, 16) < WGMMA_T_MIN_WORK
+    return False
 
 
 def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0,
