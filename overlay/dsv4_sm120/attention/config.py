@@ -14,8 +14,9 @@ Tables (``dsv4_sm120/launch_tables/attention/``, read through ``dsv4_sm120.launc
   with the body replaced: those tables hold the tiled / flat launches, the bodies that have an fp8 QK path,
   and with bf16 QK the same keys apply. Where this GPU's own (generated) table has the other body at that size,
   the architecture's or default table answers instead. ``impl=reg`` takes the ``impl=reg`` table (the register body's
-  launch at any shape; bf16 QK only). An entry naming ``impl=wgmma`` gives way to that launch for a call of fewer
-  than ``plan.WGMMA_MIN_BLOCKS`` blocks of 64 candidates (rows x blocks per row: too little work for its fixed cost).
+  launch at any shape; bf16 QK only). An entry naming ``impl=wgmma`` or ``impl=wgmma_t`` gives way to that launch
+  for a call with too little work for its fixed cost (``plan.few_blocks``: rows x blocks of 64 candidates, for
+  wgmma_t also x 16-head groups).
 * ``device_name=<GPU>`` tables (e.g. ``NVIDIA_H200``) are keyed by grid rows ``T x ceil(H/16)`` and hold
   the exact row buckets of that GPU (each bucket written as its first and last row, so the nearest-size
   lookup is exact). ``arch_sm_<major>0`` and ``default`` tables serve GPUs of any SM count: they are keyed
