@@ -108,6 +108,35 @@ def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P
 
 
 @gluon.jit
+def _stage_q(q_s, q_ptr, row_off, stride_qh, h0, H, QL: gl.constexpr):
+    # Q of the heads h0 .. h0 + rows of q_s into shared memory q_s ([rows, 512] bf16), once (heads >= H: zeros); the
+    # consumer partition's warps, then a fence for the MMAs' (async proxy) reads
+    hq = h0 + gl.arange(0, q_s.shape[0], layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    q = gl.load(q_ptr + row_off + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
+                mask=gl.expand_dims(hq < H, 1), other=0.0)
+    q_s.store(q)
+    fence_async_shared()
+    _partition_barrier()
+
+
+@gluon.jit
+def _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr,
+                 HAS_2: gl.constexpr):
+    # the 64-candidate blocks the producers fill for the program's chunk [start, start + chunk) of main ++ extra
+    nb = 0
+    if start < K:
+        _, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
+        nb = gl.cdiv(gl.maximum(end - start, 0), 2 * HALF)
+    if HAS_2:
+        if start + chunk > K:
+            lo2 = gl.maximum(start - K, 0)
+            _, end2 = _segment_bounds(len2_ptr, K2, t, lo2, start + chunk - K - lo2, HAS_LEN2)
+            nb += gl.cdiv(gl.maximum(end2 - lo2, 0), 2 * HALF)
+    return nb
+
+
+@gluon.jit
 def _stage_rows(stage, x, dst_ptr, row0, nrows, STAGE: gl.constexpr):
     # x [64, 512] (the accumulator layout) -> dst_ptr[(row0 + r) * 512 + c] for r < nrows, in dst's type. STAGE:
     # through shared memory ``stage`` (a free [64, 512] bf16 tile; bf16 only), read back as 16-byte vectors along
@@ -160,23 +189,8 @@ def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, 
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     t64 = t.to(gl.int64)
-    # Q of the 64 heads into shared memory, once (heads >= H: zeros)
-    hq = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
-    q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
-                mask=gl.expand_dims(hq < H, 1), other=0.0)
-    q_s.store(q)
-    fence_async_shared()
-    _partition_barrier()
-    nb = 0
-    if start < K:
-        _, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
-        nb = gl.cdiv(gl.maximum(end - start, 0), 2 * HALF)
-    if HAS_2:
-        if start + chunk > K:
-            lo2 = gl.maximum(start - K, 0)
-            _, end2 = _segment_bounds(len2_ptr, K2, t, lo2, start + chunk - K - lo2, HAS_LEN2)
-            nb += gl.cdiv(gl.maximum(end2 - lo2, 0), 2 * HALF)
+    _stage_q(q_s, q_ptr, t64 * stride_qt, stride_qh, g * 64, H, QL)
+    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, SL))
     o = gl.zeros([64, 512], gl.float32, OL)

@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from .common import _segment_bounds, _store_softmax_state
-from .wgmma import HALF, _partition_barrier, _store_half
+from .wgmma import HALF, _block_count, _partition_barrier, _stage_q, _store_half
 from .wspec import _block_idx, _gather_rows
 
 
@@ -121,23 +121,8 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     t64 = t.to(gl.int64)
-    # Q of the BH heads into shared memory, once (heads >= H: zeros)
-    hq = g * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
-    dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
-    q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
-                mask=gl.expand_dims(hq < H, 1), other=0.0)
-    q_s.store(q)
-    fence_async_shared()
-    _partition_barrier()
-    nb = 0
-    if start < K:
-        _, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
-        nb = gl.cdiv(gl.maximum(end - start, 0), 2 * HALF)
-    if HAS_2:
-        if start + chunk > K:
-            lo2 = gl.maximum(start - K, 0)
-            _, end2 = _segment_bounds(len2_ptr, K2, t, lo2, start + chunk - K - lo2, HAS_LEN2)
-            nb += gl.cdiv(gl.maximum(end2 - lo2, 0), 2 * HALF)
+    _stage_q(q_s, q_ptr, t64 * stride_qt, stride_qh, g * BH, H, QL)
+    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, AL))
     # the running sums per thread and candidate lane ([64, BH]), added up over the candidates at the end
     l_p = gl.zeros([2 * HALF, BH], gl.float32, AL)
