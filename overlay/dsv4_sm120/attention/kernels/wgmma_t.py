@@ -75,6 +75,8 @@ def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P
                               t, lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, h)
 
 
+# one entry point per half: a warp_specialize partition's arguments are runtime values (Triton 3.6), and the half
+# must be a constexpr
 @gluon.jit
 def _producer_lo(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
                  cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
