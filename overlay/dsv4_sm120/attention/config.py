@@ -42,7 +42,7 @@ from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
 from .keys import (BF16_ONLY_IMPLS, FIXED_LAUNCHES, GPU_ONLY_IMPLS, IMPL_ARCHS, IMPLS, KEYS, REG_TABLE_IMPLS,
-                   WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_fixed_keys, parse_config, runs_on)
+                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_fixed_keys, parse_config, runs_on)
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -232,7 +232,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         cfg["BLOCK_H"] = 16 if H <= 16 else 32
     if impl == "wspec" and "maxnreg" not in user:
         cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
-    if impl in ("wgmma", "wgmma_t") and "waves" not in user:
+    if impl in WGMMA_IMPLS and "waves" not in user:
         cfg["waves"] = 1.0   # one CTA per SM
     rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)
     if cfg.get("waves") == "auto":
@@ -241,7 +241,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         cfg["PREFETCH"] = _auto_prefetch(rows, nsm)
     HG = P.cdiv(H, int(cfg["BLOCK_H"]))
     span = impl in REG_TABLE_IMPLS and bool(int(cfg.get("spanning_splits", 0)))
-    wg = impl in ("wgmma", "wgmma_t")
+    wg = impl in WGMMA_IMPLS
     overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if wg else P.PROGRAM_OVERHEAD_BLOCKS
     combine = P.WGMMA_COMBINE_BLOCKS * H / 64 if wg else 0.0
     plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)

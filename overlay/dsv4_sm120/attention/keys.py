@@ -31,6 +31,8 @@ WGMMA_T_BLOCK_H = (16, 32)
 # the bodies with a fixed launch: a launch naming one of them with another value of these keys is refused
 # (check_fixed_keys)
 FIXED_LAUNCHES = {"wspec": WSPEC_LAUNCH, "wgmma": WGMMA_LAUNCH, "wgmma_t": WGMMA_T_LAUNCH}
+# the warpgroup-MMA bodies (one CTA per SM; a row in one split writes its output itself)
+WGMMA_IMPLS = ("wgmma", "wgmma_t")
 # the architectures (capability major) a body runs on, where it is not all of them (runs_on)
 IMPL_ARCHS = {"wgmma": (9,), "wgmma_t": (9,)}
 

@@ -16,7 +16,7 @@ import torch
 from .. import settings
 from . import config
 from .config import DecodeInputError, Device, Launch
-from .keys import producer_regs
+from .keys import WGMMA_IMPLS, producer_regs
 from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
 from .plan import cdiv, plan_span, plan_splits, ws_words
 
@@ -146,7 +146,7 @@ def writes_output(L: Launch) -> bool:
     """Whether the split launch of ``L`` writes ``out`` / ``lse`` itself (the warpgroup-MMA body with one split per
     row), so no combine follows it."""
     s1, _, s2, _ = L.plan
-    return L.config["impl"] in ("wgmma", "wgmma_t") and s1 + s2 == 1
+    return L.config["impl"] in WGMMA_IMPLS and s1 + s2 == 1
 
 
 def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int, fp8: bool, softmax_scale: float,
