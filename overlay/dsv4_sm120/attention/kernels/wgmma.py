@@ -159,20 +159,27 @@ def _stage_rows(stage, x, dst_ptr, row0, nrows, STAGE: gl.constexpr):
 
 
 @gluon.jit
-def _store_output(stage, out_ptr, lse_ptr, sink_ptr, t64, H, g, hs, o, m_i, l_i, HAS_SINK: gl.constexpr,
-                  STAGE_OUT: gl.constexpr):
-    # out[t, h] = O / (l + 2^(sink * log2(e) - m)) in bf16 and lse[t, h] = ln(2^m l) (without the sink), as
-    # combine_kernel computes them for one split: zeros and -inf where the row has no valid candidate
+def _final_scale(lse_ptr, sink_ptr, t64, H, hs, m_i, l_i, HAS_SINK: gl.constexpr):
+    # one split's share of the combine for heads hs: stores lse[t, h] = ln(2^m l) (without the sink) and returns the
+    # factor 1 / (l + 2^(sink * log2(e) - m)) for the output, as combine_kernel computes them: 0 and -inf where the
+    # row has no valid candidate
     m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
     lonely = l_i == 0.0
     denom = l_i
     if HAS_SINK:
         denom += gl.exp2(gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * 1.4426950408889634 - m_ref)
-    inv = gl.where(lonely, 0.0, 1.0 / gl.where(lonely, 1.0, denom))
-    o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, o.type.layout)), 1)
-    _stage_rows(stage, o, out_ptr, t64 * H + g * 64, H - g * 64, STAGE_OUT)
     lse = gl.where(lonely, float("-inf"), (m_ref + gl.log2(gl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
     gl.store(lse_ptr + t64 * H + hs, lse, mask=hs < H)
+    return gl.where(lonely, 0.0, 1.0 / gl.where(lonely, 1.0, denom))
+
+
+@gluon.jit
+def _store_output(stage, out_ptr, lse_ptr, sink_ptr, t64, H, g, hs, o, m_i, l_i, HAS_SINK: gl.constexpr,
+                  STAGE_OUT: gl.constexpr):
+    # out[t, h] = O / (l + 2^(sink * log2(e) - m)) in bf16 and lse[t, h] (_final_scale)
+    inv = _final_scale(lse_ptr, sink_ptr, t64, H, hs, m_i, l_i, HAS_SINK)
+    o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, o.type.layout)), 1)
+    _stage_rows(stage, o, out_ptr, t64 * H + g * 64, H - g * 64, STAGE_OUT)
 
 
 @gluon.jit

@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from .common import _segment_bounds, _store_softmax_state
-from .wgmma import HALF, _block_count, _partition_barrier, _stage_q, _store_half
+from .wgmma import HALF, _block_count, _final_scale, _partition_barrier, _stage_q, _store_half
 from .wspec import _block_idx, _gather_rows
 
 
@@ -156,17 +156,9 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
     hs = g * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, AL))
     # Q's tile is free now (the MMAs that read it are done: the barrier after the last block) and stages the rows
     if FINAL:
-        # the program holds all of its row's candidates: the combine's arithmetic for one split, here: out =
-        # O / (l + 2^(sink log2(e) - m)) and lse = ln(2^m l) without the sink; zeros and -inf for no candidate
-        m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
-        lonely = l_i == 0.0
-        denom = l_i
-        if HAS_SINK:
-            denom += gl.exp2(gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * 1.4426950408889634 - m_ref)
-        inv = gl.where(lonely, 0.0, 1.0 / gl.where(lonely, 1.0, denom))
+        # the program holds all of its row's candidates: the combine's arithmetic for one split, here
+        inv = _final_scale(lse_ptr, sink_ptr, t64, H, hs, m_i, l_i, HAS_SINK)
         _store_heads(q_s, ot * gl.expand_dims(inv, 0), out_ptr, t64 * H + g * BH, H - g * BH)
-        lse = gl.where(lonely, float("-inf"), (m_ref + gl.log2(gl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
-        gl.store(lse_ptr + t64 * H + hs, lse, mask=hs < H)
     else:
         # the partial: 512 values per head (nope 0..447 then rope) and (m, l)
         _store_heads(q_s, ot, acc_ws, (t64 * S + s) * HP + g * BH, H - g * BH)
