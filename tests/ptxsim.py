@@ -2,7 +2,7 @@
 checked on a CPU box against independent torch conversions (the GPU tests then run the real thing).
 
 Supported: ``mov.b32``, ``prmt.b32`` (default mode), ``shl.b32``, ``shr.b32`` (logical), ``and.b32``,
-``or.b32``, ``lop3.b32``, ``fma.rn.bf16x2``. Anything else raises, so an asm edit that uses a new
+``or.b32``, ``lop3.b32``, ``fma.rn.bf16x2``, ``mul.rn.bf16x2``. Anything else raises, so an asm edit that uses a new
 instruction cannot pass unchecked.
 """
 
@@ -90,6 +90,9 @@ def run(asm: str, operands: Dict[str, int]) -> Dict[str, int]:
             lo = _fma_bf16(a & 0xFFFF, b & 0xFFFF, c & 0xFFFF)
             hi = _fma_bf16(a >> 16, b >> 16, c >> 16)
             regs[d] = lo | (hi << 16)
+        elif op == "mul.rn.bf16x2":
+            a, b = val(args[1]), val(args[2])
+            regs[d] = _fma_bf16(a & 0xFFFF, b & 0xFFFF, 0x8000) | (_fma_bf16(a >> 16, b >> 16, 0x8000) << 16)
         else:
             raise NotImplementedError(f"ptxsim: unsupported instruction {op!r}")
     return regs

@@ -61,12 +61,33 @@ def test_e4m3_to_bf16_all_codes_exact():
 
 def test_e4m3_to_bf16_sim_rejects_a_wrong_constant():
     """The simulator is strict enough to catch a one-bit slip in the asm."""
-    bad = _asm(AK.E4M3_BF16_ASM).replace("0x07F007F0", "0x03F003F0", 1)
+    bad = _asm(AK.E4M3_BF16_ASM).replace("0x87F087F0", "0x83F083F0", 1)
+    assert bad != _asm(AK.E4M3_BF16_ASM)
     regs = ptxsim.run(bad, {"$2": 0x00C0_4038})  # codes 0x38 (1.0), 0x40 (2.0), 0xC0 (-2.0), 0x00
     got = [ptxsim.bf16_value(b) for b in ptxsim.halves(regs["$0"]) + ptxsim.halves(regs["$1"])]
     assert got != [1.0, 2.0, -2.0, 0.0]
     with pytest.raises(NotImplementedError):
         ptxsim.run("cvt.rn.bf16x2.f32 $0, $1, $2;", {"$1": 0, "$2": 0})
+
+
+def test_e4m3_scaled_decode_all_codes_exact():
+    """The Gluon producers' decode (``wspec.E4M3X4_SCALED_ASM``): every e4m3 code times UE8M0 tile scales from
+    2^-126 to 2^127, against the float64 product rounded once to bf16 (overflow to inf, underflow to the bf16
+    subnormals, as the hardware's bf16 multiply does)."""
+    from dsv4_sm120.attention.kernels import wspec
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    asm = _asm(wspec.E4M3X4_SCALED_ASM)
+    for sbyte in [1, 100, 120, 127, 134, 135, 254] + rng.sample(range(1, 255), 6):
+        sc2 = (sbyte << 7) | (sbyte << 23)
+        for four in _words([c for c in range(256) if c & 0x7F != 0x7F], rng):
+            four = four + [0] * (4 - len(four))
+            word = four[0] | (four[1] << 8) | (four[2] << 16) | (four[3] << 24)
+            regs = ptxsim.run(asm, {"$2": word, "$3": sc2})
+            got = ptxsim.halves(regs["$0"]) + ptxsim.halves(regs["$1"])
+            for code, bits in zip(four, got):
+                ref = _e4m3_value(code) * 2.0 ** (sbyte - 127)
+                assert bits == ptxsim.bf16_bits(ref), (
+                    f"code {code:#04x} scale 2^{sbyte - 127}: {ptxsim.bf16_value(bits)} vs {ref}")
 
 
 def _scales(rng):

@@ -24,24 +24,23 @@ import triton.language as tl
 # Here: a byte ``s eeee mmm`` moved to bf16 bits 15 (sign) and 10..4 (eeee mmm) is a bf16 equal to its
 # e4m3 value times 2^-120 (eeee = 0 lands on the bf16 subnormals, also exact); one bf16x2 multiply by
 # 2^120 gives the value, exactly, for all 254 finite codes (0x7F / 0xFF, e4m3 NaN, give +-480: the KV
-# cache never holds them). Four values per 32-bit input: 2 PRMT, 2 SHF, 6 LOP3, 2 HFMA2.
+# cache never holds them). The move, for two bytes at once: one PRMT puts each byte in the low byte of its
+# 16-bit half and its sign, replicated (PRMT's sign mode), in the high byte; shifted left by 4, a half holds
+# the byte's low 7 bits at 10..4 and the sign at 15, and one AND keeps just those. Four values per 32-bit
+# input: 2 PRMT, 2 shifts, 2 LOP3, 2 HFMA2 (the shifts often go to the FMA pipe as IMAD.SHL).
 E4M3_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 z, x, a, b, s, nz;
+.reg .b32 z, x, a, s, nz;
 mov.b32 z, 0;
 mov.b32 s, 0x7B807B80;
 mov.b32 nz, 0x80008000;
-prmt.b32 x, $2, z, 0x1404;
-shr.b32 a, x, 4;
-and.b32 a, a, 0x07F007F0;
-and.b32 b, x, 0x80008000;
-or.b32 a, a, b;
+prmt.b32 x, $2, z, 0x9180;
+shl.b32 a, x, 4;
+and.b32 a, a, 0x87F087F0;
 fma.rn.bf16x2 $0, a, s, nz;
-prmt.b32 x, $2, z, 0x3424;
-shr.b32 a, x, 4;
-and.b32 a, a, 0x07F007F0;
-and.b32 b, x, 0x80008000;
-or.b32 a, a, b;
+prmt.b32 x, $2, z, 0xB3A2;
+shl.b32 a, x, 4;
+and.b32 a, a, 0x87F087F0;
 fma.rn.bf16x2 $1, a, s, nz;
 }
 """)

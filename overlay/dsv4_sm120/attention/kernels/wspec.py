@@ -26,11 +26,12 @@ from .common import (E4M3_BF16_ASM, _online_softmax, _segment_bounds, _store_par
 # one 32-bit word of four e4m3 bytes and its tile's UE8M0 scale as a bf16 pair ($3) -> two bf16 pairs (the four
 # values, scaled, exact): common.E4M3_BF16_ASM's bit moves, each result then multiplied by the scale
 E4M3X4_SCALED_ASM = gl.constexpr(
-    E4M3_BF16_ASM.value.replace(".reg .b32 z, x, a, b, s, nz;", ".reg .b32 z, x, a, b, s, nz, v;")
+    E4M3_BF16_ASM.value.replace(".reg .b32 z, x, a, s, nz;", ".reg .b32 z, x, a, s, nz, v;")
     .replace("fma.rn.bf16x2 $0, a, s, nz;", "fma.rn.bf16x2 v, a, s, nz;\nmul.rn.bf16x2 $0, v, $3;")
     .replace("fma.rn.bf16x2 $1, a, s, nz;", "fma.rn.bf16x2 v, a, s, nz;\nmul.rn.bf16x2 $1, v, $3;"))
-if E4M3X4_SCALED_ASM.value.count("mul.rn.bf16x2") != 2:  # common's text changed: the scale would be lost
-    raise RuntimeError("wspec: E4M3_BF16_ASM no longer has the two fma lines this kernel extends")
+if E4M3X4_SCALED_ASM.value.count("mul.rn.bf16x2") != 2 or " nz, v;" not in E4M3X4_SCALED_ASM.value:
+    # common's text changed: the scale would be lost, or its register undeclared
+    raise RuntimeError("wspec: E4M3_BF16_ASM no longer has the register list and two fma lines this kernel extends")
 
 
 @gluon.jit
