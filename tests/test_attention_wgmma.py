@@ -56,7 +56,7 @@ print("RESULT" + json.dumps(out))
 
 def test_the_warpgroup_mma_body_compiles_for_hopper():
     """impl=wgmma compiles for sm_90 as launched: 384 threads (8 consumer + 4 producer warps) at a cap of 168
-    registers, which fills the register file once (one CTA per SM); the producers run at their 144 registers and the
+    registers, which fills the register file once (one CTA per SM); the producers run at their 152 registers and the
     consumers take the rest (176); Q and the two-slot ring in 201 KB of the 227 KB a block may have; the QK (N = 32 per
     warpgroup) and PV (N = 256) warpgroup MMAs; proxy fences between the generic-proxy stores and the MMAs' reads;
     16-byte gathers; a bounded stack (a few spilled words). The builds: partials for the combine, one split per row

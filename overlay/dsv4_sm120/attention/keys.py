@@ -84,14 +84,15 @@ def check_fixed_keys(keys: Dict[str, object], source: str) -> None:
 
 def producer_regs(impl: str, maxnreg: int) -> int:
     """The producer warps' registers of a warp-specialized body (its ``PRODUCER_REGS``). wspec: 96 under a register
-    cap of 128 or less (two CTAs per Hopper SM; the consumers take the rest), else 128. wgmma and wgmma_t: 144, which
-    leaves wgmma's two consumer warpgroups 176 of its 168 x 384 and wgmma_t's one 216 (with two producer partitions).
-    Fewer spill: at 128 ptxas spills a just-gathered word, whose store then waits for the load (H200: 9% slower at
-    H = 64, c128 at 128k, 96 rows); at 136 the 3-op e4m3 decode's schedule spills in wgmma's producer loop (H200,
-    H = 64, 384 rows: 11% slower) and, under Triton 3.8, in wgmma_t's."""
+    cap of 128 or less (two CTAs per Hopper SM; the consumers take the rest), else 128. wgmma: 152, the most that
+    leaves its two consumer warpgroups 176 of its 168 x 384; wgmma_t: 144 for each of its two producer partitions,
+    which leaves its one consumer warpgroup 216. Fewer spill: at 128 ptxas spills a just-gathered word, whose store
+    then waits for the load (H200: 9% slower at H = 64, c128 at 128k, 96 rows); at 136 the 3-op e4m3 decode's
+    schedule spills in wgmma's producer loop (H200, H = 64, c4, 384 rows: 128.7 us against 111.7 at 144 and 109.3
+    at 152) and, under Triton 3.8, in wgmma_t's (at 144 wgmma_t is within 1% of 136 on the H200)."""
     if impl == "wspec":
         return 96 if 0 < int(maxnreg) <= 128 else 128
-    return 144
+    return 152 if impl == "wgmma" else 144
 
 
 def parse_config(text: str, source: str = "config") -> Dict[str, object]:

@@ -233,7 +233,7 @@ def split_kernel_wgmma(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 144, SLOTS: gl.constexpr = 2,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 152, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
     STAGE_OUT: gl.constexpr = True,
 ):
