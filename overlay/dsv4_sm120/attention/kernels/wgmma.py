@@ -233,7 +233,7 @@ def split_kernel_wgmma(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 152, SLOTS: gl.constexpr = 2,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
     STAGE_OUT: gl.constexpr = True,
 ):
@@ -246,6 +246,8 @@ def split_kernel_wgmma(
     gl.static_assert(BLOCK_H == 64, "the warpgroup-MMA body takes 64 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the warpgroup-MMA body consumes 64-candidate blocks")
     gl.static_assert(SPAN, "the warpgroup-MMA body takes spanning splits")
+    gl.static_assert(PRODUCER_REGS is not None,
+                     "the warpgroup-MMA body's producer registers come from the launch (keys.producer_regs)")
     t = gl.program_id(0)
     s = gl.program_id(1)
     g = gl.program_id(2)

@@ -173,7 +173,7 @@ def split_kernel_wgmma_t(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 144, SLOTS: gl.constexpr = 2,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16 or 32, ``BLOCK_N`` 64, spanning splits),
@@ -184,6 +184,8 @@ def split_kernel_wgmma_t(
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32, "the candidates-as-M body takes 16 or 32 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the candidates-as-M body consumes 64-candidate blocks")
     gl.static_assert(SPAN, "the candidates-as-M body takes spanning splits")
+    gl.static_assert(PRODUCER_REGS is not None,
+                     "the candidates-as-M body's producer registers come from the launch (keys.producer_regs)")
     t = gl.program_id(0)
     s = gl.program_id(1)
     g = gl.program_id(2)

@@ -232,7 +232,7 @@ def split_kernel_wspec(
     acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = 128, SLOTS: gl.constexpr = 2,
+    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16, ``BLOCK_N`` 32), with the warp-specialized
     body: 4 consumer warps (the launch's ``num_warps``) and 4 producer warps."""
@@ -245,6 +245,8 @@ def split_kernel_wspec(
     extra = extra_ptr.to(gl.pointer_type(gl.uint8))
     # this program's candidates: chunk s of main ++ extra (spanning splits only)
     gl.static_assert(SPAN, "the warp-specialized body takes spanning splits")
+    gl.static_assert(PRODUCER_REGS is not None,
+                     "the warp-specialized body's producer registers come from the launch (keys.producer_regs)")
     start = s * main_chunk
     chunk = main_chunk
     KV2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
