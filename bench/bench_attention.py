@@ -39,7 +39,8 @@ reads the bytes a call must read, through the same gather, and writes out; timed
 carry ``floor_share`` = floor us / their us; docs/attention.md "Gather floor").
 
 ``--variants 'A;B'``: launch-config texts set as ``attention.launch.CONFIG_OVERRIDE`` (the DSV4_SM120_ATTN_CONFIG
-syntax); each is timed next to the default at ``--variant-cases`` and recorded with that text as ``variant``.
+syntax); each is timed next to the default at ``--variant-cases`` (default tp4_decode; none of the chosen cases
+among them: a note on stderr) and recorded with that text as ``variant``.
 
   python3 bench/bench_attention.py --cases tp4_decode --variants 'spanning_splits=0'
   python3 bench/bench_attention.py --dry-run --cases all     # the rows it would write; no GPU needed
@@ -186,6 +187,15 @@ def plan(args):
         out.append((n, layout, H, batches or list(bs), n in vcases, CASE_CONTEXT.get(n, args.context),
                     CASE_ROWS_PER_REQUEST.get(n, 1)))
     return out, variants, modes
+
+
+def variants_note(cases, variants, variant_cases: str):
+    """The note for --variants that no chosen case runs (each runs only at --variant-cases, default tp4_decode; `make
+    bench-attention` always passes its ATTN_VARIANTS), or None."""
+    if not variants or any(c[4] for c in cases) or not cases:
+        return None
+    return (f"note: --variants run only at the --variant-cases ({variant_cases or 'none'}), and none of the chosen "
+            f"cases is one of them: only the default launch is timed (add --variant-cases {cases[0][0]} to time them)")
 
 
 def check_variants(variants):
@@ -391,6 +401,9 @@ def main(argv=None):
     except UsageError as exc:
         print(f"bench_attention: error: {exc}", file=sys.stderr)
         return 2
+    note = variants_note(cases, variants, args.variant_cases)
+    if note:
+        print(f"bench_attention: {note}", file=sys.stderr)
     if args.dry_run:
         return dry_run(args, cases, variants, modes, command)
     error = R.missing_gpu("bench_attention")

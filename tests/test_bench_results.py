@@ -230,6 +230,22 @@ def test_drivers_dry_run_and_no_gpu(script, args, tmp_path):
     assert r.returncode == 2 and "NOPE" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_attention_driver_notes_variants_that_run_nowhere():
+    """--variants with none of the chosen cases among --variant-cases (default tp4_decode) times the default launch
+    only and says so on stderr (not silently); naming the case in --variant-cases times the variant there."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(REPO / "bench" / "bench_attention.py"), "--dry-run", "--cases", "spec_h16_c4",
+           "--batches", "1,6", "--impls", "ours", "--variants", "waves=4"]
+    for extra, n_variant in (([], 0), (["--variant-cases", "spec_h16_c4"], 2)):
+        r = subprocess.run(cmd + extra, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        noted = "--variant-cases spec_h16_c4 to time them" in r.stderr
+        assert noted == (n_variant == 0), r.stderr
+        rows = [ln for ln in r.stdout.splitlines() if ln.startswith("attention,spec_h16_c4,")]
+        assert sum(",waves=4,ours-bf16," in ln for ln in rows) == n_variant
+        assert sum(",default,ours-bf16," in ln for ln in rows) == 2
+
+
 @pytest.mark.parametrize("variant,needle", [("deq=3", "'deq' no longer exists"),
                                              ("BN1=64,aload=strided", "'aload' no longer exists"),
                                              ("align=sorted", "align must be one of"),
