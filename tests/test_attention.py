@@ -384,6 +384,48 @@ def test_combine_kernel_against_float64(cfg_name):
             assert ((lse[..., 0][fin].double() - rl[fin]).abs() <= 1e-5 * rl[fin].abs().clamp(min=1.0)).all(), what
 
 
+# (rows, heads, heads per program, blocks per row) -> which rows the plan cuts: some, all, none
+@pytest.mark.parametrize("T,H,BH,NB,cut", [(7, 6, 16, 3, "some"), (5, 40, 32, 2, "some"), (3, 16, 16, 9, "all"),
+                                           (9, 16, 16, 1, "none")])
+def test_balanced_combine_merges_only_the_cut_rows(T, H, BH, NB, cut):
+    """The combine of a balanced launch (plan.plan_balanced; here the CPU's 4 "SMs"): each row merges exactly as many
+    partials as runs it spans (the slots past them poisoned with NaN), and a row inside one run, which its split
+    program finished, is left alone (its out / lse poisoned and kept); against float64 on the rows it merges."""
+    HG = -(-H // BH)
+    HP = HG * BH
+    C, nb, S = plan.plan_balanced(T, HG, NB * 64, 4)
+    pieces = {}
+    for c, r, j0, j1, s, n in plan.balanced_runs(T, HG, NB * 64, 4):
+        pieces[r] = n
+    assert nb == NB and sorted(pieces) == list(range(T * HG)) and max(pieces.values()) == S
+    gen = torch.Generator().manual_seed(7100 + T * H)
+    bd, bs, w, mr = plan.combine_plan(T, H, S, 4)
+    L = config.Launch(dict(BLOCK_D=bd, BLOCK_S=bs, combine_warps=w, combine_maxnreg=mr, BLOCK_H=BH, balanced=1),
+                      (S, NB * 64, 0, 64), "test")
+    acc_ws, m_ws, l_ws, sk = _combine_inputs(T, H, S, HP, True, "finite", gen)
+    n_of = torch.tensor([[pieces[t * HG + h // BH] for h in range(HP)] for t in range(T)])  # [T, HP]
+    slot = torch.arange(S)[None, :, None]
+    unused = (slot >= n_of[:, None, :]).reshape(-1)  # workspace rows (t*S + s)*HP + h past the row's pieces
+    ref_m, ref_l, ref_acc = m_ws.clone(), l_ws.clone(), acc_ws.clone().view(-1, 512)
+    ref_m[unused], ref_l[unused], ref_acc[unused] = -math.inf, 0.0, 0.0
+    m_ws[unused], l_ws[unused] = math.nan, math.nan
+    acc_ws.view(-1, 512)[unused] = math.nan
+    out = torch.full((T, 1, H, 512), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((T, H, 1), float("nan"))
+    launch.launch_combine(L, acc_ws, m_ws, l_ws, sk.float(), out, lse, H, HP, True)
+    ro, rl, lonely = _combine_ref(ref_acc.reshape(-1), ref_m, ref_l, sk, T, H, S, HP)
+    merged = n_of[:, :H] > 1
+    assert {"some": merged.any() and (~merged).any(), "all": merged.all(), "none": not merged.any()}[cut], pieces
+    o = out[:, 0].double()
+    assert torch.isnan(o[~merged]).all() and torch.isnan(lse[..., 0][~merged]).all()
+    om, rm = o[merged], ro[merged]
+    assert torch.isfinite(om).all()
+    tol = 2.0 ** -7 * rm.abs() + 1e-5 * rm.abs().amax(dim=-1, keepdim=True)
+    assert ((om - rm).abs() <= tol).all(), (om - rm).abs().max()
+    fin = merged & ~lonely
+    assert ((lse[..., 0][fin].double() - rl[fin]).abs() <= 1e-5 * rl[fin].abs().clamp(min=1.0)).all()
+
+
 def test_combine_launch_plan():
     """Shapes-only combine plan: >= 2 programs per SM where the problem allows (T=1, H=16: >= 32),
     4 fp32 per thread (one 16-byte vector per partial), <= 8 partials per step (16 on grids of at most
@@ -428,7 +470,7 @@ for cap in (90, 120):
     for bd, bs, w, bf16 in ((512, 3, 4, 0), (128, 10, 1, 0), (512, 6, 4, 1), (256, 5, 2, 0)):
         sig = {"acc_ws": "*bf16" if bf16 else "*fp32", "m_ws": "*fp32", "l_ws": "*fp32", "sink_ptr": "*fp32",
                "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32", "S": "i32", "HP": "i32"}
-        cst = dict(HAS_SINK=True, BLOCK_D=bd, BLOCK_S=bs)
+        cst = dict(HAS_SINK=True, BLOCK_D=bd, BLOCK_S=bs, NB=1, W=1, C=1, BALANCED=False, BH=16)  # a classic launch
         src = kernel_source(fn, sig, cst, divisible=[n for n, t in sig.items() if t.startswith("*")])
         name = f"sm{cap}_d{bd}_s{bs}_w{w}" + ("_bf16" if bf16 else "")
         opts = {"num_warps": w, "num_stages": 1, "maxnreg": combine_maxnreg(bs, bd // (32 * w))}

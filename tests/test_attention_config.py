@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_sm120 import launch_tables as lt
-from dsv4_sm120.attention import DecodeInputError, config, plan_span
+from dsv4_sm120.attention import DecodeInputError, config, plan, plan_span
 from dsv4_sm120.attention.key_aliases import canonical
 
 FROZEN = Path(__file__).resolve().parent / "data" / "attention_launches_frozen.json"
@@ -134,7 +134,7 @@ def test_every_level_holds_every_shape_with_complete_entries():
                 dev = name[: -len(".json")].split(",device_name=")[1]
                 major = {"NVIDIA_H200": 9}.get(dev) or (int(dev[len("arch_sm_"):]) // 10 if dev.startswith("arch_sm_") else None)
                 assert major is not None and config.runs_on(impl, major), (name, size, impl)
-            need = set(config.COMMON_KEYS) | set(config.BODY_KEYS[impl])
+            need = (set(config.COMMON_KEYS) | set(config.BODY_KEYS[impl])) - set(config.OPTIONAL_ENTRY_KEYS)
             assert need <= set(cfg) and set(cfg) <= set(config.KEYS), (name, size, sorted(set(cfg) ^ need))
             assert not set(cfg) & set(config.COMBINE_KEYS), (name, size)  # combine keys come from the plan
 
@@ -356,3 +356,46 @@ def test_the_candidates_as_m_body_takes_the_heads_as_n():
         L = config.resolve(H, T, 128, K2, h200)
         assert L.config["impl"] == impl and (bh is None or L.config["BLOCK_H"] == bh), (H, T, K2, L)
         assert ("few blocks for impl=wgmma_t" in L.source) == (impl == "reg"), (H, T, K2, L)
+
+
+def test_balanced_plan_covers_every_block_once_and_the_launch_takes_it():
+    """plan.plan_balanced / balanced_runs (impl=wgmma_t,balanced=1): over random shapes, every block of every grid row
+    is held by exactly one program, each program's run is W // C or W // C + 1 blocks in one piece per row, a row's
+    pieces are numbered 0.. in program order, their count agrees with plan.balanced_cut (which the kernels compute)
+    and with a search for the owner of the row's first and last blocks, and S is the most of any row. resolve gives
+    that plan (S splits, the chunk a whole row) and refuses balanced=1 for the other bodies."""
+    rnd = random.Random(29)
+    for _ in range(300):
+        T, HG, K, nsm = rnd.randint(1, 400), rnd.choice((1, 1, 2, 4)), rnd.randint(1, 1300), rnd.choice((4, 132, 188))
+        C, NB, S = plan.plan_balanced(T, HG, K, nsm)
+        W = T * HG * NB
+        assert NB == -(-K // 64) and C == min(nsm, W), (T, HG, K, nsm)
+        runs = plan.balanced_runs(T, HG, K, nsm)
+        held, per_prog, rows = {}, {}, {}
+        for c, r, j0, j1, s, n in runs:
+            assert 0 <= j0 < j1 <= NB
+            for j in range(j0, j1):
+                assert (r, j) not in held
+                held[(r, j)] = c
+            per_prog[c] = per_prog.get(c, 0) + j1 - j0
+            rows.setdefault(r, []).append((c, s, n))
+        assert len(held) == W and set(per_prog.values()) <= {W // C, W // C + 1}, (T, HG, K, nsm)
+        for r, ps in rows.items():
+            owner_first, owner_last = held[(r, 0)], held[(r, NB - 1)]
+            assert plan.balanced_cut(NB, W, C, r) == (owner_first, owner_last)
+            assert [s for _, s, _ in sorted(ps)] == list(range(len(ps))) and {n for _, _, n in ps} == {len(ps)}
+            assert len(ps) == owner_last - owner_first + 1
+        assert S == max(len(ps) for ps in rows.values())
+    h200 = config.Device("NVIDIA H200", (9, 0), 132)
+    L = config.resolve(16, 192, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 1})
+    assert L.config["balanced"] == 1 and L.plan == (plan.plan_balanced(192, 1, 640, 132)[2], 640, 0, 64), L
+    assert config.resolve(16, 192, 128, 512, h200, overrides={"impl": "wgmma_t"}).config["balanced"] == 0
+    # past the kernels' 32-bit run arithmetic ((W + NB) x C < 2^31) the classic plan runs
+    huge = config.resolve(16, 1 << 22, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 1})
+    assert not plan.balanced_fits(1 << 22, 1, 640, 132) and huge.config["balanced"] == 0, huge
+    for impl in ("reg", "wgmma", "tiled"):
+        with pytest.raises(DecodeInputError, match="balanced=1 is a launch of impl=wgmma_t only"):
+            config.resolve(16, 192, 128, 512, h200, overrides={"impl": impl, "balanced": 1})
+    # without impl it applies where the table's body is wgmma_t (192 rows) and not to the register body (6 rows)
+    assert config.resolve(16, 192, 128, 512, h200, overrides={"balanced": 1}).config.get("balanced") == 1
+    assert "balanced" not in config.resolve(16, 6, 128, 512, h200, overrides={"balanced": 1}).config

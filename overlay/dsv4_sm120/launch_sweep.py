@@ -56,7 +56,7 @@ def attention_entry(text: str) -> Dict[str, object]:
     except AC.DecodeInputError as exc:
         raise SweepError(str(exc)) from None
     impl = entry.get("impl")
-    need = AC.COMMON_KEYS + AC.BODY_KEYS.get(impl, ())
+    need = [k for k in AC.COMMON_KEYS + AC.BODY_KEYS.get(impl, ()) if k not in AC.OPTIONAL_ENTRY_KEYS]
     missing = [k for k in need if k not in entry]
     if impl not in AC.IMPLS or missing:
         raise SweepError(f"launch candidate {text!r} is incomplete: it must name impl and every key of its body "

@@ -157,11 +157,14 @@ def test_cuda_graph_replay_with_changing_indices(mode):
      dict(impl="wgmma"), dict(impl="wgmma", waves=8, PART_BF16=0), dict(impl="wgmma", waves=0.01),
      # its candidates-as-M sibling (16 heads as N), and 32 as N with half of them masked
      dict(impl="wgmma_t"), dict(impl="wgmma_t", waves=8, PART_BF16=0), dict(impl="wgmma_t", waves=0.01),
-     dict(impl="wgmma_t", BLOCK_H=32, waves=8)],
+     dict(impl="wgmma_t", BLOCK_H=32, waves=8),
+     # its balanced launch (one program per SM walking an equal run of blocks across rows; plan.plan_balanced)
+     dict(impl="wgmma_t", balanced=1), dict(impl="wgmma_t", balanced=1, PART_BF16=0),
+     dict(impl="wgmma_t", BLOCK_H=32, balanced=1)],
     ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-fp32part", "reg64-declate",
          "reg32-4warps-declate", "reg64-span", "reg32-4warps-span", "wgmma", "wgmma-split-fp32part",
          "wgmma-one-split-writes-out", "wgmma_t", "wgmma_t-split-fp32part", "wgmma_t-one-split-writes-out",
-         "wgmma_t-32-heads-split"])
+         "wgmma_t-32-heads-split", "wgmma_t-balanced", "wgmma_t-balanced-fp32part", "wgmma_t-32-heads-balanced"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant, monkeypatch):
     from dsv4_sm120.attention.config import BF16_ONLY_IMPLS
@@ -175,6 +178,10 @@ def test_variants(mode, variant, monkeypatch):
                      lengths="random", all_invalid_rows=(3,), seed=950), device="cuda"), mode)
     check(build(Case(T=5, H=16, main_page=3, main_pages=100, K=64, extra="c128", extra_page=2, extra_pages=300,
                      extra_K=300, lengths="random", all_invalid_rows=(0,), seed=951), device="cuda"), mode)
+    if variant.get("balanced"):
+        # enough rows that some lie inside one program's run (written by it) and others are cut (merged)
+        check(build(Case(T=301, H=16, main_page=64, main_pages=40, K=128, lengths="random", all_invalid_rows=(7,),
+                         seed=952), device="cuda"), mode)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])

@@ -53,7 +53,10 @@ COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
              "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
              "wspec": ("spanning_splits", "PART_BF16"), "wgmma": ("spanning_splits", "PART_BF16"),
-             "wgmma_t": ("spanning_splits", "PART_BF16")}
+             "wgmma_t": ("spanning_splits", "PART_BF16", "balanced")}
+# body keys a table entry or a launch candidate may leave out (read as 0): ``balanced`` (wgmma_t), newer than the
+# sweeps behind the tables
+OPTIONAL_ENTRY_KEYS = ("balanced",)
 # the warp-specialized body's default register cap by architecture major (its fixed launch: keys.WSPEC_LAUNCH): on
 # Hopper 128 (two CTAs of 8 warps per SM in its 228 KB of shared memory; the producer warps then give registers to
 # the consumers), elsewhere none (sm_120's 100 KB hold one CTA; a cap only spills); a user may set maxnreg
@@ -203,6 +206,9 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     impl = user.get("impl")
     if qk == "fp8" and impl in BF16_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} has no fp8 QK path (use qk_mode='bf16')")
+    if int(user.get("balanced", 0)) and impl is not None and impl != "wgmma_t":
+        # (without impl, balanced=1 applies where the table's body is wgmma_t, as the other bodies' keys do)
+        raise DecodeInputError(f"balanced=1 is a launch of impl=wgmma_t only (plan.plan_balanced), got impl={impl}")
     if interpret and impl in GPU_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} is a GPU launch (a Gluon kernel): Triton's interpreter cannot run it")
     if not interpret and device.capability and not runs_on(impl, device.capability[0]):
@@ -244,7 +250,15 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     wg = impl in WGMMA_IMPLS
     overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if wg else P.PROGRAM_OVERHEAD_BLOCKS
     combine = P.WGMMA_COMBINE_BLOCKS * H / 64 if wg else 0.0
-    plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
+    if impl == "wgmma_t" and int(cfg.get("balanced", 0)) and not P.balanced_fits(T, HG, K1 + K2, nsm):
+        cfg["balanced"] = 0   # a call too large for the kernels' 32-bit run arithmetic: the classic plan
+    if impl == "wgmma_t" and int(cfg.get("balanced", 0)):
+        # one program per SM walking an equal run of the call's blocks (plan.plan_balanced): S = the most pieces
+        # a row is cut into, the plan's chunk the whole row
+        _, NB, S = P.plan_balanced(T, HG, K1 + K2, nsm)
+        plan = (S, NB * 64, 0, 64)
+    else:
+        plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
     s1, c1, s2, c2 = plan
     if cfg.get("num_stages", "auto") == "auto":
         bn = int(cfg["BLOCK_N"])

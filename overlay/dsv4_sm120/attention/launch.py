@@ -18,7 +18,7 @@ from . import config
 from .config import DecodeInputError, Device, Launch
 from .keys import WGMMA_IMPLS, producer_regs
 from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
-from .plan import cdiv, plan_span, plan_splits, ws_words
+from .plan import cdiv, plan_balanced, plan_span, plan_splits, ws_words
 
 __all__ = ["sparse_mla_decode", "DecodeInputError", "plan_splits", "plan_span", "device_facts", "CONFIG_OVERRIDE"]
 
@@ -149,6 +149,20 @@ def writes_output(L: Launch) -> bool:
     return L.config["impl"] in WGMMA_IMPLS and s1 + s2 == 1
 
 
+def balanced(L: Launch) -> bool:
+    """Whether ``L`` is a balanced launch (``plan.plan_balanced``): its split programs write the rows they hold
+    whole and the combine merges the others."""
+    return bool(L.config.get("balanced", 0))
+
+
+def balanced_grid(L: Launch, T: int, H: int, device) -> Tuple[int, int, int]:
+    """``(C, NB, W)`` of the balanced launch ``L`` over ``T`` rows: programs, blocks per grid row, blocks."""
+    HG = cdiv(H, L.config["BLOCK_H"])
+    NB = L.plan[1] // 64
+    C, NB2, _ = plan_balanced(T, HG, NB * 64, device_facts(device).num_sms)
+    return C, NB2, max(1, T * HG) * NB2
+
+
 def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int, fp8: bool, softmax_scale: float,
                   interp: bool, final=None) -> None:
     """The split launch of ``L``; ``final`` = ``(out, lse, attn_sink)`` where it writes the output itself
@@ -191,8 +205,13 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
                                    "(triton.experimental.gluon) or not its Hopper module; use another impl")
         if final is not None:
             out, lse, sink = final
-            flags.update(out_ptr=out, lse_ptr=lse, sink_ptr=sink if sink is not None else m_ws, FINAL=True,
+            flags.update(out_ptr=out, lse_ptr=lse, sink_ptr=sink if sink is not None else m_ws, FINAL=not balanced(L),
                          HAS_SINK=sink is not None)
+        if balanced(L):
+            C, NB, W = balanced_grid(L, T, H, q.device)
+            SPLIT_KERNELS[impl][(C,)](*args, SPAN=True, PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), NB=NB,
+                                      W=W, C=C, BALANCED=True, **flags)
+            return
         if impl == "wgmma":
             # the output / partial through shared memory where most of a program's 64 head rows are real (with 16
             # heads the direct stores of 16 rows cost less than staging 64: H200, 384 rows, 99.6 against 109.5 us)
@@ -213,6 +232,10 @@ def launch_combine(L: Launch, acc_ws, m_ws, l_ws, attn_sink, out, lse, H: int, H
     extra = {}
     if cfg["combine_maxnreg"] and not interp:
         extra["maxnreg"] = cfg["combine_maxnreg"]
+    if balanced(L):
+        # only the rows cut between programs, each with its own count of partials
+        C, NB, W = balanced_grid(L, T, H, out.device)
+        extra.update(BALANCED=True, NB=NB, W=W, C=C, BH=cfg["BLOCK_H"])
     combine_kernel[(T, H, 512 // cfg["BLOCK_D"])](
         acc_ws, m_ws, l_ws, attn_sink if attn_sink is not None else m_ws, out, lse, H, s1 + s2, HP,
         HAS_SINK=attn_sink is not None, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"],
@@ -233,9 +256,11 @@ def _run(L: Launch, q, main, extra, attn_sink, softmax_scale, fp8, out, lse, H: 
     else:
         acc_ws = ws[: nrow * 512]
         m_ws, l_ws = ws[nrow * 512: nrow * 513], ws[nrow * 513: nrow * 514]
-    if writes_output(L):
+    if writes_output(L) or balanced(L):
         _launch_split(L, q, main, extra, acc_ws, m_ws, l_ws, H, HP, fp8, softmax_scale, interp,
                       final=(out, lse, attn_sink))
+        if not writes_output(L):
+            launch_combine(L, acc_ws, m_ws, l_ws, attn_sink, out, lse, H, HP, interp)
         return
     _launch_split(L, q, main, extra, acc_ws, m_ws, l_ws, H, HP, fp8, softmax_scale, interp)
     launch_combine(L, acc_ws, m_ws, l_ws, attn_sink, out, lse, H, HP, interp)

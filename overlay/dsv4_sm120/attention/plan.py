@@ -6,6 +6,7 @@ data-dependent value enters a plan, so a launch can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Tuple
 
 
@@ -99,6 +100,56 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
             best = (key, blocks)
     chunk = best[1] * block_n
     return max(1, cdiv(K1 + K2, chunk)), chunk
+
+
+def balanced_cut(NB: int, W: int, C: int, r: int) -> Tuple[int, int]:
+    """The programs that hold grid row ``r``'s first and last 64-candidate block in a balanced launch (``NB``
+    blocks per grid row, ``W`` blocks in all, ``C`` programs; program ``c`` owns blocks ``c*W//C ..
+    (c+1)*W//C - 1``): program ``c`` holds block ``u`` where ``c = ((u + 1)*C - 1) // W``. The kernels compute the
+    same integers."""
+    return ((r * NB + 1) * C - 1) // W, ((r + 1) * NB * C - 1) // W
+
+
+@lru_cache(maxsize=1024)
+def plan_balanced(T: int, HG: int, K: int, num_sms: int) -> Tuple[int, int, int]:
+    """Balanced (persistent) plan of a warpgroup-MMA body: ``(C, NB, S)``. The call's ``T x HG`` grid rows of
+    ``NB = ceil(K / 64)`` blocks each are laid end to end and cut into ``C = min(num_sms, W)`` runs of
+    ``W // C`` or ``W // C + 1`` blocks (``W = T*HG*NB``), one program per SM walking its run across row boundaries
+    with its ring kept full: no round is left part-empty and a program's fixed cost (launch, the ring's first
+    fill) is paid once per SM, not once per row. A row inside one run is finished by its program (output and lse);
+    a row cut between runs leaves one partial per run, ``S`` = the most runs a row spans (the workspace's splits),
+    and the combine merges those rows only."""
+    NB = max(1, cdiv(K, 64))
+    rows = max(1, T * HG)
+    W = rows * NB
+    C = max(1, min(int(num_sms), W))
+    S = 1
+    for r in range(rows):
+        first, last = balanced_cut(NB, W, C, r)
+        S = max(S, last - first + 1)
+    return C, NB, S
+
+
+def balanced_fits(T: int, HG: int, K: int, num_sms: int) -> bool:
+    """Whether the kernels' 32-bit arithmetic of a balanced plan holds: ``(W + NB) x C < 2^31`` (decode and
+    verify batches are far below; only a huge prefill chunk is not)."""
+    NB = max(1, cdiv(K, 64))
+    return (max(1, T * HG) * NB + NB) * max(1, min(int(num_sms), max(1, T * HG) * NB)) < 2 ** 31
+
+
+def balanced_runs(T: int, HG: int, K: int, num_sms: int):
+    """Every program's pieces of a balanced plan, as the kernels walk them: ``[(c, r, j0, j1, s, n)]`` = program
+    ``c`` takes blocks ``j0 .. j1 - 1`` of grid row ``r`` as that row's piece ``s`` of ``n`` (``n == 1``: it
+    writes the row's output itself)."""
+    C, NB, _ = plan_balanced(T, HG, K, num_sms)
+    W = max(1, T * HG) * NB
+    out = []
+    for c in range(C):
+        u0, u1 = c * W // C, (c + 1) * W // C
+        for r in range(u0 // NB, (u1 - 1) // NB + 1):
+            first, last = balanced_cut(NB, W, C, r)
+            out.append((c, r, max(u0 - r * NB, 0), min(u1 - r * NB, NB), c - first, last - first + 1))
+    return out
 
 
 def split_plan(span: bool, T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float,

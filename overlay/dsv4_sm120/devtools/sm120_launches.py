@@ -163,7 +163,7 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
                BLOCK_N=cfg["BLOCK_N"], FP8_QK=fp8, INTERP=False)
     for k in BODY_KEYS[impl]:
         if k != "PART_BF16":   # PART_BF16 is the workspace's dtype (the acc_ws pointer type), not a constexpr
-            cst[CONSTEXPR.get(k, k)] = bool(cfg[k]) if k != "PREFETCH" else int(cfg[k])
+            cst[CONSTEXPR.get(k, k)] = bool(cfg.get(k, 0)) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
     if impl in ("wspec", "wgmma"):   # as attention.launch passes it
@@ -216,7 +216,9 @@ def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
                             acc = "*bf16" if ws_words(cfg["impl"], cfg.get("PART_BF16", 0)) == 258 else "*fp32"
                             sets["combine"].add(Launch(
                                 "combine", "attention.combine_kernel",
-                                dict(HAS_SINK=True, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"]),
+                                # (the balanced launch is Hopper's: here its arguments keep their defaults)
+                                dict(HAS_SINK=True, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"], BALANCED=False,
+                                     BH=16, NB=1, W=1, C=1),
                                 {"num_warps": cfg["combine_warps"], "num_stages": 1,
                                  **({"maxnreg": cfg["combine_maxnreg"]} if cfg["combine_maxnreg"] else {})},
                                 {"acc_ws": acc}, {}, [f"{origin}, combine of T={T} H={H} on {nsm} SMs"]))

@@ -20,6 +20,11 @@ def combine_kernel(
     HAS_SINK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BALANCED: tl.constexpr = False,
+    NB=1,
+    W=1,
+    C=1,
+    BH: tl.constexpr = 16,
 ):
     # grid (T, H, 512 // BLOCK_D): program (t, h, db) owns columns db*BLOCK_D.. of head h of row t. m / l of a
     # split are scalars (a per-head vector would get a layout of its own and a shared-memory conversion, with
@@ -28,22 +33,39 @@ def combine_kernel(
     # thread at the default plan) are all issued first, then one rescale to the chunk's max and an
     # element-wise FMA per split: the S reduction stays inside each thread and a chunk costs one
     # memory round trip. A ragged last chunk is masked (masked loads issue no memory traffic).
+    # BALANCED (a balanced split launch, plan.plan_balanced): row (t, head group h // BH) has as many partials as
+    # runs it spans (plan.balanced_cut), S is the most of any row; a row of one piece was written by its split
+    # program and is left alone.
     t = tl.program_id(0)
     h = tl.program_id(1)
     db = tl.program_id(2)
+    if BALANCED:
+        r = t.to(tl.int64) * (HP // BH) + h // BH
+        n_parts = (((r + 1) * NB * C - 1) // W - ((r * NB + 1) * C - 1) // W + 1).to(tl.int32)
+        if n_parts > 1:
+            _merge(acc_ws, m_ws, l_ws, sink_ptr, out_ptr, lse_ptr, H, S, HP, t, h, db, n_parts, HAS_SINK, BLOCK_D,
+                   BLOCK_S)
+    else:
+        _merge(acc_ws, m_ws, l_ws, sink_ptr, out_ptr, lse_ptr, H, S, HP, t, h, db, S, HAS_SINK, BLOCK_D, BLOCK_S)
+
+
+@triton.jit
+def _merge(acc_ws, m_ws, l_ws, sink_ptr, out_ptr, lse_ptr, H, S, HP, t, h, db, n_parts, HAS_SINK: tl.constexpr,
+           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # the n_parts partials of (t, h), columns db*BLOCK_D.., into out and lse (workspace rows (t*S + s)*HP + h)
     offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
     row0 = t.to(tl.int64) * S * HP + h  # workspace row of (t, split 0, h)
     m_run = tl.full([], float("-inf"), tl.float32)  # running max over the splits so far (base 2)
     l_run = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, S, BLOCK_S):
+    for s0 in range(0, n_parts, BLOCK_S):
         # all loads of the chunk first: ptxas does not hoist a split's loads above the previous
         # split's math, so interleaving them would cost one round trip per split
         ms = ()
         ls = ()
         parts = ()
         for i in tl.static_range(BLOCK_S):
-            ok = s0 + i < S
+            ok = s0 + i < n_parts
             r = row0 + (s0 + i) * HP
             ms = ms + (tl.load(m_ws + r, mask=ok, other=float("-inf")),)
             ls = ls + (tl.load(l_ws + r, mask=ok, other=0.0),)

@@ -59,12 +59,12 @@ def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, 
 
 
 @gluon.jit
-def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-              h: gl.constexpr):
-    # half h of the program's chunk [start, start + chunk) of main ++ extra: the main cache's part, then the extra's
-    i = 0
+def _produce_chunk(i, ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+                   cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
+                   HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+                   h: gl.constexpr):
+    # half h of the chunk [start, start + chunk) of row t's main ++ extra: the main cache's part, then the extra's;
+    # returns the running block count
     if start < K:
         i = _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start,
                           chunk, HAS_LEN, SLOTS, h)
@@ -73,24 +73,71 @@ def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P
             lo2 = gl.maximum(start - K, 0)
             i = _produce_half(i, ring, flags, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
                               t, lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, h)
+    return i
+
+
+@gluon.jit
+def _balanced_run(NB, W, C):
+    # this program's run of a balanced launch (plan.plan_balanced): blocks [u0, u1) of the rows laid end to end,
+    # rows r0 .. r1 - 1 (32-bit: the launch keeps (W + NB) x C below 2^31)
+    c = gl.program_id(0)
+    u0 = c * W // C
+    u1 = (c + 1) * W // C
+    return c, u0, u1, u0 // NB, (u1 - 1) // NB + 1
+
+
+@gluon.jit
+def _balanced_piece(c, u0, u1, r, NB, W, C):
+    # row r's piece of the run [u0, u1): its candidates [start, start + chunk), its index s among the row's pieces
+    # and whether it is the row's only one (plan.balanced_cut: the programs holding the row's first and last block)
+    j0 = gl.maximum(u0 - r * NB, 0)
+    j1 = gl.minimum(u1 - r * NB, NB)
+    first = ((r * NB + 1) * C - 1) // W
+    last = ((r + 1) * NB * C - 1) // W
+    return j0 * (2 * HALF), (j1 - j0) * (2 * HALF), c - first, first == last
+
+
+@gluon.jit
+def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+              BALANCED: gl.constexpr, h: gl.constexpr):
+    # half h of the program's chunk of main ++ extra, or (BALANCED) of every piece of its run, the ring's block
+    # count carried from one piece to the next
+    if BALANCED:
+        c, u0, u1, r0, r1 = _balanced_run(NB, W, C)
+        i = 0
+        for r in range(r0, r1):
+            start_r, chunk_r, _, _ = _balanced_piece(c, u0, u1, r, NB, W, C)
+            i = _produce_chunk(i, ring, flags, full, empty, r // HG, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2,
+                               start_r, chunk_r, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
+                               HAS_LEN, HAS_LEN2, HAS_2, SLOTS, h)
+    else:
+        i = 0
+        _produce_chunk(i, ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+                       cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, h)
 
 
 # one entry point per half: a warp_specialize partition's arguments are runtime values (Triton 3.6), and the half
 # must be a constexpr
 @gluon.jit
 def _producer_lo(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-                 cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-                 HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+                 cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
+                 HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+                 BALANCED: gl.constexpr):
     _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, 0)
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
+              BALANCED, 0)
 
 
 @gluon.jit
 def _producer_hi(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-                 cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-                 HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr):
+                 cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
+                 HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+                 BALANCED: gl.constexpr):
     _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, 1)
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
+              BALANCED, 1)
 
 
 @gluon.jit
@@ -113,12 +160,14 @@ def _store_heads(stage, ot, dst_ptr, row0, nrows):
 
 
 @gluon.jit
-def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
-              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-              FINAL: gl.constexpr, HAS_SINK: gl.constexpr, BH: gl.constexpr):
-    # the blocks the producers fill for this program, each: S^T = K Q^T, the online softmax over the candidates
-    # (M), O^T = alpha O^T + V^T P^T, the slot back to the producers; then the partial, or (FINAL) the output
+def _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start,
+                   chunk, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr, final,
+                   HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+                   HAS_SINK: gl.constexpr, BH: gl.constexpr):
+    # the blocks the producers fill for the chunk [start, start + chunk) of row t, heads g*BH.., each: S^T = K Q^T,
+    # the online softmax over the candidates (M), O^T = alpha O^T + V^T P^T, the slot back to the producers; then
+    # the partial s, or (final: a constexpr, or a runtime flag in a balanced launch) the output. ``i``: the ring's
+    # running block count, returned advanced
     AL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -129,7 +178,7 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
     # the running sums per thread and candidate lane ([64, BH]), added up over the candidates at the end
     l_p = gl.zeros([2 * HALF, BH], gl.float32, AL)
     ot = gl.zeros([512, BH], gl.float32, AL)
-    for i in range(nb):
+    for _ in range(nb):
         b = i % SLOTS
         mbarrier.wait(full.index(b), (i // SLOTS) & 1)
         kv = ring.index(b)
@@ -152,10 +201,11 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
         # the warpgroup is done with the slot before the one arrival
         _partition_barrier()
         mbarrier.arrive(empty.index(b))
+        i += 1
     l_i = gl.sum(l_p, axis=0)
     hs = g * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, AL))
     # Q's tile is free now (the MMAs that read it are done: the barrier after the last block) and stages the rows
-    if FINAL:
+    if final:
         # the program holds all of its row's candidates: the combine's arithmetic for one split, here
         inv = _final_scale(lse_ptr, sink_ptr, t64, H, hs, m_i, l_i, HAS_SINK)
         _store_heads(q_s, ot * gl.expand_dims(inv, 0), out_ptr, t64 * H + g * BH, H - g * BH)
@@ -163,6 +213,31 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
         # the partial: 512 values per head (nope 0..447 then rope) and (m, l)
         _store_heads(q_s, ot, acc_ws, (t64 * S + s) * HP + g * BH, H - g * BH)
         _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
+    return i
+
+
+@gluon.jit
+def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
+              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr, NB, W, C, HG,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+              FINAL: gl.constexpr, HAS_SINK: gl.constexpr, BH: gl.constexpr, BALANCED: gl.constexpr):
+    # the program's chunk, or (BALANCED) every piece of its run in order, as the producers fill them
+    if BALANCED:
+        c, u0, u1, r0, r1 = _balanced_run(NB, W, C)
+        i = 0
+        for r in range(r0, r1):
+            start_r, chunk_r, s_r, final = _balanced_piece(c, u0, u1, r, NB, W, C)
+            i = _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, r // HG, s_r,
+                               r % HG, len_ptr, K, start_r, chunk_r, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP,
+                               sm_scale_log2, out_ptr, lse_ptr, sink_ptr, final, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
+                               HAS_SINK, BH)
+            # every warp has read the stored rows back out of Q's tile before the next piece stages its Q there
+            _partition_barrier()
+    else:
+        i = 0
+        _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start,
+                       chunk, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
+                       FINAL, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, HAS_SINK, BH)
 
 
 @gluon.jit
@@ -175,12 +250,19 @@ def split_kernel_wgmma_t(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
     SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
+    NB=1, W=1, C=1, BALANCED: gl.constexpr = False,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16 or 32, ``BLOCK_N`` 64, spanning splits),
     with the candidates-as-M warpgroup-MMA body: 4 consumer warps (the launch's ``num_warps``) and two partitions
     of 4 producer warps. ``FINAL`` (one split per row, ``S`` = 1): the program writes the row's ``out``
     [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with the sink ``sink_ptr`` (``HAS_SINK``), and the combine is
-    not launched."""
+    not launched.
+
+    ``BALANCED`` (grid ``(C,)``, ``plan.plan_balanced``): the ``T x HG`` grid rows of ``NB`` 64-candidate blocks
+    laid end to end, ``W`` blocks, cut into ``C`` runs; program ``c`` walks its run piece by piece (a piece = the
+    run's blocks of one grid row), the producers running ahead into the next piece. A piece that is its row's
+    only one writes ``out`` / ``lse`` (``out_ptr`` etc. given), the others their partial ``s`` (the piece's index
+    in its row, ``S`` = the most pieces of a row) for the combine."""
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32, "the candidates-as-M body takes 16 or 32 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the candidates-as-M body consumes 64-candidate blocks")
     gl.static_assert(SPAN, "the candidates-as-M body takes spanning splits")
@@ -189,6 +271,7 @@ def split_kernel_wgmma_t(
     t = gl.program_id(0)
     s = gl.program_id(1)
     g = gl.program_id(2)
+    HG = HP // BLOCK_H
     main = main_ptr.to(gl.pointer_type(gl.uint8))
     extra = extra_ptr.to(gl.pointer_type(gl.uint8))
     start = s * main_chunk
@@ -206,12 +289,12 @@ def split_kernel_wgmma_t(
         mbarrier.init(empty.index(j), count=1)
     prod = (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
             main_PB2, start, chunk, extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB,
-            extra_PB2, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS)
+            extra_PB2, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, BALANCED)
     gl.warp_specialize([
         (_consumer, (q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
                      start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                     out_ptr, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL, HAS_SINK,
-                     BLOCK_H)),
+                     out_ptr, lse_ptr, sink_ptr, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL,
+                     HAS_SINK, BLOCK_H, BALANCED)),
         (_producer_lo, prod),
         (_producer_hi, prod),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
