@@ -389,7 +389,13 @@ def test_balanced_plan_covers_every_block_once_and_the_launch_takes_it():
     h200 = config.Device("NVIDIA H200", (9, 0), 132)
     L = config.resolve(16, 192, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 1})
     assert L.config["balanced"] == 1 and L.plan == (plan.plan_balanced(192, 1, 640, 132)[2], 640, 0, 64), L
-    assert config.resolve(16, 192, 128, 512, h200, overrides={"impl": "wgmma_t"}).config["balanced"] == 0
+    # not asked for: where the classic plan's last round is at most half full over >= 2 rounds, at 16 heads per
+    # program and rows of >= 10 blocks (plan.balanced_pays)
+    for H, T, K2, want in ((16, 192, 512, 1), (8, 144, 512, 1), (16, 300, 512, 1), (16, 156, 1024, 1),
+                           (16, 96, 512, 0), (16, 384, 512, 0), (16, 192, 0, 0), (32, 192, 512, 0), (16, 192, 1024, 0)):
+        assert config.resolve(H, T, 128, K2, h200, overrides={"impl": "wgmma_t"}).config["balanced"] == want, (H, T, K2)
+        assert config.resolve(H, T, 128, K2, h200).config.get("balanced", 0) == want, (H, T, K2)
+    assert config.resolve(16, 192, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 0}).config["balanced"] == 0
     # past the kernels' 32-bit run arithmetic ((W + NB) x C < 2^31) the classic plan runs
     huge = config.resolve(16, 1 << 22, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 1})
     assert not plan.balanced_fits(1 << 22, 1, 640, 132) and huge.config["balanced"] == 0, huge

@@ -250,6 +250,10 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     wg = impl in WGMMA_IMPLS
     overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if wg else P.PROGRAM_OVERHEAD_BLOCKS
     combine = P.WGMMA_COMBINE_BLOCKS * H / 64 if wg else 0.0
+    if impl == "wgmma_t" and "balanced" not in user:
+        # not asked for either way: where the classic plan leaves its last round at most half full (plan.balanced_pays)
+        classic = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
+        cfg["balanced"] = int(P.balanced_pays(T, HG, K1 + K2, nsm, int(cfg["BLOCK_H"]), classic[0] + classic[2]))
     if impl == "wgmma_t" and int(cfg.get("balanced", 0)) and not P.balanced_fits(T, HG, K1 + K2, nsm):
         cfg["balanced"] = 0   # a call too large for the kernels' 32-bit run arithmetic: the classic plan
     if impl == "wgmma_t" and int(cfg.get("balanced", 0)):

@@ -130,6 +130,24 @@ def plan_balanced(T: int, HG: int, K: int, num_sms: int) -> Tuple[int, int, int]
     return C, NB, S
 
 
+# Where the balanced plan pays (H200, spec_rows cases at dd1395b, one run): a piece costs its program about as much as
+# a classic program's fixed cost (the row's Q staged, lengths read, the output or partial stored: serial latency the
+# ring does not hide), so it wins only where the classic plan's rounds leave SMs idle: rows of >= 10 blocks (SWA +
+# c4 and longer), 16 heads per program (at 32 its producers spill), and a last round at most half full (192 rows of
+# 16 heads, c4: 45.7 against 48.9 us; 8 heads 43.0 against 48.1). Elsewhere it lost 2-80% (one round: 96 rows c4
+# 27.2 against 25.5; three nearly full rounds: 384 rows 82.2 against 74.1; SWA-only rows of two blocks).
+BALANCED_MIN_BLOCKS = 10
+
+
+def balanced_pays(T: int, HG: int, K: int, num_sms: int, block_h: int, splits: int) -> bool:
+    """Whether the balanced plan replaces the classic one of ``splits`` splits per grid row (``BALANCED_*``)."""
+    if block_h != 16 or cdiv(K, 64) < BALANCED_MIN_BLOCKS:
+        return False
+    progs = max(1, T * HG) * splits
+    rounds = cdiv(progs, max(1, num_sms))
+    return rounds >= 2 and 2 * (progs - (rounds - 1) * num_sms) <= num_sms
+
+
 def balanced_fits(T: int, HG: int, K: int, num_sms: int) -> bool:
     """Whether the kernels' 32-bit arithmetic of a balanced plan holds: ``(W + NB) x C < 2^31`` (decode and
     verify batches are far below; only a huge prefill chunk is not)."""
