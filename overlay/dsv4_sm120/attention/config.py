@@ -27,7 +27,8 @@ Tables (``dsv4_sm120/launch_tables/attention/``, read through ``dsv4_sm120.launc
 
 ``"auto"`` values resolved per launch: ``waves`` / ``PREFETCH`` (above), ``num_stages`` (2 for the tiled body
 when a program owns >= 2 candidate blocks, else 1), ``maxnreg`` (128 for a one-stage tiled or flat launch,
-none otherwise), and the combine keys (``plan.combine_plan``), which tables never set. Keys given by the user
+none otherwise), ``balanced`` where a wgmma_t launch does not set it (``plan.balanced_pays``), and the combine keys
+(``plan.combine_plan``), which tables never set. Keys given by the user
 keep their value and the "auto" ones are resolved around them. The numbers behind the table entries were
 measured on the H200: see bench/results/attention.csv.
 """

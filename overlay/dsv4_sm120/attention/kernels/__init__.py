@@ -17,7 +17,8 @@ scales, keeps rope in bf16, runs an online softmax in base 2 and writes the un-n
 * ``split_kernel_wgmma`` (``wgmma.py``, Gluon, sm_90 only): the same producer / consumer split with 64 heads per
   program and Hopper warpgroup MMAs, so a block is gathered and decoded once for up to 64 heads; bf16 QK.
 * ``split_kernel_wgmma_t`` (``wgmma_t.py``, Gluon, sm_90 only): warpgroup MMAs with the candidates as M and 16 or 32
-  heads as N (no padded MMA rows at 16 heads), two producer partitions; bf16 QK.
+  heads as N (no padded MMA rows at 16 heads), two producer partitions; bf16 QK. Its balanced launch (grid ``(C,)``,
+  ``plan.plan_balanced``) walks an equal run of blocks across rows per program instead.
 
 ``combine_kernel`` (``combine.py``), grid ``(T, H, 512 / BLOCK_D)``, merges the ``S`` partials and the sink into
 bf16 ``out`` and the natural-log ``lse`` without the sink (zeros and ``-inf`` for rows with no valid candidate).
