@@ -470,7 +470,8 @@ for cap in (90, 120):
     for bd, bs, w, bf16 in ((512, 3, 4, 0), (128, 10, 1, 0), (512, 6, 4, 1), (256, 5, 2, 0)):
         sig = {"acc_ws": "*bf16" if bf16 else "*fp32", "m_ws": "*fp32", "l_ws": "*fp32", "sink_ptr": "*fp32",
                "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32", "S": "i32", "HP": "i32"}
-        cst = dict(HAS_SINK=True, BLOCK_D=bd, BLOCK_S=bs, NB=1, W=1, C=1, BALANCED=False, BH=16)  # a classic launch
+        # NB, W, C, BALANCED, BH: a classic launch leaves them at their defaults
+        cst = dict(HAS_SINK=True, BLOCK_D=bd, BLOCK_S=bs, NB=1, W=1, C=1, BALANCED=False, BH=16)
         src = kernel_source(fn, sig, cst, divisible=[n for n, t in sig.items() if t.startswith("*")])
         name = f"sm{cap}_d{bd}_s{bs}_w{w}" + ("_bf16" if bf16 else "")
         opts = {"num_warps": w, "num_stages": 1, "maxnreg": combine_maxnreg(bs, bd // (32 * w))}

@@ -399,6 +399,11 @@ def test_balanced_plan_covers_every_block_once_and_the_launch_takes_it():
     # past the kernels' 32-bit run arithmetic ((W + NB) x C < 2^31) the classic plan runs
     huge = config.resolve(16, 1 << 22, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 1})
     assert not plan.balanced_fits(1 << 22, 1, 640, 132) and huge.config["balanced"] == 0, huge
+    # 16 heads per program: at 32 heads two head groups, BLOCK_H=32 refused
+    L32 = config.resolve(32, 192, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 1})
+    assert L32.config["BLOCK_H"] == 16 and L32.plan[0] == plan.plan_balanced(192, 2, 640, 132)[2], L32
+    with pytest.raises(DecodeInputError, match="balanced=1 runs 16 heads per program"):
+        config.resolve(32, 192, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 1, "BLOCK_H": 32})
     for impl in ("reg", "wgmma", "tiled"):
         with pytest.raises(DecodeInputError, match="balanced=1 is a launch of impl=wgmma_t only"):
             config.resolve(16, 192, 128, 512, h200, overrides={"impl": impl, "balanced": 1})

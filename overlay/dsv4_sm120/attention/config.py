@@ -237,6 +237,12 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         # the heads are the MMA's N: all of them up to 32 in one program, unless the user or an entry naming this
         # body says 16
         cfg["BLOCK_H"] = 16 if H <= 16 else 32
+    if impl == "wgmma_t" and int(user.get("balanced", 0)):
+        # the balanced launch runs 16 heads per program (at 32 its consumer spills: sm_90, Triton 3.6 and 3.8)
+        if int(user.get("BLOCK_H", 16)) != 16:
+            raise DecodeInputError("balanced=1 runs 16 heads per program (BLOCK_H=16); got BLOCK_H="
+                                   f"{user['BLOCK_H']}")
+        cfg["BLOCK_H"] = 16
     if impl == "wspec" and "maxnreg" not in user:
         cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
     if impl in WGMMA_IMPLS and "waves" not in user:
