@@ -238,7 +238,8 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         # body says 16
         cfg["BLOCK_H"] = 16 if H <= 16 else 32
     if impl == "wgmma_t" and int(user.get("balanced", 0)):
-        # the balanced launch runs 16 heads per program (at 32 its consumer spills: sm_90, Triton 3.6 and 3.8)
+        # the balanced launch runs 16 heads per program (at 32 it spilled and ran 1.09-1.37x the classic plan's time
+        # on the H200: docs/attention.md, "The balanced plan")
         if int(user.get("BLOCK_H", 16)) != 16:
             raise DecodeInputError("balanced=1 runs 16 heads per program (BLOCK_H=16); got BLOCK_H="
                                    f"{user['BLOCK_H']}")

@@ -98,23 +98,17 @@ def _balanced_piece(c, u0, u1, r, NB, W, C):
 
 
 @gluon.jit
-def _producer(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache, idx_ptr, idx_st,
-              len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C,
-              HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH, BALANCED: gl.constexpr, h: gl.constexpr):
+def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+              BALANCED: gl.constexpr, h: gl.constexpr):
     # half h of the program's chunk of main ++ extra, or (BALANCED) of every piece of its run, the ring's block
-    # count carried from one piece to the next; there half 0 also stages each piece's Q ahead of its blocks (q_s:
-    # the consumer's two Q buffers, qfull / qempty their barriers)
+    # count carried from one piece to the next
     if BALANCED:
         c, u0, u1, r0, r1 = _balanced_run(NB, W, C)
         i = 0
         for r in range(r0, r1):
             start_r, chunk_r, _, _ = _balanced_piece(c, u0, u1, r, NB, W, C)
-            if h == 0:
-                k = r - r0
-                mbarrier.wait(qempty.index(k % 2), ((k // 2) & 1) ^ 1)
-                _stage_q(q_s.index(k % 2), q_ptr, (r // HG).to(gl.int64) * stride_qt, stride_qh, (r % HG) * BH, H,
-                         gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-                mbarrier.arrive(qfull.index(k % 2))
             i = _produce_chunk(i, ring, flags, full, empty, r // HG, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2,
                                start_r, chunk_r, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
                                HAS_LEN, HAS_LEN2, HAS_2, SLOTS, h)
@@ -124,42 +118,26 @@ def _producer(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, st
                        cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, h)
 
 
-# one entry point per half and plan: a warp_specialize worker's arguments arrive as runtime values (Triton 3.6), and
-# the half and the plan must be constexprs
+# one entry point per half: a warp_specialize partition's arguments are runtime values (Triton 3.6), and the half
+# must be a constexpr
 @gluon.jit
-def _producer_lo(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache, idx_ptr,
-                 idx_st, len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2,
-                 PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH):
-    _producer(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache, idx_ptr, idx_st,
-              len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C,
-              HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH, False, 0)
-
-
-@gluon.jit
-def _producer_hi(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache, idx_ptr,
-                 idx_st, len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2,
-                 PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH):
-    _producer(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache, idx_ptr, idx_st,
-              len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C,
-              HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH, False, 1)
+def _producer_lo(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+                 cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
+                 HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+                 BALANCED: gl.constexpr):
+    _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
+              BALANCED, 0)
 
 
 @gluon.jit
-def _producer_lo_balanced(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache,
-                          idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr,
-                          K2, P2, PB_2, PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH):
-    _producer(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache, idx_ptr, idx_st,
-              len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C,
-              HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH, True, 0)
-
-
-@gluon.jit
-def _producer_hi_balanced(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache,
-                          idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr,
-                          K2, P2, PB_2, PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH):
-    _producer(ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, cache, idx_ptr, idx_st,
-              len_ptr, K, P, PB, PB2, start, chunk, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C,
-              HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, BH, True, 1)
+def _producer_hi(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+                 cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
+                 HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+                 BALANCED: gl.constexpr):
+    _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
+              cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
+              BALANCED, 1)
 
 
 @gluon.jit
@@ -185,21 +163,17 @@ def _store_heads(stage, ot, dst_ptr, row0, nrows):
 def _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start,
                    chunk, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr, final,
                    HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-                   HAS_SINK: gl.constexpr, BH: gl.constexpr, nb_in=None):
+                   HAS_SINK: gl.constexpr, BH: gl.constexpr):
     # the blocks the producers fill for the chunk [start, start + chunk) of row t, heads g*BH.., each: S^T = K Q^T,
     # the online softmax over the candidates (M), O^T = alpha O^T + V^T P^T, the slot back to the producers; then
     # the partial s, or (final: a constexpr, or a runtime flag in a balanced launch) the output. ``i``: the ring's
-    # running block count, returned advanced. ``nb_in`` (balanced launch): the chunk's block count, read ahead, and
-    # q_s holds the row's Q already (the producers staged it); else Q is staged and the count read here
+    # running block count, returned advanced
     AL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     t64 = t.to(gl.int64)
-    if nb_in is None:
-        _stage_q(q_s, q_ptr, t64 * stride_qt, stride_qh, g * BH, H, QL)
-        nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
-    else:
-        nb = nb_in
+    _stage_q(q_s, q_ptr, t64 * stride_qt, stride_qh, g * BH, H, QL)
+    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, AL))
     # the running sums per thread and candidate lane ([64, BH]), added up over the candidates at the end
     l_p = gl.zeros([2 * HALF, BH], gl.float32, AL)
@@ -243,34 +217,22 @@ def _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stri
 
 
 @gluon.jit
-def _consumer(q_s, p_s, ring, flags, full, empty, qfull, qempty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K,
-              start, chunk, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr, NB,
-              W, C, HG, HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start, chunk,
+              len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr, NB, W, C, HG,
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
               FINAL: gl.constexpr, HAS_SINK: gl.constexpr, BH: gl.constexpr, BALANCED: gl.constexpr):
     # the program's chunk, or (BALANCED) every piece of its run in order, as the producers fill them
     if BALANCED:
         c, u0, u1, r0, r1 = _balanced_run(NB, W, C)
         i = 0
-        start_r, chunk_r, _, _ = _balanced_piece(c, u0, u1, r0, NB, W, C)
-        nb_next = _block_count(r0 // HG, len_ptr, K, start_r, chunk_r, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
         for r in range(r0, r1):
             start_r, chunk_r, s_r, final = _balanced_piece(c, u0, u1, r, NB, W, C)
-            nb = nb_next
-            # the next piece's block count read now: its loads wait behind this piece's blocks, not before its own
-            rn = gl.minimum(r + 1, r1 - 1)
-            start_n, chunk_n, _, _ = _balanced_piece(c, u0, u1, rn, NB, W, C)
-            nb_next = _block_count(rn // HG, len_ptr, K, start_n, chunk_n, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
-            k = r - r0
-            qb = q_s.index(k % 2)
-            mbarrier.wait(qfull.index(k % 2), (k // 2) & 1)
-            i = _consume_chunk(i, qb, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, r // HG, s_r,
+            i = _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, r // HG, s_r,
                                r % HG, len_ptr, K, start_r, chunk_r, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP,
                                sm_scale_log2, out_ptr, lse_ptr, sink_ptr, final, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
-                               HAS_SINK, BH, nb)
-            # every warp is done with the Q buffer (its QK and the stored rows read back out of it): the producers
-            # may stage the piece after next there
+                               HAS_SINK, BH)
+            # every warp has read the stored rows back out of Q's tile before the next piece stages its Q there
             _partition_barrier()
-            mbarrier.arrive(qempty.index(k % 2))
     else:
         i = 0
         _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start,
@@ -296,12 +258,11 @@ def split_kernel_wgmma_t(
     [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with the sink ``sink_ptr`` (``HAS_SINK``), and the combine is
     not launched.
 
-    ``BALANCED`` (grid ``(C,)``, ``plan.plan_balanced``; ``BLOCK_H`` 16): the ``T x HG`` grid rows of ``NB``
-    64-candidate blocks laid end to end, ``W`` blocks, cut into ``C`` runs; program ``c`` walks its run piece by
-    piece (a piece = the run's blocks of one grid row), the producers running ahead into the next piece (producer
-    half 0 staging each piece's Q into one of two buffers, the consumer reading each piece's block count a piece
-    ahead). A piece that is its row's only one writes ``out`` / ``lse`` (``out_ptr`` etc. given), the others their
-    partial ``s`` (the piece's index in its row, ``S`` = the most pieces of a row) for the combine."""
+    ``BALANCED`` (grid ``(C,)``, ``plan.plan_balanced``): the ``T x HG`` grid rows of ``NB`` 64-candidate blocks
+    laid end to end, ``W`` blocks, cut into ``C`` runs; program ``c`` walks its run piece by piece (a piece = the
+    run's blocks of one grid row), the producers running ahead into the next piece. A piece that is its row's
+    only one writes ``out`` / ``lse`` (``out_ptr`` etc. given), the others their partial ``s`` (the piece's index
+    in its row, ``S`` = the most pieces of a row) for the combine."""
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32, "the candidates-as-M body takes 16 or 32 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the candidates-as-M body consumes 64-candidate blocks")
     gl.static_assert(SPAN, "the candidates-as-M body takes spanning splits")
@@ -317,11 +278,7 @@ def split_kernel_wgmma_t(
     chunk = main_chunk
     NV: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 2 * HALF, 512], NV)
-    if BALANCED:
-        # two Q buffers: producer half 0 stages the next piece's Q while the consumer runs this one's
-        q_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, 512], NV)
-    else:
-        q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], NV)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], NV)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, 2 * HALF], NV)
     # each slot's candidate validity, by half (producers) and as one row per slot (consumers: a reinterpretation)
     flags = gl.allocate_shared_memory(gl.int32, [2 * SLOTS, HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -330,24 +287,14 @@ def split_kernel_wgmma_t(
     for j in gl.static_range(SLOTS):
         mbarrier.init(full.index(j), count=2)   # one arrival per producer partition (half)
         mbarrier.init(empty.index(j), count=1)
-    qfull = full   # (unused without BALANCED)
-    qempty = empty
-    if BALANCED:
-        qfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        qempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(2):
-            mbarrier.init(qfull.index(j), count=1)   # producer half 0
-            mbarrier.init(qempty.index(j), count=1)   # the consumer
-    prod = (ring, flags, full, empty, q_s, qfull, qempty, q_ptr, stride_qt, stride_qh, H, t, main, main_idx_ptr,
-            main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, start, chunk, extra, extra_idx_ptr,
-            extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, NB, W, C, HG, HAS_MAIN_LEN,
-            HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, BLOCK_H)
-    # (the consumer's arguments written in the call: an assigned tuple would turn its constexprs into runtime values)
+    prod = (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
+            main_PB2, start, chunk, extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB,
+            extra_PB2, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, BALANCED)
     gl.warp_specialize([
-        (_consumer, (q_s, p_s, ring, flags, full, empty, qfull, qempty, q_ptr, stride_qt, stride_qh, t, s, g,
-                     main_len_ptr, main_K, start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP,
-                     sm_scale_log2, out_ptr, lse_ptr, sink_ptr, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA,
-                     SLOTS, FINAL, HAS_SINK, BLOCK_H, BALANCED)),
-        (_producer_lo_balanced if BALANCED else _producer_lo, prod),
-        (_producer_hi_balanced if BALANCED else _producer_hi, prod),
+        (_consumer, (q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
+                     start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                     out_ptr, lse_ptr, sink_ptr, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL,
+                     HAS_SINK, BLOCK_H, BALANCED)),
+        (_producer_lo, prod),
+        (_producer_hi, prod),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
