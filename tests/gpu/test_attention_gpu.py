@@ -181,6 +181,10 @@ def test_variants(mode, variant, monkeypatch):
         # enough rows that some lie inside one program's run (written by it) and others are cut (merged)
         check(build(Case(T=301, H=16, main_page=64, main_pages=40, K=128, lengths="random", all_invalid_rows=(7,),
                          seed=952), device="cuda"), mode)
+        # 24 and 32 heads: two 16-head groups per row (the balanced launch's BLOCK_H), the second half masked at 24
+        for H, T in ((32, 40), (24, 61)):
+            check(build(Case(T=T, H=H, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
+                             lengths="random", all_invalid_rows=(3,), seed=953 + H), device="cuda"), mode)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
