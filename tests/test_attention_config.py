@@ -396,6 +396,22 @@ def test_balanced_plan_covers_every_block_once_and_the_launch_takes_it():
         assert config.resolve(H, T, 128, K2, h200, overrides={"impl": "wgmma_t"}).config["balanced"] == want, (H, T, K2)
         assert config.resolve(H, T, 128, K2, h200).config.get("balanced", 0) == want, (H, T, K2)
     assert config.resolve(16, 192, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 0}).config["balanced"] == 0
+    # a table entry naming wgmma_t that sets the key is taken as it is (the rule fills in only where nothing does)
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d) / "attention"
+        root.mkdir()
+        for f in (Path(config.lt.TABLE_DIR) / "attention").glob("*.json"):
+            (root / f.name).write_text(f.read_text())
+        entry = {"impl": "wgmma_t", "BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "maxnreg": 168,
+                 "waves": 1, "spanning_splits": 1, "PART_BF16": 1}
+        for value, T in ((0, 192), (1, 384)):
+            (root / "H=16,qk=bf16,device_name=NVIDIA_H200.json").write_text(json.dumps({"1": dict(entry,
+                                                                                                   balanced=value)}))
+            assert config.resolve(16, T, 128, 512, h200, root=Path(d)).config["balanced"] == value, (value, T)
     # past the kernels' 32-bit run arithmetic ((W + NB) x C < 2^31) the classic plan runs
     huge = config.resolve(16, 1 << 22, 128, 512, h200, overrides={"impl": "wgmma_t", "balanced": 1})
     assert not plan.balanced_fits(1 << 22, 1, 640, 132) and huge.config["balanced"] == 0, huge

@@ -225,6 +225,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
             cfg, source = table_entry(H, call_rows, qk, device, "reg", root)
             source += f" (few blocks for impl={named})"
     source_impl = None if impl is not None else cfg.get("impl")   # the body the table entry itself names
+    entry_balanced = "balanced" in cfg and source_impl == "wgmma_t"   # a table entry of that body that sets it
     cfg.update(user)
     impl = cfg["impl"]
     if impl not in IMPLS:
@@ -258,8 +259,9 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     wg = impl in WGMMA_IMPLS
     overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if wg else P.PROGRAM_OVERHEAD_BLOCKS
     combine = P.WGMMA_COMBINE_BLOCKS * H / 64 if wg else 0.0
-    if impl == "wgmma_t" and "balanced" not in user:
-        # not asked for either way: where the classic plan leaves its last round at most half full (plan.balanced_pays)
+    if impl == "wgmma_t" and "balanced" not in user and not entry_balanced:
+        # set by neither the user nor the table: where the classic plan leaves its last round at most half full
+        # (plan.balanced_pays)
         classic = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
         cfg["balanced"] = int(P.balanced_pays(T, HG, K1 + K2, nsm, int(cfg["BLOCK_H"]), classic[0] + classic[2]))
     if impl == "wgmma_t" and int(cfg.get("balanced", 0)) and not P.balanced_fits(T, HG, K1 + K2, nsm):
