@@ -259,20 +259,19 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     wg = impl in WGMMA_IMPLS
     overhead = P.WGMMA_PROGRAM_OVERHEAD_BLOCKS if wg else P.PROGRAM_OVERHEAD_BLOCKS
     combine = P.WGMMA_COMBINE_BLOCKS * H / 64 if wg else 0.0
-    if impl == "wgmma_t" and "balanced" not in user and not entry_balanced:
-        # set by neither the user nor the table: where the classic plan leaves its last round at most half full
-        # (plan.balanced_pays)
-        classic = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
-        cfg["balanced"] = int(P.balanced_pays(T, HG, K1 + K2, nsm, int(cfg["BLOCK_H"]), classic[0] + classic[2]))
-    if impl == "wgmma_t" and int(cfg.get("balanced", 0)) and not P.balanced_fits(T, HG, K1 + K2, nsm):
-        cfg["balanced"] = 0   # a call too large for the kernels' 32-bit run arithmetic: the classic plan
-    if impl == "wgmma_t" and int(cfg.get("balanced", 0)):
-        # one program per SM walking an equal run of the call's blocks (plan.plan_balanced): S = the most pieces
-        # a row is cut into, the plan's chunk the whole row
-        _, NB, S = P.plan_balanced(T, HG, K1 + K2, nsm)
-        plan = (S, NB * 64, 0, 64)
-    else:
-        plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
+    plan = P.split_plan(span, T, HG, K1, K2, int(cfg["BLOCK_N"]), nsm, float(cfg["waves"]), overhead, combine)
+    if impl == "wgmma_t":
+        if "balanced" not in user and not entry_balanced:
+            # set by neither the user nor the table: where the classic plan leaves its last round at most half full
+            # (plan.balanced_pays)
+            cfg["balanced"] = int(P.balanced_pays(T, HG, K1 + K2, nsm, int(cfg["BLOCK_H"]), plan[0] + plan[2]))
+        if int(cfg.get("balanced", 0)) and not P.balanced_fits(T, HG, K1 + K2, nsm):
+            cfg["balanced"] = 0   # a call too large for the kernels' 32-bit run arithmetic: the classic plan
+        if int(cfg.get("balanced", 0)):
+            # one program per SM walking an equal run of the call's blocks (plan.plan_balanced): S = the most
+            # pieces a row is cut into, the plan's chunk the whole row
+            _, NB, S = P.plan_balanced(T, HG, K1 + K2, nsm)
+            plan = (S, NB * 64, 0, 64)
     s1, c1, s2, c2 = plan
     if cfg.get("num_stages", "auto") == "auto":
         bn = int(cfg["BLOCK_N"])
