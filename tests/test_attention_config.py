@@ -423,6 +423,13 @@ def test_balanced_plan_covers_every_block_once_and_the_launch_takes_it():
     for impl in ("reg", "wgmma", "tiled"):
         with pytest.raises(DecodeInputError, match="balanced=1 is a launch of impl=wgmma_t only"):
             config.resolve(16, 192, 128, 512, h200, overrides={"impl": impl, "balanced": 1})
+    # the same refusals where a launch text is read (DSV4_SM120_ATTN_CONFIG, bench --variants), naming the source
+    for text, msg in (("impl=reg,balanced=1", "balanced=1 is a launch of impl=wgmma_t only"),
+                      ("impl=wgmma_t,BLOCK_H=32,balanced=1", "balanced=1 runs 16 heads per program")):
+        with pytest.raises(DecodeInputError, match=f"DSV4_SM120_ATTN_CONFIG: {msg}"):
+            config.parse_config(text, "DSV4_SM120_ATTN_CONFIG")
+        assert any(msg in p for p in config.check_env({"DSV4_SM120_ATTN_CONFIG": text})), text
+    assert config.parse_config("balanced=1") == {"balanced": 1}
     # without impl it applies where the table's body is wgmma_t (192 rows) and not to the register body (6 rows)
     assert config.resolve(16, 192, 128, 512, h200, overrides={"balanced": 1}).config.get("balanced") == 1
     assert "balanced" not in config.resolve(16, 6, 128, 512, h200, overrides={"balanced": 1}).config

@@ -43,7 +43,8 @@ from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
 from .keys import (BF16_ONLY_IMPLS, FIXED_LAUNCHES, GPU_ONLY_IMPLS, IMPL_ARCHS, IMPLS, KEYS, REG_TABLE_IMPLS,
-                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_fixed_keys, parse_config, runs_on)
+                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_balanced, check_fixed_keys,
+                   parse_config, runs_on)
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -207,9 +208,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     impl = user.get("impl")
     if qk == "fp8" and impl in BF16_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} has no fp8 QK path (use qk_mode='bf16')")
-    if int(user.get("balanced", 0)) and impl is not None and impl != "wgmma_t":
-        # (without impl, balanced=1 applies where the table's body is wgmma_t, as the other bodies' keys do)
-        raise DecodeInputError(f"balanced=1 is a launch of impl=wgmma_t only (plan.plan_balanced), got impl={impl}")
+    check_balanced(user, "launch")
     if interpret and impl in GPU_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} is a GPU launch (a Gluon kernel): Triton's interpreter cannot run it")
     if not interpret and device.capability and not runs_on(impl, device.capability[0]):
@@ -239,12 +238,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         # body says 16
         cfg["BLOCK_H"] = 16 if H <= 16 else 32
     if impl == "wgmma_t" and int(user.get("balanced", 0)):
-        # the balanced launch runs 16 heads per program (at 32 it spilled and ran 1.09-1.37x the classic plan's time
-        # on the H200: docs/attention.md, "The balanced plan")
-        if int(user.get("BLOCK_H", 16)) != 16:
-            raise DecodeInputError("balanced=1 runs 16 heads per program (BLOCK_H=16); got BLOCK_H="
-                                   f"{user['BLOCK_H']}")
-        cfg["BLOCK_H"] = 16
+        cfg["BLOCK_H"] = 16   # the balanced launch's heads per program (keys.check_balanced)
     if impl == "wspec" and "maxnreg" not in user:
         cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
     if impl in WGMMA_IMPLS and "waves" not in user:

@@ -83,6 +83,20 @@ def check_fixed_keys(keys: Dict[str, object], source: str) -> None:
         raise DecodeInputError(f"{source}: impl={impl} runs {fixed} only, got {clash}")
 
 
+def check_balanced(keys: Dict[str, object], source: str) -> None:
+    """Raise ``DecodeInputError`` when ``keys`` (parsed launch keys) ask for the balanced plan (``balanced=1``) with
+    a body other than wgmma_t or with other than 16 heads per program (at 32 it spilled and ran slower on the H200).
+    Without ``impl`` the key applies where the resolved body is wgmma_t, as the other bodies' keys do."""
+    if not int(keys.get("balanced", 0)):
+        return
+    if keys.get("impl", "wgmma_t") != "wgmma_t":
+        raise DecodeInputError(f"{source}: balanced=1 is a launch of impl=wgmma_t only (plan.plan_balanced), "
+                               f"got impl={keys['impl']}")
+    if int(keys.get("BLOCK_H", 16)) != 16:
+        raise DecodeInputError(f"{source}: balanced=1 runs 16 heads per program (BLOCK_H=16); "
+                               f"got BLOCK_H={keys['BLOCK_H']}")
+
+
 def producer_regs(impl: str, maxnreg: int) -> int:
     """The producer warps' registers of a warp-specialized body (its ``PRODUCER_REGS``). wspec: 96 under a register
     cap of 128 or less (two CTAs per Hopper SM; the consumers take the rest), else 128. wgmma: 152, the most that
@@ -137,4 +151,5 @@ def parse_config(text: str, source: str = "config") -> Dict[str, object]:
             raise DecodeInputError(f"{source}: BLOCK_S={val} is out of range (>= 1)")
         out[key] = num
     check_fixed_keys(out, source)
+    check_balanced(out, source)
     return out
