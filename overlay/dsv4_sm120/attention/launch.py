@@ -18,7 +18,7 @@ from . import config
 from .config import DecodeInputError, Device, Launch
 from .keys import WGMMA_IMPLS, producer_regs
 from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
-from .plan import cdiv, plan_span, plan_splits, ws_words
+from .plan import balanced_sizes, cdiv, plan_span, plan_splits, ws_words
 
 __all__ = ["sparse_mla_decode", "DecodeInputError", "plan_splits", "plan_span", "device_facts", "CONFIG_OVERRIDE"]
 
@@ -158,9 +158,7 @@ def balanced(L: Launch) -> bool:
 def balanced_grid(L: Launch, T: int, H: int, device) -> Tuple[int, int, int]:
     """``(C, NB, W)`` of the balanced launch ``L`` over ``T`` rows (``plan.plan_balanced``; its plan's chunk is a
     whole row): programs, blocks per grid row, blocks."""
-    NB = L.plan[1] // 64
-    W = max(1, T * cdiv(H, L.config["BLOCK_H"])) * NB
-    return max(1, min(device_facts(device).num_sms, W)), NB, W
+    return balanced_sizes(T, cdiv(H, L.config["BLOCK_H"]), L.plan[1], device_facts(device).num_sms)
 
 
 def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int, fp8: bool, softmax_scale: float,

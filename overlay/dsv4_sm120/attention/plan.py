@@ -110,6 +110,14 @@ def balanced_cut(NB: int, W: int, C: int, r: int) -> Tuple[int, int]:
     return ((r * NB + 1) * C - 1) // W, ((r + 1) * NB * C - 1) // W
 
 
+def balanced_sizes(T: int, HG: int, K: int, num_sms: int) -> Tuple[int, int, int]:
+    """``(C, NB, W)`` of a balanced plan: programs ``min(num_sms, W)``, blocks per grid row ``ceil(K / 64)``, blocks
+    ``T x HG x NB``."""
+    NB = max(1, cdiv(K, 64))
+    W = max(1, T * HG) * NB
+    return max(1, min(int(num_sms), W)), NB, W
+
+
 @lru_cache(maxsize=1024)
 def plan_balanced(T: int, HG: int, K: int, num_sms: int) -> Tuple[int, int, int]:
     """Balanced (persistent) plan of a warpgroup-MMA body: ``(C, NB, S)``. The call's ``T x HG`` grid rows of
@@ -119,12 +127,9 @@ def plan_balanced(T: int, HG: int, K: int, num_sms: int) -> Tuple[int, int, int]
     fill) is paid once per SM, not once per row. A row inside one run is finished by its program (output and lse);
     a row cut between runs leaves one partial per run, ``S`` = the most runs a row spans (the workspace's splits),
     and the combine merges those rows only."""
-    NB = max(1, cdiv(K, 64))
-    rows = max(1, T * HG)
-    W = rows * NB
-    C = max(1, min(int(num_sms), W))
+    C, NB, W = balanced_sizes(T, HG, K, num_sms)
     S = 1
-    for r in range(rows):
+    for r in range(W // NB):
         first, last = balanced_cut(NB, W, C, r)
         S = max(S, last - first + 1)
     return C, NB, S
@@ -151,16 +156,15 @@ def balanced_pays(T: int, HG: int, K: int, num_sms: int, block_h: int, splits: i
 def balanced_fits(T: int, HG: int, K: int, num_sms: int) -> bool:
     """Whether the kernels' 32-bit arithmetic of a balanced plan holds: ``(W + NB) x C < 2^31`` (decode and
     verify batches are far below; only a huge prefill chunk is not)."""
-    NB = max(1, cdiv(K, 64))
-    return (max(1, T * HG) * NB + NB) * max(1, min(int(num_sms), max(1, T * HG) * NB)) < 2 ** 31
+    C, NB, W = balanced_sizes(T, HG, K, num_sms)
+    return (W + NB) * C < 2 ** 31
 
 
 def balanced_runs(T: int, HG: int, K: int, num_sms: int):
     """Every program's pieces of a balanced plan, as the kernels walk them: ``[(c, r, j0, j1, s, n)]`` = program
     ``c`` takes blocks ``j0 .. j1 - 1`` of grid row ``r`` as that row's piece ``s`` of ``n`` (``n == 1``: it
     writes the row's output itself)."""
-    C, NB, _ = plan_balanced(T, HG, K, num_sms)
-    W = max(1, T * HG) * NB
+    C, NB, W = balanced_sizes(T, HG, K, num_sms)
     out = []
     for c in range(C):
         u0, u1 = c * W // C, (c + 1) * W // C
