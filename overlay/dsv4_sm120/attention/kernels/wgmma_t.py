@@ -241,25 +241,26 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
         c, u0, u1, r0, r1 = _balanced_run(NB, W, C)
         i = c * 0   # the ring's running block count (a runtime value: the loops carry it)
         start_r, chunk_r, _, _ = _balanced_piece(c, u0, u1, r0, NB, W, C)
-        nb, q, sink = _piece_inputs(q_ptr, stride_qt, stride_qh, r0 // HG, r0 % HG, H, sink_ptr, len_ptr, K, start_r,
-                                    chunk_r, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2, HAS_SINK, BH)
+        _, q, sink = _piece_inputs(q_ptr, stride_qt, stride_qh, r0 // HG, r0 % HG, H, sink_ptr, len_ptr, K, start_r,
+                                   chunk_r, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2, HAS_SINK, BH)
         _put_q(q_s, q)
         for r in range(r0, r1):
             start_r, chunk_r, s_r, final = _balanced_piece(c, u0, u1, r, NB, W, C)
+            # the block count read here, not a piece ahead: Triton 3.6 does not carry a block count computed at the
+            # end of the loop body into the next iteration (the inner loop kept the first piece's count)
+            nb = _block_count(r // HG, len_ptr, K, start_r, chunk_r, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
             i, ot, m_i, l_i = _consume_chunk(i, q_s, p_s, ring, flags, full, empty, nb, sm_scale_log2, SLOTS, BH)
-            # the next piece's inputs requested before this one's output leaves, so their round trip overlaps it
-            # (past the run's last piece: its own again, unused)
+            # the next piece's Q and sinks requested before this one's output leaves, so their round trip overlaps
+            # it (past the run's last piece: its own again, unused)
             rn = gl.minimum(r + 1, r1 - 1)
             start_n, chunk_n, _, _ = _balanced_piece(c, u0, u1, rn, NB, W, C)
-            nb_n, q_n, sink_n = _piece_inputs(q_ptr, stride_qt, stride_qh, rn // HG, rn % HG, H, sink_ptr, len_ptr,
-                                              K, start_n, chunk_n, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2, HAS_SINK,
-                                              BH)
+            _, q_n, sink_n = _piece_inputs(q_ptr, stride_qt, stride_qh, rn // HG, rn % HG, H, sink_ptr, len_ptr, K,
+                                           start_n, chunk_n, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2, HAS_SINK, BH)
             _finish_chunk(q_s, r // HG, s_r, r % HG, sink, ot, m_i, l_i, acc_ws, m_ws, l_ws, H, S, HP, out_ptr,
                           lse_ptr, final, HAS_SINK, BH)
             # every warp has read the stored rows back out of Q's tile before the next piece's Q goes there
             _partition_barrier()
             _put_q(q_s, q_n)
-            nb = nb_n
             sink = sink_n
     else:
         nb, q, sink = _piece_inputs(q_ptr, stride_qt, stride_qh, t, g, H, sink_ptr, len_ptr, K, start, chunk,
