@@ -108,27 +108,16 @@ def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P
 
 
 @gluon.jit
-def _load_q(q_ptr, row_off, stride_qh, h0, H, ROWS: gl.constexpr, QL: gl.constexpr):
-    # Q of the heads h0 .. h0 + ROWS of one row ([ROWS, 512] bf16 in registers, heads >= H: zeros)
-    hq = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, QL))
+def _stage_q(q_s, q_ptr, row_off, stride_qh, h0, H, QL: gl.constexpr):
+    # Q of the heads h0 .. h0 + rows of q_s into shared memory q_s ([rows, 512] bf16), once (heads >= H: zeros); the
+    # consumer partition's warps, then a fence for the MMAs' (async proxy) reads
+    hq = h0 + gl.arange(0, q_s.shape[0], layout=gl.SliceLayout(1, QL))
     dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
-    return gl.load(q_ptr + row_off + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
-                   mask=gl.expand_dims(hq < H, 1), other=0.0)
-
-
-@gluon.jit
-def _put_q(q_s, q):
-    # loaded Q rows into shared memory q_s, by the consumer partition's warps, then a fence for the MMAs' (async
-    # proxy) reads
+    q = gl.load(q_ptr + row_off + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
+                mask=gl.expand_dims(hq < H, 1), other=0.0)
     q_s.store(q)
     fence_async_shared()
     _partition_barrier()
-
-
-@gluon.jit
-def _stage_q(q_s, q_ptr, row_off, stride_qh, h0, H, QL: gl.constexpr):
-    # Q of the heads h0 .. h0 + rows of q_s into shared memory q_s ([rows, 512] bf16), once (heads >= H: zeros)
-    _put_q(q_s, _load_q(q_ptr, row_off, stride_qh, h0, H, q_s.shape[0], QL))
 
 
 @gluon.jit
@@ -170,24 +159,15 @@ def _stage_rows(stage, x, dst_ptr, row0, nrows, STAGE: gl.constexpr):
 
 
 @gluon.jit
-def _load_sink(sink_ptr, hs, H, HAS_SINK: gl.constexpr):
-    # the sinks of heads hs (0 for heads >= H or without sinks), in hs's layout
-    if HAS_SINK:
-        return gl.load(sink_ptr + hs, mask=hs < H, other=0.0)
-    else:
-        return hs.to(gl.float32) * 0.0
-
-
-@gluon.jit
-def _final_scale(lse_ptr, sink, t64, H, hs, m_i, l_i, HAS_SINK: gl.constexpr):
-    # one split's share of the combine for heads hs (sinks ``sink``: _load_sink): stores lse[t, h] = ln(2^m l)
-    # (without the sink) and returns the factor 1 / (l + 2^(sink * log2(e) - m)) for the output, as combine_kernel
-    # computes them: 0 and -inf where the row has no valid candidate
+def _final_scale(lse_ptr, sink_ptr, t64, H, hs, m_i, l_i, HAS_SINK: gl.constexpr):
+    # one split's share of the combine for heads hs: stores lse[t, h] = ln(2^m l) (without the sink) and returns the
+    # factor 1 / (l + 2^(sink * log2(e) - m)) for the output, as combine_kernel computes them: 0 and -inf where the
+    # row has no valid candidate
     m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
     lonely = l_i == 0.0
     denom = l_i
     if HAS_SINK:
-        denom += gl.exp2(sink * 1.4426950408889634 - m_ref)
+        denom += gl.exp2(gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * 1.4426950408889634 - m_ref)
     lse = gl.where(lonely, float("-inf"), (m_ref + gl.log2(gl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
     gl.store(lse_ptr + t64 * H + hs, lse, mask=hs < H)
     return gl.where(lonely, 0.0, 1.0 / gl.where(lonely, 1.0, denom))
@@ -197,7 +177,7 @@ def _final_scale(lse_ptr, sink, t64, H, hs, m_i, l_i, HAS_SINK: gl.constexpr):
 def _store_output(stage, out_ptr, lse_ptr, sink_ptr, t64, H, g, hs, o, m_i, l_i, HAS_SINK: gl.constexpr,
                   STAGE_OUT: gl.constexpr):
     # out[t, h] = O / (l + 2^(sink * log2(e) - m)) in bf16 and lse[t, h] (_final_scale)
-    inv = _final_scale(lse_ptr, _load_sink(sink_ptr, hs, H, HAS_SINK), t64, H, hs, m_i, l_i, HAS_SINK)
+    inv = _final_scale(lse_ptr, sink_ptr, t64, H, hs, m_i, l_i, HAS_SINK)
     o = o * gl.expand_dims(gl.convert_layout(inv, gl.SliceLayout(1, o.type.layout)), 1)
     _stage_rows(stage, o, out_ptr, t64 * H + g * 64, H - g * 64, STAGE_OUT)
 
@@ -216,9 +196,8 @@ def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, 
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     t64 = t.to(gl.int64)
-    # the block count's loads issued before Q's: one round trip for both
-    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
     _stage_q(q_s, q_ptr, t64 * stride_qt, stride_qh, g * 64, H, QL)
+    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, SL))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, SL))
     o = gl.zeros([64, 512], gl.float32, OL)

@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from .common import _segment_bounds, _store_softmax_state
-from .wgmma import HALF, _block_count, _final_scale, _load_q, _load_sink, _partition_barrier, _put_q, _store_half
+from .wgmma import HALF, _block_count, _final_scale, _partition_barrier, _stage_q, _store_half
 from .wspec import _block_idx, _gather_rows
 
 
@@ -160,28 +160,20 @@ def _store_heads(stage, ot, dst_ptr, row0, nrows):
 
 
 @gluon.jit
-def _piece_inputs(q_ptr, stride_qt, stride_qh, t, g, H, sink_ptr, len_ptr, K, start, chunk, len2_ptr, K2,
-                  HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, HAS_SINK: gl.constexpr,
-                  BH: gl.constexpr):
-    # what the consumer reads from global memory for the chunk [start, start + chunk) of row t, heads g*BH..: its
-    # block count, Q ([BH, 512] bf16 in registers) and the sinks, all loads issued together (one round trip)
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
-    q = _load_q(q_ptr, t.to(gl.int64) * stride_qt, stride_qh, g * BH, H, BH, QL)
-    # the sinks one per thread (the accumulator layout's slice would hold them in several registers per thread
-    # through the whole chunk); _finish_chunk moves them over
-    SK: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    sink = _load_sink(sink_ptr, g * BH + gl.arange(0, BH, layout=SK), H, HAS_SINK)
-    return nb, q, sink
-
-
-@gluon.jit
-def _consume_chunk(i, q_s, p_s, ring, flags, full, empty, nb, sm_scale_log2, SLOTS: gl.constexpr, BH: gl.constexpr):
-    # the nb blocks the producers fill for one chunk (its Q staged in q_s), each: S^T = K Q^T, the online softmax over the candidates (M), O^T = alpha O^T + V^T P^T, the slot
-    # back to the producers. Returns the ring's running block count ``i`` advanced and the state (O^T, m, l) for
-    # _finish_chunk
+def _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start,
+                   chunk, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr, final,
+                   HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
+                   HAS_SINK: gl.constexpr, BH: gl.constexpr):
+    # the blocks the producers fill for the chunk [start, start + chunk) of row t, heads g*BH.., each: S^T = K Q^T,
+    # the online softmax over the candidates (M), O^T = alpha O^T + V^T P^T, the slot back to the producers; then
+    # the partial s, or (final: a constexpr, or a runtime flag in a balanced launch) the output. ``i``: the ring's
+    # running block count, returned advanced
     AL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    t64 = t.to(gl.int64)
+    _stage_q(q_s, q_ptr, t64 * stride_qt, stride_qh, g * BH, H, QL)
+    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, AL))
     # the running sums per thread and candidate lane ([64, BH]), added up over the candidates at the end
     l_p = gl.zeros([2 * HALF, BH], gl.float32, AL)
@@ -210,25 +202,18 @@ def _consume_chunk(i, q_s, p_s, ring, flags, full, empty, nb, sm_scale_log2, SLO
         _partition_barrier()
         mbarrier.arrive(empty.index(b))
         i += 1
-    return i, ot, m_i, gl.sum(l_p, axis=0)
-
-
-@gluon.jit
-def _finish_chunk(q_s, t, s, g, sink, ot, m_i, l_i, acc_ws, m_ws, l_ws, H, S, HP, out_ptr, lse_ptr, final,
-                  HAS_SINK: gl.constexpr, BH: gl.constexpr):
-    # the chunk's partial s, or (final: a constexpr, or a runtime flag in a balanced launch) the row's output and
-    # lse; Q's tile is free (the MMAs that read it are done: the barrier after the last block) and stages the rows
-    AL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-    t64 = t.to(gl.int64)
+    l_i = gl.sum(l_p, axis=0)
     hs = g * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, AL))
+    # Q's tile is free now (the MMAs that read it are done: the barrier after the last block) and stages the rows
     if final:
         # the program holds all of its row's candidates: the combine's arithmetic for one split, here
-        inv = _final_scale(lse_ptr, gl.convert_layout(sink, hs.type.layout), t64, H, hs, m_i, l_i, HAS_SINK)
+        inv = _final_scale(lse_ptr, sink_ptr, t64, H, hs, m_i, l_i, HAS_SINK)
         _store_heads(q_s, ot * gl.expand_dims(inv, 0), out_ptr, t64 * H + g * BH, H - g * BH)
     else:
         # the partial: 512 values per head (nope 0..447 then rope) and (m, l)
         _store_heads(q_s, ot, acc_ws, (t64 * S + s) * HP + g * BH, H - g * BH)
         _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
+    return i
 
 
 @gluon.jit
@@ -239,36 +224,20 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
     # the program's chunk, or (BALANCED) every piece of its run in order, as the producers fill them
     if BALANCED:
         c, u0, u1, r0, r1 = _balanced_run(NB, W, C)
-        i = c * 0   # the ring's running block count (a runtime value: the loops carry it)
-        start_r, chunk_r, _, _ = _balanced_piece(c, u0, u1, r0, NB, W, C)
-        _, q, sink = _piece_inputs(q_ptr, stride_qt, stride_qh, r0 // HG, r0 % HG, H, sink_ptr, len_ptr, K, start_r,
-                                   chunk_r, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2, HAS_SINK, BH)
-        _put_q(q_s, q)
+        i = 0
         for r in range(r0, r1):
             start_r, chunk_r, s_r, final = _balanced_piece(c, u0, u1, r, NB, W, C)
-            # the block count read here, not a piece ahead: Triton 3.6 does not carry a block count computed at the
-            # end of the loop body into the next iteration (the inner loop kept the first piece's count)
-            nb = _block_count(r // HG, len_ptr, K, start_r, chunk_r, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
-            i, ot, m_i, l_i = _consume_chunk(i, q_s, p_s, ring, flags, full, empty, nb, sm_scale_log2, SLOTS, BH)
-            # the next piece's Q and sinks requested before this one's output leaves, so their round trip overlaps
-            # it (past the run's last piece: its own again, unused)
-            rn = gl.minimum(r + 1, r1 - 1)
-            start_n, chunk_n, _, _ = _balanced_piece(c, u0, u1, rn, NB, W, C)
-            _, q_n, sink_n = _piece_inputs(q_ptr, stride_qt, stride_qh, rn // HG, rn % HG, H, sink_ptr, len_ptr, K,
-                                           start_n, chunk_n, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2, HAS_SINK, BH)
-            _finish_chunk(q_s, r // HG, s_r, r % HG, sink, ot, m_i, l_i, acc_ws, m_ws, l_ws, H, S, HP, out_ptr,
-                          lse_ptr, final, HAS_SINK, BH)
-            # every warp has read the stored rows back out of Q's tile before the next piece's Q goes there
+            i = _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, r // HG, s_r,
+                               r % HG, len_ptr, K, start_r, chunk_r, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP,
+                               sm_scale_log2, out_ptr, lse_ptr, sink_ptr, final, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
+                               HAS_SINK, BH)
+            # every warp has read the stored rows back out of Q's tile before the next piece stages its Q there
             _partition_barrier()
-            _put_q(q_s, q_n)
-            sink = sink_n
     else:
-        nb, q, sink = _piece_inputs(q_ptr, stride_qt, stride_qh, t, g, H, sink_ptr, len_ptr, K, start, chunk,
-                                    len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2, HAS_SINK, BH)
-        _put_q(q_s, q)
-        _, ot, m_i, l_i = _consume_chunk(s * 0, q_s, p_s, ring, flags, full, empty, nb, sm_scale_log2, SLOTS, BH)
-        _finish_chunk(q_s, t, s, g, sink, ot, m_i, l_i, acc_ws, m_ws, l_ws, H, S, HP, out_ptr, lse_ptr, FINAL,
-                      HAS_SINK, BH)
+        i = 0
+        _consume_chunk(i, q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, len_ptr, K, start,
+                       chunk, len2_ptr, K2, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2, out_ptr, lse_ptr, sink_ptr,
+                       FINAL, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, HAS_SINK, BH)
 
 
 @gluon.jit
