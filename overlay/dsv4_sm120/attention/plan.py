@@ -135,22 +135,34 @@ def plan_balanced(T: int, HG: int, K: int, num_sms: int) -> Tuple[int, int, int]
     return C, NB, S
 
 
-# Where the balanced plan pays (H200, spec_rows cases at dd1395b, one run): a piece costs its program about as much as
-# a classic program's fixed cost (the row's Q staged, lengths read, the output or partial stored: serial latency the
-# ring does not hide), so it wins only where the classic plan's rounds leave SMs idle: rows of >= 10 blocks (SWA +
-# c4 and longer), 16 heads per program (at 32 its producers spill), and a last round at most half full (192 rows of
-# 16 heads, c4: 45.7 against 48.9 us; 8 heads 43.0 against 48.1). Elsewhere it lost 2-80% (one round: 96 rows c4
-# 27.2 against 25.5; three nearly full rounds: 384 rows 82.2 against 74.1; SWA-only rows of two blocks).
+# Where the balanced plan pays, as a makespan model in blocks beside the classic plan's (plan_span's charges):
+# classic = rounds x (blocks per program + WGMMA_PROGRAM_OVERHEAD_BLOCKS) + the combine where a row has several
+# splits; balanced = one program's overhead + BALANCED_BLOCK_COST x the most blocks of one run + the combine (a cut
+# row is merged). A block costs more under the balanced plan because every SM is busy and the loads of all of them
+# share the memory system: at 72-120 rows the classic one-round plan keeps 72-120 SMs busy at ~1.65 us per block and
+# program, the balanced one 132 at ~2.0-2.4 (H200, 16 heads). Fitted on the H200 (spec_h16_c4, spec_h16_c128_64k,
+# spec_h16_c128_128k, spec_h8_c128_128k at 24-120 rows, 2026-12-03, rows of 041586c; and the 138-384-row runs of
+# dd1395b / 8093d84): every factor from 1.35 to 1.45 picks the faster plan at every measured point but two, c128 at
+# 128k with 48 and 96 rows at 8 and 16 heads, where it keeps the classic plan 3-12% slower than the balanced one. It
+# takes the balanced plan where the classic one leaves SMs idle: one round of fewer rows than SMs (72 rows of 10
+# blocks: 22.6 against 25.4 us), a last round at most about half full (192 rows: 45.7 against 48.9), and not where the
+# rounds are full (96 rows of 10 blocks: 27.3 against 25.6; 384 rows: 82.2 against 74.1) or rows are short (SWA-only
+# rows of two blocks lost 2-80%: BALANCED_MIN_BLOCKS). 16 heads per program only (at 32 its producers spill).
 BALANCED_MIN_BLOCKS = 10
+BALANCED_BLOCK_COST = 1.4
 
 
-def balanced_pays(T: int, HG: int, K: int, num_sms: int, block_h: int, splits: int) -> bool:
-    """Whether the balanced plan replaces the classic one of ``splits`` splits per grid row (``BALANCED_*``)."""
+def balanced_pays(T: int, HG: int, K: int, num_sms: int, block_h: int, splits: int, combine: float = 0.0) -> bool:
+    """Whether the balanced plan replaces the classic one of ``splits`` splits per grid row: the model above, with
+    ``combine`` blocks for a merge (``WGMMA_COMBINE_BLOCKS`` x heads / 64, as the classic plan charges it)."""
     if block_h != 16 or cdiv(K, 64) < BALANCED_MIN_BLOCKS:
         return False
-    progs = max(1, T * HG) * splits
-    rounds = cdiv(progs, max(1, num_sms))
-    return rounds >= 2 and 2 * (progs - (rounds - 1) * num_sms) <= num_sms
+    C, NB, W = balanced_sizes(T, HG, K, num_sms)
+    splits = max(1, splits)
+    rounds = cdiv(max(1, T * HG) * splits, max(1, num_sms))
+    classic = rounds * (cdiv(NB, splits) + WGMMA_PROGRAM_OVERHEAD_BLOCKS) + (combine if splits > 1 else 0.0)
+    balanced = WGMMA_PROGRAM_OVERHEAD_BLOCKS + BALANCED_BLOCK_COST * cdiv(W, C) + combine
+    return balanced < classic
 
 
 def balanced_fits(T: int, HG: int, K: int, num_sms: int) -> bool:
