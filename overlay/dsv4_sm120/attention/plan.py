@@ -140,10 +140,10 @@ def plan_balanced(T: int, HG: int, K: int, num_sms: int) -> Tuple[int, int, int]
 # splits; balanced = one program's overhead + BALANCED_BLOCK_COST x the most blocks of one run + the combine (a cut
 # row is merged). A block costs more under the balanced plan because every SM is busy and the loads of all of them
 # share the memory system: at 72-120 rows the classic one-round plan keeps 72-120 SMs busy at ~1.65 us per block and
-# program, the balanced one 132 at ~2.0-2.4 (H200, 16 heads). Fitted on the H200 over 62 points (8 and 16 heads; SWA
+# program, the balanced one 132 at ~2.0-2.4 (H200, 16 heads). Fitted on the H200 over 52 points (8 and 16 heads; SWA
 # + c4, + c128 at 64k and 128k; 24-384 rows; rows of dd1395b, 8093d84, 041586c and 636704c in attention.csv): 1.45
 # loses the least summed over them (time against the faster plan: 50% in all, against 146% for the rule it replaced,
-# "last round at most half full"), every factor from 1.4 to 1.6 within 20% of that. It takes the balanced plan where
+# "last round at most half full"; 1.4 and 1.5 lose 56% and 61%). It takes the balanced plan where
 # the classic one leaves SMs idle: one round of fewer rows than SMs (72 rows of 10 blocks: 22.6 against 25.4 us), a
 # last round about half full (192 rows: 45.7 against 48.9), and not where rounds are full (96 rows of 10 blocks: 27.3
 # against 25.6; 384 rows: 82.2 against 74.1) or rows short (SWA-only rows of two blocks lost 2-80%:
