@@ -3,9 +3,9 @@
 Triton 3.6's front end does not carry a loop variable into the next iteration when the loop body derives the
 bound of an inner ``for`` from it (``range(n)``, ``m = n + 1; range(m)``, or a callee's ``range(param)``) and then
 assigns it: the inner loop keeps the value from before the outer loop. Triton 3.8 carries it (checked by compiling
-reduced kernels for sm_90 with both and reading the ``scf.for`` carries of the TTGIR). Seen on the H200 (Triton 3.6): a balanced
-wgmma_t launch that read the next piece's block count a piece ahead ran every piece with the first piece's count
-(wrong output, then a hang). Reduced::
+reduced kernels for sm_90 with both and reading the ``scf.for`` carries of the TTGIR). Seen on the H200 (Triton
+3.6): a balanced wgmma_t launch that read the next piece's block count a piece ahead ran every piece with the first
+piece's count (wrong output, then a hang). Reduced::
 
     nb = tl.load(lens)
     for r in range(0, n):
