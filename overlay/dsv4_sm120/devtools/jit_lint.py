@@ -122,9 +122,8 @@ def _assignments(node):
                     yield n.lineno, n.col_offset, n.id
 
 
-def _callee_bounds(funcs, bounds, origin):
-    resolve = _resolver(funcs)
-
+def _callee_bounds(funcs, bounds, resolve, origin):
+    # a call's bound parameters (indices, names) where its callee is a jit function (``resolve``: _resolver)
     def callee_bounds(call: ast.Call):
         key = resolve(origin, _callee(call))
         if key is None:
@@ -138,11 +137,12 @@ def bound_params(funcs: Dict[Tuple[str, str], ast.FunctionDef]) -> Dict[Tuple[st
     """Per jit function, the indices of its parameters that reach a ``for`` range bound, in it or (transitively)
     in a jit callee."""
     bounds: Dict[Tuple[str, str], Set[int]] = {key: set() for key in funcs}
+    resolve = _resolver(funcs)
     changed = True
     while changed:
         changed = False
         for key, fn in funcs.items():
-            used = set(_bound_uses(fn.body, _callee_bounds(funcs, bounds, key[0])))
+            used = set(_bound_uses(fn.body, _callee_bounds(funcs, bounds, resolve, key[0])))
             new = {i for i, a in enumerate(fn.args.args) if a.arg in used}
             if not new <= bounds[key]:
                 bounds[key] |= new
@@ -155,9 +155,10 @@ def carry_hazards(sources: Iterable[Tuple[str, str]]) -> List[Tuple[str, str, in
     loop bound before assigning it (the value Triton 3.6 does not carry)."""
     funcs = jit_functions(sources)
     bounds = bound_params(funcs)
+    resolve = _resolver(funcs)
     out = []
     for (origin, name), fn in funcs.items():
-        callee_bounds = _callee_bounds(funcs, bounds, origin)
+        callee_bounds = _callee_bounds(funcs, bounds, resolve, origin)
         for loop in ast.walk(fn):
             if not isinstance(loop, (ast.For, ast.While)):
                 continue
