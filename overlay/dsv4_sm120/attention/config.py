@@ -259,7 +259,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
             # set by neither the user nor the table: where the makespan model says the balanced plan is faster than
             # the classic one (plan.balanced_pays: the classic plan leaves SMs idle)
             cfg["balanced"] = int(P.balanced_pays(T, HG, K1 + K2, nsm, int(cfg["BLOCK_H"]), plan[0] + plan[2],
-                                                  combine))
+                                                  P.cdiv(plan[1], 64), combine))
         if int(cfg.get("balanced", 0)) and not P.balanced_fits(T, HG, K1 + K2, nsm):
             cfg["balanced"] = 0   # a call too large for the kernels' 32-bit run arithmetic: the classic plan
         if int(cfg.get("balanced", 0)):

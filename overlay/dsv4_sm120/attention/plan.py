@@ -75,6 +75,12 @@ def few_blocks(impl: str, rows: int, blocks_per_row: int, heads: int) -> bool:
     return False
 
 
+def split_makespan(progs: int, splits: int, slots: int, blocks: int, overhead: float, combine: float) -> float:
+    """Time of a split plan in blocks: ``progs`` grid rows of ``splits`` programs of ``blocks`` blocks each, ``slots``
+    at once, every program paying ``overhead``, and ``combine`` once where rows have more than one split."""
+    return cdiv(progs * splits, max(1, slots)) * (blocks + overhead) + (combine if splits > 1 else 0.0)
+
+
 def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, waves: float = 2.0,
               overhead: int = PROGRAM_OVERHEAD_BLOCKS, combine: float = 0.0):
     """Split plan of the spanning register body (SPAN=1): (splits, chunk) over the concatenated candidate list
@@ -95,7 +101,7 @@ def plan_span(T: int, HG: int, K1: int, K2: int, block_n: int, num_sms: int, wav
     for want in range(1, nb + 1):
         blocks = cdiv(nb, want)
         splits = cdiv(nb, blocks)
-        key = (cdiv(progs * splits, slots) * (blocks + overhead) + (combine if splits > 1 else 0), splits)
+        key = (split_makespan(progs, splits, slots, blocks, overhead, combine), splits)
         if best is None or key < best[0]:
             best = (key, blocks)
     chunk = best[1] * block_n
@@ -154,15 +160,15 @@ BALANCED_MIN_BLOCKS = 10
 BALANCED_BLOCK_COST = 1.45
 
 
-def balanced_pays(T: int, HG: int, K: int, num_sms: int, block_h: int, splits: int, combine: float = 0.0) -> bool:
-    """Whether the balanced plan replaces the classic one of ``splits`` splits per grid row: the model above, with
-    ``combine`` blocks for a merge (``WGMMA_COMBINE_BLOCKS`` x heads / 64, as the classic plan charges it)."""
+def balanced_pays(T: int, HG: int, K: int, num_sms: int, block_h: int, splits: int, blocks: int,
+                  combine: float = 0.0) -> bool:
+    """Whether the balanced plan replaces the classic one of ``splits`` splits per grid row of ``blocks``
+    64-candidate blocks each (one program per SM): the model above, with ``combine`` blocks for a merge
+    (``WGMMA_COMBINE_BLOCKS`` x heads / 64, as the classic plan charges it)."""
     if block_h != 16 or cdiv(K, 64) < BALANCED_MIN_BLOCKS:
         return False
-    C, NB, W = balanced_sizes(T, HG, K, num_sms)
-    splits = max(1, splits)
-    rounds = cdiv(max(1, T * HG) * splits, max(1, num_sms))
-    classic = rounds * (cdiv(NB, splits) + WGMMA_PROGRAM_OVERHEAD_BLOCKS) + (combine if splits > 1 else 0.0)
+    C, _, W = balanced_sizes(T, HG, K, num_sms)
+    classic = split_makespan(max(1, T * HG), max(1, splits), num_sms, blocks, WGMMA_PROGRAM_OVERHEAD_BLOCKS, combine)
     balanced = WGMMA_PROGRAM_OVERHEAD_BLOCKS + BALANCED_BLOCK_COST * cdiv(W, C) + combine
     return balanced < classic
 
