@@ -142,8 +142,9 @@ def plan_balanced(T: int, HG: int, K: int, num_sms: int) -> Tuple[int, int, int]
 
 
 # Where the balanced plan pays, as a makespan model in blocks beside the classic plan's (split_makespan): classic =
-# rounds x (blocks per program + WGMMA_PROGRAM_OVERHEAD_BLOCKS) + the combine where a row has several splits; balanced = one program's overhead + BALANCED_BLOCK_COST x the most blocks of one run + the combine (a cut
-# row is merged). A block costs more under the balanced plan because every SM is busy and the loads of all of them
+# rounds x (blocks per program + WGMMA_PROGRAM_OVERHEAD_BLOCKS) + the combine where a row has several splits;
+# balanced = one program's overhead + BALANCED_BLOCK_COST x the most blocks of one run + the combine (a cut row is
+# merged). A block costs more under the balanced plan because every SM is busy and the loads of all of them
 # share the memory system: at 72-120 rows the classic one-round plan keeps 72-120 SMs busy at ~1.65 us per block and
 # program, the balanced one 132 at ~2.0-2.4 (H200, 16 heads). Fitted on the H200 over 52 points (8 and 16 heads; SWA
 # + c4, + c128 at 64k and 128k; 24-384 rows; rows of dd1395b, 8093d84, 041586c and 636704c in attention.csv): 1.45
