@@ -70,12 +70,17 @@ def test_bound_parameters_reach_through_callees():
     assert bounds[("m", "_inner")] == {1} and bounds[("m", "_via")] == {1, 2} and bounds[("m", "_arith")] == set()
 
 
-def test_a_callee_of_the_same_name_in_another_file_does_not_decide():
-    # the caller's own file first; a name defined in two other files resolves to neither
-    other = HEAD.replace("for _ in range(nb):", "for _ in range(3):")
-    hazards = carry_hazards([("a", kernel("acc = _inner(acc, nb)\nnb = tl.load(lens + r + 1)").replace(
-        HEAD, HEAD.replace("def _inner", "def _inner_unused"))), ("b", other), ("c", other)])
-    assert hazards == [], hazards
+def test_callees_resolve_in_the_callers_file_first_then_by_a_unique_name():
+    caller = kernel("acc = _inner(acc, nb)\nnb = tl.load(lens + r + 1)").replace(HEAD, "import triton\n"
+                                                                             "import triton.language as tl\n")
+    loops = HEAD                                              # _inner loops to its nb
+    counts = HEAD.replace("for _ in range(nb):", "for _ in range(3):")   # _inner does not
+    # the one _inner of another file decides
+    assert [(o, v) for o, _, _, v in carry_hazards([("a", caller), ("b", loops)])] == [("a", "nb")]
+    assert carry_hazards([("a", caller), ("c", counts)]) == []
+    # two files define it: neither decides; the caller's own file does
+    assert carry_hazards([("a", caller), ("b", loops), ("c", counts)]) == []
+    assert carry_hazards([("a", caller + counts.split("import triton.language as tl", 1)[1]), ("b", loops)]) == []
 
 
 def test_the_product_and_benchmark_kernels_keep_their_carries():
