@@ -43,7 +43,7 @@ from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
 from .keys import (BF16_ONLY_IMPLS, FIXED_LAUNCHES, GPU_ONLY_IMPLS, IMPL_ARCHS, IMPLS, KEYS, REG_TABLE_IMPLS,
-                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_balanced, check_fixed_keys,
+                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_fixed_keys, check_wgmma_t_keys,
                    parse_config, runs_on)
 
 KERNEL = "attention"
@@ -55,10 +55,10 @@ COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
              "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
              "wspec": ("spanning_splits", "PART_BF16"), "wgmma": ("spanning_splits", "PART_BF16"),
-             "wgmma_t": ("spanning_splits", "PART_BF16", "balanced")}
-# body keys a table entry or a launch candidate may leave out (read as 0): ``balanced`` (wgmma_t), newer than the
-# sweeps behind the tables
-OPTIONAL_ENTRY_KEYS = ("balanced",)
+             "wgmma_t": ("spanning_splits", "PART_BF16", "balanced", "l2_prefetch")}
+# body keys a table entry or a launch candidate may leave out (read as 0): ``balanced`` and ``l2_prefetch``
+# (wgmma_t), newer than the sweeps behind the tables
+OPTIONAL_ENTRY_KEYS = ("balanced", "l2_prefetch")
 # the warp-specialized body's default register cap by architecture major (its fixed launch: keys.WSPEC_LAUNCH): on
 # Hopper 128 (two CTAs of 8 warps per SM in its 228 KB of shared memory; the producer warps then give registers to
 # the consumers), elsewhere none (sm_120's 100 KB hold one CTA; a cap only spills); a user may set maxnreg
@@ -208,7 +208,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     impl = user.get("impl")
     if qk == "fp8" and impl in BF16_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} has no fp8 QK path (use qk_mode='bf16')")
-    check_balanced(user, "launch")
+    check_wgmma_t_keys(user, "launch")
     if interpret and impl in GPU_ONLY_IMPLS:
         raise DecodeInputError(f"impl={impl} is a GPU launch (a Gluon kernel): Triton's interpreter cannot run it")
     if not interpret and device.capability and not runs_on(impl, device.capability[0]):
@@ -238,7 +238,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         # body says 16
         cfg["BLOCK_H"] = 16 if H <= 16 else 32
     if impl == "wgmma_t" and int(user.get("balanced", 0)):
-        cfg["BLOCK_H"] = 16   # the balanced launch's heads per program (keys.check_balanced)
+        cfg["BLOCK_H"] = 16   # the balanced launch's heads per program (keys.check_wgmma_t_keys)
     if impl == "wspec" and "maxnreg" not in user:
         cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
     if impl in WGMMA_IMPLS and "waves" not in user:

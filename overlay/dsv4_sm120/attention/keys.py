@@ -54,14 +54,14 @@ def arch_names(impl) -> str:
 KEYS = {
     "impl": "impl", "waves": "float_or_auto",
     **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "e4m3_int_decode", "late_decode", "spanning_splits",
-                           "PART_BF16", "balanced")},
+                           "PART_BF16", "balanced", "l2_prefetch")},
     **{k: "int_or_auto" for k in ("num_stages", "PREFETCH", "maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps",
                                   "combine_maxnreg")},
 }
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D")
 # flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body)
 MAX_VALUE = {"PREFETCH": 2, "e4m3_int_decode": 1, "late_decode": 1, "spanning_splits": 1, "PART_BF16": 1,
-             "balanced": 1}
+             "balanced": 1, "l2_prefetch": 1}
 
 
 class DecodeInputError(ValueError):
@@ -83,16 +83,21 @@ def check_fixed_keys(keys: Dict[str, object], source: str) -> None:
         raise DecodeInputError(f"{source}: impl={impl} runs {fixed} only, got {clash}")
 
 
-def check_balanced(keys: Dict[str, object], source: str) -> None:
-    """Raise ``DecodeInputError`` when ``keys`` (parsed launch keys) ask for the balanced plan (``balanced=1``) with
-    a body other than wgmma_t or with other than 16 heads per program (at 32 it spilled and ran slower on the H200).
-    Without ``impl`` the key applies where the resolved body is wgmma_t, as the other bodies' keys do."""
-    if not int(keys.get("balanced", 0)):
-        return
-    if keys.get("impl", "wgmma_t") != "wgmma_t":
-        raise DecodeInputError(f"{source}: balanced=1 is a launch of impl=wgmma_t only (plan.plan_balanced), "
-                               f"got impl={keys['impl']}")
-    if int(keys.get("BLOCK_H", 16)) != 16:
+# keys only the wgmma_t body reads, and what each asks for (a launch naming another impl with one set is refused)
+WGMMA_T_ONLY_KEYS = {"balanced": "the balanced plan, plan.plan_balanced",
+                     "l2_prefetch": "its producers asking L2 for the block after next"}
+
+
+def check_wgmma_t_keys(keys: Dict[str, object], source: str) -> None:
+    """Raise ``DecodeInputError`` when ``keys`` (parsed launch keys) set a key of the wgmma_t body only
+    (``WGMMA_T_ONLY_KEYS``) with another body, or ask for the balanced plan (``balanced=1``) with other than 16
+    heads per program (at 32 it spilled and ran slower on the H200). Without ``impl`` the keys apply where the
+    resolved body is wgmma_t, as the other bodies' keys do."""
+    impl = keys.get("impl", "wgmma_t")
+    for key, what in WGMMA_T_ONLY_KEYS.items():
+        if int(keys.get(key, 0)) and impl != "wgmma_t":
+            raise DecodeInputError(f"{source}: {key}=1 is a launch of impl=wgmma_t only ({what}), got impl={impl}")
+    if int(keys.get("balanced", 0)) and int(keys.get("BLOCK_H", 16)) != 16:
         raise DecodeInputError(f"{source}: balanced=1 runs 16 heads per program (BLOCK_H=16); "
                                f"got BLOCK_H={keys['BLOCK_H']}")
 
@@ -151,5 +156,5 @@ def parse_config(text: str, source: str = "config") -> Dict[str, object]:
             raise DecodeInputError(f"{source}: BLOCK_S={val} is out of range (>= 1)")
         out[key] = num
     check_fixed_keys(out, source)
-    check_balanced(out, source)
+    check_wgmma_t_keys(out, source)
     return out
