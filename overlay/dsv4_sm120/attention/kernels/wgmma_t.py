@@ -64,7 +64,7 @@ def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, 
     cur = _gather_rows(cache, _block_idx(idx_row, start + h * HALF, cend, HALF), start + h * HALF, end, P, PB64,
                        PB2_64, HALF)
     nid = _block_idx(idx_row, start + (2 + h) * HALF, cend, HALF)
-    pid = nid
+    pid = nid   # the slot ids a block after nid's (L2_PREFETCH); defined either way, as the loop carries it
     if L2_PREFETCH:
         pid = _block_idx(idx_row, start + (4 + h) * HALF, cend, HALF)
     for n0 in range(start, end, 2 * HALF):
