@@ -256,14 +256,12 @@ def _run(L: Launch, q, main, extra, attn_sink, softmax_scale, fp8, out, lse, H: 
     else:
         acc_ws = ws[: nrow * 512]
         m_ws, l_ws = ws[nrow * 512: nrow * 513], ws[nrow * 513: nrow * 514]
-    if writes_output(L) or balanced(L):
-        _launch_split(L, q, main, extra, acc_ws, m_ws, l_ws, H, HP, fp8, softmax_scale, interp,
-                      final=(out, lse, attn_sink))
-        if not writes_output(L):
-            launch_combine(L, acc_ws, m_ws, l_ws, attn_sink, out, lse, H, HP, interp)
-        return
-    _launch_split(L, q, main, extra, acc_ws, m_ws, l_ws, H, HP, fp8, softmax_scale, interp)
-    launch_combine(L, acc_ws, m_ws, l_ws, attn_sink, out, lse, H, HP, interp)
+    # the split programs write the rows they hold whole themselves (one split, or a balanced plan); the combine
+    # merges the rest
+    final = (out, lse, attn_sink) if writes_output(L) or balanced(L) else None
+    _launch_split(L, q, main, extra, acc_ws, m_ws, l_ws, H, HP, fp8, softmax_scale, interp, final=final)
+    if not writes_output(L):
+        launch_combine(L, acc_ws, m_ws, l_ws, attn_sink, out, lse, H, HP, interp)
 
 
 def sparse_mla_decode(
