@@ -427,18 +427,8 @@ def test_balanced_plan_covers_every_block_once_and_the_launch_takes_it():
     for impl in ("reg", "wgmma", "tiled"):
         with pytest.raises(DecodeInputError, match="balanced=1 is a launch of impl=wgmma_t only"):
             config.resolve(16, 192, 128, 512, h200, overrides={"impl": impl, "balanced": 1})
-        with pytest.raises(DecodeInputError, match="l2_prefetch=1 is a launch of impl=wgmma_t only"):
-            config.resolve(16, 192, 128, 512, h200, overrides={"impl": impl, "l2_prefetch": 1})
-    # l2_prefetch (the producers asking L2 for the block after next): off unless asked for, with either plan
-    assert config.resolve(16, 384, 128, 512, h200).config["l2_prefetch"] == 0
-    for T, bal in ((384, 0), (192, 1)):
-        L = config.resolve(16, T, 128, 512, h200, overrides={"impl": "wgmma_t", "l2_prefetch": 1})
-        assert L.config["l2_prefetch"] == 1 and L.config["balanced"] == bal, L
-    with pytest.raises(DecodeInputError, match=r"l2_prefetch=2 is out of range \(0..1\)"):
-        config.parse_config("impl=wgmma_t,l2_prefetch=2", "DSV4_SM120_ATTN_CONFIG")
     # the same refusals where a launch text is read (DSV4_SM120_ATTN_CONFIG, bench --variants), naming the source
     for text, msg in (("impl=reg,balanced=1", "balanced=1 is a launch of impl=wgmma_t only"),
-                      ("impl=tiled,l2_prefetch=1", "l2_prefetch=1 is a launch of impl=wgmma_t only"),
                       ("impl=wgmma_t,BLOCK_H=32,balanced=1", "balanced=1 runs 16 heads per program")):
         with pytest.raises(DecodeInputError, match=f"DSV4_SM120_ATTN_CONFIG: {msg}"):
             config.parse_config(text, "DSV4_SM120_ATTN_CONFIG")

@@ -159,14 +159,11 @@ def test_cuda_graph_replay_with_changing_indices(mode):
      dict(impl="wgmma_t"), dict(impl="wgmma_t", waves=8, PART_BF16=0), dict(impl="wgmma_t", waves=0.01),
      dict(impl="wgmma_t", BLOCK_H=32, waves=8),
      # its balanced launch (one program per SM walking an equal run of blocks across rows; plan.plan_balanced)
-     dict(impl="wgmma_t", balanced=1), dict(impl="wgmma_t", balanced=1, PART_BF16=0),
-     # its producers asking L2 for the block after next (prefetches only: the same output)
-     dict(impl="wgmma_t", l2_prefetch=1), dict(impl="wgmma_t", l2_prefetch=1, balanced=1)],
+     dict(impl="wgmma_t", balanced=1), dict(impl="wgmma_t", balanced=1, PART_BF16=0)],
     ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-fp32part", "reg64-declate",
          "reg32-4warps-declate", "reg64-span", "reg32-4warps-span", "wgmma", "wgmma-split-fp32part",
          "wgmma-one-split-writes-out", "wgmma_t", "wgmma_t-split-fp32part", "wgmma_t-one-split-writes-out",
-         "wgmma_t-32-heads-split", "wgmma_t-balanced", "wgmma_t-balanced-fp32part", "wgmma_t-l2-prefetch",
-         "wgmma_t-balanced-l2-prefetch"])
+         "wgmma_t-32-heads-split", "wgmma_t-balanced", "wgmma_t-balanced-fp32part"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant, monkeypatch):
     from dsv4_sm120.attention.config import BF16_ONLY_IMPLS

@@ -55,10 +55,10 @@ COMBINE_KEYS = ("BLOCK_D", "BLOCK_S", "combine_warps", "combine_maxnreg")
 BODY_KEYS = {"tiled": ("PREFETCH", "e4m3_int_decode", "PART_BF16"),
              "reg": ("e4m3_int_decode", "late_decode", "spanning_splits", "PART_BF16"), "flat": (),
              "wspec": ("spanning_splits", "PART_BF16"), "wgmma": ("spanning_splits", "PART_BF16"),
-             "wgmma_t": ("spanning_splits", "PART_BF16", "balanced", "l2_prefetch")}
-# body keys a table entry or a launch candidate may leave out (read as 0): ``balanced`` and ``l2_prefetch``
-# (wgmma_t), newer than the sweeps behind the tables
-OPTIONAL_ENTRY_KEYS = ("balanced", "l2_prefetch")
+             "wgmma_t": ("spanning_splits", "PART_BF16", "balanced")}
+# body keys a table entry or a launch candidate may leave out (read as 0): ``balanced`` (wgmma_t), newer than the
+# sweeps behind the tables
+OPTIONAL_ENTRY_KEYS = ("balanced",)
 # the warp-specialized body's default register cap by architecture major (its fixed launch: keys.WSPEC_LAUNCH): on
 # Hopper 128 (two CTAs of 8 warps per SM in its 228 KB of shared memory; the producer warps then give registers to
 # the consumers), elsewhere none (sm_120's 100 KB hold one CTA; a cap only spills); a user may set maxnreg

@@ -32,8 +32,7 @@ from typing import Dict, Mapping
 # old spelling -> descriptive name (the one alias table)
 ALIASES: Dict[str, str] = {"KCVT": "e4m3_int_decode", "DEC_LATE": "late_decode", "SPAN": "spanning_splits"}
 # descriptive name -> the kernels' constexpr name
-CONSTEXPR: Dict[str, str] = dict({new: old for old, new in ALIASES.items()}, balanced="BALANCED",
-                                 l2_prefetch="L2_PREFETCH")
+CONSTEXPR: Dict[str, str] = dict({new: old for old, new in ALIASES.items()}, balanced="BALANCED")
 
 
 def canonical(key: str) -> str:

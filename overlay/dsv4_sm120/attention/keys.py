@@ -54,14 +54,14 @@ def arch_names(impl) -> str:
 KEYS = {
     "impl": "impl", "waves": "float_or_auto",
     **{k: "int" for k in ("BLOCK_H", "BLOCK_N", "num_warps", "e4m3_int_decode", "late_decode", "spanning_splits",
-                           "PART_BF16", "balanced", "l2_prefetch")},
+                           "PART_BF16", "balanced")},
     **{k: "int_or_auto" for k in ("num_stages", "PREFETCH", "maxnreg", "BLOCK_D", "BLOCK_S", "combine_warps",
                                   "combine_maxnreg")},
 }
 POW2_KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "BLOCK_D")
 # flags: 0/1; PREFETCH 1 = the next block's indices early, 2 = its tile scales too (tiled body)
 MAX_VALUE = {"PREFETCH": 2, "e4m3_int_decode": 1, "late_decode": 1, "spanning_splits": 1, "PART_BF16": 1,
-             "balanced": 1, "l2_prefetch": 1}
+             "balanced": 1}
 
 
 class DecodeInputError(ValueError):
@@ -84,8 +84,7 @@ def check_fixed_keys(keys: Dict[str, object], source: str) -> None:
 
 
 # keys only the wgmma_t body reads, and what each asks for (a launch naming another impl with one set is refused)
-WGMMA_T_ONLY_KEYS = {"balanced": "the balanced plan, plan.plan_balanced",
-                     "l2_prefetch": "its producers asking L2 for the block after next"}
+WGMMA_T_ONLY_KEYS = {"balanced": "the balanced plan, plan.plan_balanced"}
 
 
 def check_wgmma_t_keys(keys: Dict[str, object], source: str) -> None:

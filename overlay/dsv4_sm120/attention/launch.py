@@ -205,8 +205,6 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
             out, lse, sink = final
             flags.update(out_ptr=out, lse_ptr=lse, sink_ptr=sink if sink is not None else m_ws, FINAL=not balanced(L),
                          HAS_SINK=sink is not None)
-        if impl == "wgmma_t":
-            flags["L2_PREFETCH"] = bool(cfg.get("l2_prefetch", 0))
         if balanced(L):
             C, NB, W = balanced_grid(L, T, H, q.device)
             SPLIT_KERNELS[impl][(C,)](*args, SPAN=True, PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), NB=NB,

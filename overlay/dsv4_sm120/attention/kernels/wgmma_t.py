@@ -24,41 +24,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from .common import _segment_bounds, _store_softmax_state, _token_rows
+from .common import _segment_bounds, _store_softmax_state
 from .wgmma import HALF, _block_count, _final_scale, _partition_barrier, _stage_q, _store_half
 from .wspec import _block_idx, _gather_rows
 
 
-# one L2 prefetch of the 32-byte sector at $1 where $2 != 0 ($0: an unused result, so the asm has an output). One per
-# sector: on the H200 a prefetch per 128-byte line brought one sector of each into L2 (the gathers' L2 hits went
-# from 31% to 51% of their sectors: 5 of a row's 18), and the bulk prefetch (`cp.async.bulk.prefetch.L2`, one per
-# row) takes uniform operands, which ptxas serves with a loop over the warp's lanes
-PREFETCH_L2_ASM = gl.constexpr(
-    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-
-
-@gluon.jit
-def _prefetch_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
-    # ask L2 for the candidates n0 .. with slot ids idx (_block_idx): the 18 sectors of each token's 576-byte row
-    # and the one holding its scale row; nothing is held in registers or shared memory while they are in flight,
-    # and the gather of these candidates a block later hits L2
-    PL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    cand = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, PL))
-    valid, row, sb, _ = _token_rows(gl.convert_layout(idx, gl.SliceLayout(1, PL)), cand < end, P, PB64, PB2_64)
-    sec = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, PL)), 0)   # 0-17: the row's, 18: the scales'
-    off = gl.where(sec < 18, gl.expand_dims(row, 1) + sec * 32, gl.expand_dims(sb, 1))
-    ask = gl.expand_dims(valid, 1) & (sec < 19)
-    gl.inline_asm_elementwise(PREFETCH_L2_ASM, "=r,l,r", [cache + off, ask.to(gl.int32)], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
 @gluon.jit
 def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-                  HAS_LEN: gl.constexpr, SLOTS: gl.constexpr, h: gl.constexpr, L2_PREFETCH: gl.constexpr = False):
+                  HAS_LEN: gl.constexpr, SLOTS: gl.constexpr, h: gl.constexpr):
     # half h of every 64-candidate block of [start, start + chunk) of one cache: block j's half goes to slot
-    # (i + j) % SLOTS once the consumers have freed it, the next block's half gathered while this one is decoded
-    # (L2_PREFETCH: and the one after it asked of L2, its slot ids read a block before that); returns the running
-    # block count
+    # (i + j) % SLOTS once the consumers have freed it, the next block's half gathered while this one is decoded;
+    # returns the running block count
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
     cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
     PB64 = PB.to(gl.int64)
@@ -66,18 +42,9 @@ def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, 
     cur = _gather_rows(cache, _block_idx(idx_row, start + h * HALF, cend, HALF), start + h * HALF, end, P, PB64,
                        PB2_64, HALF)
     nid = _block_idx(idx_row, start + (2 + h) * HALF, cend, HALF)
-    pid = nid   # the slot ids a block after nid's (L2_PREFETCH); defined either way, as the loop carries it
-    if L2_PREFETCH:
-        pid = _block_idx(idx_row, start + (4 + h) * HALF, cend, HALF)
     for n0 in range(start, end, 2 * HALF):
         nxt = _gather_rows(cache, nid, n0 + (2 + h) * HALF, end, P, PB64, PB2_64, HALF)
-        if L2_PREFETCH:
-            # block n0 + 128's lines, gathered in the next iteration; then the slot ids of block n0 + 192
-            _prefetch_rows(cache, pid, n0 + (4 + h) * HALF, end, P, PB64, PB2_64, HALF)
-            nid = pid
-            pid = _block_idx(idx_row, n0 + (6 + h) * HALF, cend, HALF)
-        else:
-            nid = _block_idx(idx_row, n0 + (4 + h) * HALF, cend, HALF)
+        nid = _block_idx(idx_row, n0 + (4 + h) * HALF, cend, HALF)
         b = i % SLOTS
         mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
         _store_half(ring.index(b), flags.index(2 * b + h), cur, h)
@@ -95,17 +62,17 @@ def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, 
 def _produce_chunk(i, ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
                    cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
                    HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-                   h: gl.constexpr, L2_PREFETCH: gl.constexpr):
+                   h: gl.constexpr):
     # half h of the chunk [start, start + chunk) of row t's main ++ extra: the main cache's part, then the extra's;
     # returns the running block count
     if start < K:
         i = _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start,
-                          chunk, HAS_LEN, SLOTS, h, L2_PREFETCH)
+                          chunk, HAS_LEN, SLOTS, h)
     if HAS_2:
         if start + chunk > K:
             lo2 = gl.maximum(start - K, 0)
             i = _produce_half(i, ring, flags, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-                              t, lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, h, L2_PREFETCH)
+                              t, lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, h)
     return i
 
 
@@ -134,7 +101,7 @@ def _balanced_piece(c, u0, u1, r, NB, W, C):
 def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
               cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
               HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-              BALANCED: gl.constexpr, L2_PREFETCH: gl.constexpr, h: gl.constexpr):
+              BALANCED: gl.constexpr, h: gl.constexpr):
     # half h of the program's chunk of main ++ extra, or (BALANCED) of every piece of its run, the ring's block
     # count carried from one piece to the next
     if BALANCED:
@@ -144,12 +111,11 @@ def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P
             start_r, chunk_r, _, _ = _balanced_piece(c, u0, u1, r, NB, W, C)
             i = _produce_chunk(i, ring, flags, full, empty, r // HG, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2,
                                start_r, chunk_r, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-                               HAS_LEN, HAS_LEN2, HAS_2, SLOTS, h, L2_PREFETCH)
+                               HAS_LEN, HAS_LEN2, HAS_2, SLOTS, h)
     else:
         i = 0
         _produce_chunk(i, ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
-                       cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, h,
-                       L2_PREFETCH)
+                       cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, HAS_LEN, HAS_LEN2, HAS_2, SLOTS, h)
 
 
 # one entry point per half: a warp_specialize partition's arguments are runtime values (Triton 3.6), and the half
@@ -158,20 +124,20 @@ def _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P
 def _producer_lo(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
                  cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
                  HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-                 BALANCED: gl.constexpr, L2_PREFETCH: gl.constexpr):
+                 BALANCED: gl.constexpr):
     _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
               cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
-              BALANCED, L2_PREFETCH, 0)
+              BALANCED, 0)
 
 
 @gluon.jit
 def _producer_hi(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
                  cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG,
                  HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-                 BALANCED: gl.constexpr, L2_PREFETCH: gl.constexpr):
+                 BALANCED: gl.constexpr):
     _producer(ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, start, chunk,
               cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2, NB, W, C, HG, HAS_LEN, HAS_LEN2, HAS_2, SLOTS,
-              BALANCED, L2_PREFETCH, 1)
+              BALANCED, 1)
 
 
 @gluon.jit
@@ -284,7 +250,7 @@ def split_kernel_wgmma_t(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
     SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
-    NB=1, W=1, C=1, BALANCED: gl.constexpr = False, L2_PREFETCH: gl.constexpr = False,
+    NB=1, W=1, C=1, BALANCED: gl.constexpr = False,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16 or 32, ``BLOCK_N`` 64, spanning splits),
     with the candidates-as-M warpgroup-MMA body: 4 consumer warps (the launch's ``num_warps``) and two partitions
@@ -323,7 +289,7 @@ def split_kernel_wgmma_t(
         mbarrier.init(empty.index(j), count=1)
     prod = (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
             main_PB2, start, chunk, extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB,
-            extra_PB2, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, BALANCED, L2_PREFETCH)
+            extra_PB2, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, BALANCED)
     gl.warp_specialize([
         (_consumer, (q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
                      start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
