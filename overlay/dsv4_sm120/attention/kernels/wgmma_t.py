@@ -241,80 +241,6 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
 
 
 @gluon.jit
-def _qk_softmax(q_s, p_s, a_s, stats, ring, flags, full, pready, pfree, sready, q_ptr, stride_qt, stride_qh, t, s, g,
-                len_ptr, K, start, chunk, len2_ptr, K2, m_ws, l_ws, H, S, HP, sm_scale_log2, lse_ptr, sink_ptr,
-                HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, SLOTS: gl.constexpr,
-                FINAL: gl.constexpr, HAS_SINK: gl.constexpr, BH: gl.constexpr):
-    # PV_WG, the first consumer warpgroup: per block S^T = K Q^T and the online softmax; P and the block's rescale
-    # factor go to the PV warpgroup through p_s / a_s (two buffers: pready / pfree); at the end the softmax state
-    # (the output scale, or the partial's (m, l) to the workspace), then sready
-    AL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    FL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    t64 = t.to(gl.int64)
-    _stage_q(q_s, q_ptr, t64 * stride_qt, stride_qh, g * BH, H, QL)
-    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
-    m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(0, AL))
-    l_p = gl.zeros([2 * HALF, BH], gl.float32, AL)
-    for j in range(nb):
-        b = j % SLOTS
-        mbarrier.wait(full.index(b), (j // SLOTS) & 1)
-        st = warpgroup_mma(ring.index(b), q_s.permute([1, 0]), gl.zeros([2 * HALF, BH], gl.float32, AL))
-        vc = flags._reinterpret(gl.int32, [SLOTS, 2 * HALF], FL).index(b).load(gl.SliceLayout(1, AL)) != 0
-        x = gl.where(gl.expand_dims(vc, 1), st * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(x - gl.expand_dims(m_use, 0))
-        l_p = l_p * gl.expand_dims(alpha, 0) + p
-        m_i = m_new
-        k = j % 2
-        mbarrier.wait(pfree.index(k), ((j // 2) & 1) ^ 1)
-        p_s.index(k).store(gl.permute(p.to(gl.bfloat16), [1, 0]))
-        a_s.index(k).store(alpha)
-        fence_async_shared()
-        _partition_barrier()
-        mbarrier.arrive(pready.index(k))
-    l_i = gl.sum(l_p, axis=0)
-    hs = g * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, AL))
-    if FINAL:
-        stats.store(_final_scale(lse_ptr, sink_ptr, t64, H, hs, m_i, l_i, HAS_SINK))
-    else:
-        _store_softmax_state(m_ws, l_ws, (t64 * S + s) * HP + hs, hs < H, m_i, l_i)
-    # every warp done with Q's tile (its MMAs waited) and its stats stored before the PV warpgroup stages through it
-    _partition_barrier()
-    mbarrier.arrive(sready)
-
-
-@gluon.jit
-def _pv(q_s, p_s, a_s, stats, ring, empty, pready, pfree, sready, t, s, g, len_ptr, K, start, chunk, len2_ptr, K2,
-        acc_ws, H, S, HP, out_ptr, HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr,
-        SLOTS: gl.constexpr, FINAL: gl.constexpr, BH: gl.constexpr):
-    # PV_WG, the second consumer warpgroup: per block O^T = alpha O^T + V^T P^T with the P and alpha of _qk_softmax,
-    # then the slot back to the producers and the P buffer back to _qk_softmax; at the end the output (FINAL) or
-    # the partial, through Q's tile once sready says _qk_softmax is done with it
-    AL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-    t64 = t.to(gl.int64)
-    nb = _block_count(t, len_ptr, K, start, chunk, len2_ptr, K2, HAS_LEN, HAS_LEN2, HAS_2)
-    ot = gl.zeros([512, BH], gl.float32, AL)
-    for j in range(nb):
-        b = j % SLOTS
-        k = j % 2
-        mbarrier.wait(pready.index(k), (j // 2) & 1)
-        alpha = a_s.index(k).load(gl.SliceLayout(0, AL))
-        ot = warpgroup_mma(ring.index(b).permute([1, 0]), p_s.index(k).permute([1, 0]), ot * gl.expand_dims(alpha, 0))
-        _partition_barrier()
-        mbarrier.arrive(empty.index(b))
-        mbarrier.arrive(pfree.index(k))
-    mbarrier.wait(sready, 0)
-    if FINAL:
-        inv = stats.load(gl.SliceLayout(0, AL))
-        _store_heads(q_s, ot * gl.expand_dims(inv, 0), out_ptr, t64 * H + g * BH, H - g * BH)
-    else:
-        _store_heads(q_s, ot, acc_ws, (t64 * S + s) * HP + g * BH, H - g * BH)
-
-
-@gluon.jit
 def split_kernel_wgmma_t(
     q_ptr, stride_qt, stride_qh,
     main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
@@ -324,7 +250,7 @@ def split_kernel_wgmma_t(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
     SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
-    NB=1, W=1, C=1, BALANCED: gl.constexpr = False, PV_WG: gl.constexpr = False, QK_REGS: gl.constexpr = 104,
+    NB=1, W=1, C=1, BALANCED: gl.constexpr = False,
 ):
     """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16 or 32, ``BLOCK_N`` 64, spanning splits),
     with the candidates-as-M warpgroup-MMA body: 4 consumer warps (the launch's ``num_warps``) and two partitions
@@ -364,35 +290,11 @@ def split_kernel_wgmma_t(
     prod = (ring, flags, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
             main_PB2, start, chunk, extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB,
             extra_PB2, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, BALANCED)
-    if PV_WG:
-        gl.static_assert(not BALANCED, "PV_WG: classic plans only")
-        FL1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        a_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], FL1)
-        stats = gl.allocate_shared_memory(gl.float32, [BLOCK_H], FL1)
-        pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        sready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(2):
-            mbarrier.init(pready.index(j), count=1)
-            mbarrier.init(pfree.index(j), count=1)
-        mbarrier.init(sready, count=1)
-        gl.warp_specialize([
-            (_pv, (q_s, p_s, a_s, stats, ring, empty, pready, pfree, sready, t, s, g, main_len_ptr, main_K, start,
-                   chunk, extra_len_ptr, extra_K, acc_ws, H, S, HP, out_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA,
-                   SLOTS, FINAL, BLOCK_H)),
-            (_qk_softmax, (q_s, p_s, a_s, stats, ring, flags, full, pready, pfree, sready, q_ptr, stride_qt,
-                           stride_qh, t, s, g, main_len_ptr, main_K, start, chunk, extra_len_ptr, extra_K, m_ws,
-                           l_ws, H, S, HP, sm_scale_log2, lse_ptr, sink_ptr, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA,
-                           SLOTS, FINAL, HAS_SINK, BLOCK_H)),
-            (_producer_lo, prod),
-            (_producer_hi, prod),
-        ], [4, 4, 4], [QK_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
-                         start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                         out_ptr, lse_ptr, sink_ptr, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL,
-                         HAS_SINK, BLOCK_H, BALANCED)),
-            (_producer_lo, prod),
-            (_producer_hi, prod),
-        ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, g, main_len_ptr, main_K,
+                     start, chunk, extra_len_ptr, extra_K, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+                     out_ptr, lse_ptr, sink_ptr, NB, W, C, HG, HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, SLOTS, FINAL,
+                     HAS_SINK, BLOCK_H, BALANCED)),
+        (_producer_lo, prod),
+        (_producer_hi, prod),
+    ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
