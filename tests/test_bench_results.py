@@ -290,3 +290,41 @@ def test_floor_rows_keep_the_attention_columns(tmp_path):
     assert [r["impl"] for r in back] == ["gather-floor", "ours-bf16"] and "floor_share=0.558" in back[1]["notes"]
     table = R.render_table("attention", back, "NVIDIA H200")
     assert "| gather-floor | default | 19.1" in table and "| ours-bf16 | default | 34.2" in table
+
+
+def test_commit_override(tmp_path, monkeypatch):
+    # a tree copied to another machine records the commit it is, not its stale .git's HEAD
+    repo = tmp_path / "r"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "f").write_text("a")
+    subprocess.run(["git", "-C", str(repo), "add", "f"], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
+                   check=True)
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.delenv(R.COMMIT_ENV, raising=False)
+    assert R.git_commit(repo) == head
+    (repo / "f").write_text("b")
+    assert R.git_commit(repo) == head + "-dirty"
+    sha = "%07x" % random.randrange(16 ** 7)
+    monkeypatch.setenv(R.COMMIT_ENV, sha)
+    assert R.git_commit(repo) == sha and R.environment(repo, "cmd")["commit"] == sha
+    assert R.commit_env_error("p") is None
+    monkeypatch.setenv(R.COMMIT_ENV, f" {sha} ")   # the registry's settings are read stripped
+    assert R.git_commit(repo) == sha
+    for bad in ("HEAD", "abc", "ABCDEF0", "12345 67", "1234567-wip"):
+        monkeypatch.setenv(R.COMMIT_ENV, bad)
+        err = R.commit_env_error("bench_x")
+        assert err and err.startswith("bench_x: error: DSV4_SM120_COMMIT=") and "\n" not in err, bad
+        assert R.missing_gpu("bench_x") == err   # every driver stops on it before measuring
+        assert R.git_commit(repo) == head + "-dirty"   # never recorded
+
+
+def test_driver_stops_on_a_bad_commit_override(tmp_path):
+    env = dict(os.environ, DSV4_SM120_COMMIT="not-a-sha")
+    res = tmp_path / "r.csv"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_attention.py"), "--cases", "tp4_decode",
+                        "--batches", "1", "--results", str(res)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "DSV4_SM120_COMMIT" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not res.exists()

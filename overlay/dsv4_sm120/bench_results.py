@@ -322,8 +322,36 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+COMMIT_ENV = "DSV4_SM120_COMMIT"   # the commit a run records where the checkout's .git is not the tree's own
+
+
+def _commit_override() -> Optional[str]:
+    # DSV4_SM120_COMMIT's value; None when unset or empty; SettingsError when not a commit id
+    from dsv4_sm120 import settings
+
+    return (settings.get(COMMIT_ENV) or "").strip() or None
+
+
+def commit_env_error(prog: str) -> Optional[str]:
+    """The one-line error a driver stops with when ``DSV4_SM120_COMMIT`` is set but is not a commit id."""
+    from dsv4_sm120 import settings
+
+    try:
+        _commit_override()
+    except settings.SettingsError as e:
+        return f"{prog}: error: {e}"
+    return None
+
+
 def git_commit(repo) -> str:
-    """Short HEAD of ``repo`` with ``-dirty`` when tracked files differ from it; ``unknown`` outside git."""
+    """``DSV4_SM120_COMMIT`` where set (a valid id), else the short HEAD of ``repo`` with ``-dirty`` when tracked
+    files differ from it; ``unknown`` outside git."""
+    try:
+        value = _commit_override()
+    except ValueError:
+        value = None   # drivers stop on it first (commit_env_error)
+    if value:
+        return value
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
@@ -366,11 +394,15 @@ def environment(repo, command: str) -> Dict[str, str]:
 
 def missing_gpu(prog: str, modules: Sequence[str] = ("torch", "triton")) -> Optional[str]:
     """The one-line error a driver stops with when it cannot measure here (a module of ``modules`` not
-    installed, or no CUDA GPU visible to torch); ``None`` when it can."""
+    installed, or no CUDA GPU visible to torch) or would record a bad commit (``commit_env_error``); ``None`` when
+    it can."""
     import importlib
 
     from dsv4_sm120 import hints
 
+    bad = commit_env_error(prog)
+    if bad:
+        return bad
     for name in modules:
         try:
             importlib.import_module(name)

@@ -141,6 +141,12 @@ def _selfcheck_fault(text: str) -> Optional[str]:
     return "expected attention, attention-raise, attention-raise-T=<rows>, moe or moe-raise"
 
 
+def _commit_id(text: str) -> Optional[str]:
+    if re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", text):
+        return None
+    return "expected a commit id: 7-40 lowercase hex digits, optionally followed by -dirty"
+
+
 # ---- the registry (order = the order of the listing)
 
 _ATTN_CONFIG_VALUES = "comma list of launch keys, e.g. `impl=tiled` or `e4m3_int_decode=0,maxnreg=0` (docs/attention.md)"
@@ -217,6 +223,10 @@ _OURS: Tuple[Setting, ...] = (
             "tools"),
     Setting("DSV4_SM120_CALIBRATE_MOE_TIMEOUT_S", "float", "900",
             "make calibrate: seconds one SGLang MoE runner's measurement may take", "tools", minimum=0, above=True),
+    Setting("DSV4_SM120_COMMIT", "text", "",
+            "the bench drivers: the commit their rows record (empty: the checkout's git HEAD, -dirty when tracked "
+            "files differ); for a copy of a tree whose .git is not the tree's own", "tools", check=_commit_id,
+            values="empty, or a commit id (7-40 hex digits, optional -dirty)"),
     # internal
     Setting("DSV4_SM120_REPO_ROOT", "path", None,
             "the checkout our launchers run from (unset: found from the package's location)", "internal"),
