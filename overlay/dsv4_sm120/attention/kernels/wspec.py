@@ -16,8 +16,6 @@ The e4m3 decode is ``common.E4M3_BF16_ASM``'s, on 32-bit words.
 
 from __future__ import annotations
 
-import os
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mbarrier, mma_v2
@@ -34,11 +32,6 @@ E4M3X4_SCALED_ASM = gl.constexpr(
 if E4M3X4_SCALED_ASM.value.count("mul.rn.bf16x2") != 2 or " nz, v;" not in E4M3X4_SCALED_ASM.value:
     # common's text changed: the scale would be lost, or its register undeclared
     raise RuntimeError("wspec: E4M3_BF16_ASM no longer has the register list and two fma lines this kernel extends")
-
-
-# SCRATCH (measured, then reverted): the gathers' cache modifier and L2 eviction policy
-_GATHER_CM = gl.constexpr(os.environ.get("DSV4_SM120_SCRATCH_GATHER_CM", ""))
-_GATHER_EP = gl.constexpr(os.environ.get("DSV4_SM120_SCRATCH_GATHER_EP", ""))
 
 
 @gluon.jit
@@ -63,18 +56,18 @@ def _gather_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
     words = cache.to(gl.pointer_type(gl.int32))
     r2 = gl.expand_dims(row // 4, 1) + gl.expand_dims(lanes, 0)
     v2 = gl.expand_dims(valid, 1)
-    k0 = gl.load(words + r2, mask=v2, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
-    k1 = gl.load(words + r2 + 16, mask=v2, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
-    k2 = gl.load(words + r2 + 32, mask=v2, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
-    k3 = gl.load(words + r2 + 48, mask=v2, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
-    k4 = gl.load(words + r2 + 64, mask=v2, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
-    k5 = gl.load(words + r2 + 80, mask=v2, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
-    k6 = gl.load(words + r2 + 96, mask=v2, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
-    s_lo = gl.load(words + sb // 4, mask=valid, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
-    s_hi = gl.load(words + sb // 4 + 1, mask=valid, other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
+    k0 = gl.load(words + r2, mask=v2, other=0)
+    k1 = gl.load(words + r2 + 16, mask=v2, other=0)
+    k2 = gl.load(words + r2 + 32, mask=v2, other=0)
+    k3 = gl.load(words + r2 + 48, mask=v2, other=0)
+    k4 = gl.load(words + r2 + 64, mask=v2, other=0)
+    k5 = gl.load(words + r2 + 80, mask=v2, other=0)
+    k6 = gl.load(words + r2 + 96, mask=v2, other=0)
+    s_lo = gl.load(words + sb // 4, mask=valid, other=0)
+    s_hi = gl.load(words + sb // 4 + 1, mask=valid, other=0)
     lanes32 = gl.arange(0, 32, layout=gl.SliceLayout(0, BR))
     r0 = gl.expand_dims(gl.convert_layout(ro // 2, gl.SliceLayout(1, BR)), 1) + gl.expand_dims(lanes32, 0)
-    rope = gl.load(words + r0, mask=gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, BR)), 1), other=0, cache_modifier=_GATHER_CM, eviction_policy=_GATHER_EP)
+    rope = gl.load(words + r0, mask=gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, BR)), 1), other=0)
     return k0, k1, k2, k3, k4, k5, k6, s_lo, s_hi, rope, valid
 
 
