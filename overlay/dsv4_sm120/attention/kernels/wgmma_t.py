@@ -20,8 +20,6 @@ warpgroup MMA: the launch refuses this body there, and Triton's CPU interpreter 
 
 from __future__ import annotations
 
-import os
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
@@ -31,14 +29,9 @@ from .wgmma import HALF, _block_count, _final_scale, _partition_barrier, _stage_
 from .wspec import _block_idx, _gather_rows
 
 
-# SCRATCH (measured, then reverted or adopted): the gathers' L1 / L2 eviction policy per cache
-_EP_MAIN = gl.constexpr(os.environ.get("DSV4_SM120_SCRATCH_EP_MAIN", ""))
-_EP_EXTRA = gl.constexpr(os.environ.get("DSV4_SM120_SCRATCH_EP_EXTRA", ""))
-
-
 @gluon.jit
 def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-                  HAS_LEN: gl.constexpr, SLOTS: gl.constexpr, h: gl.constexpr, EP: gl.constexpr):
+                  HAS_LEN: gl.constexpr, SLOTS: gl.constexpr, h: gl.constexpr):
     # half h of every 64-candidate block of [start, start + chunk) of one cache: block j's half goes to slot
     # (i + j) % SLOTS once the consumers have freed it, the next block's half gathered while this one is decoded;
     # returns the running block count
@@ -47,10 +40,10 @@ def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, 
     PB64 = PB.to(gl.int64)
     PB2_64 = PB2.to(gl.int64)
     cur = _gather_rows(cache, _block_idx(idx_row, start + h * HALF, cend, HALF), start + h * HALF, end, P, PB64,
-                       PB2_64, HALF, EP)
+                       PB2_64, HALF)
     nid = _block_idx(idx_row, start + (2 + h) * HALF, cend, HALF)
     for n0 in range(start, end, 2 * HALF):
-        nxt = _gather_rows(cache, nid, n0 + (2 + h) * HALF, end, P, PB64, PB2_64, HALF, EP)
+        nxt = _gather_rows(cache, nid, n0 + (2 + h) * HALF, end, P, PB64, PB2_64, HALF)
         nid = _block_idx(idx_row, n0 + (4 + h) * HALF, cend, HALF)
         b = i % SLOTS
         mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
@@ -74,12 +67,12 @@ def _produce_chunk(i, ring, flags, full, empty, t, cache, idx_ptr, idx_st, len_p
     # returns the running block count
     if start < K:
         i = _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start,
-                          chunk, HAS_LEN, SLOTS, h, _EP_MAIN)
+                          chunk, HAS_LEN, SLOTS, h)
     if HAS_2:
         if start + chunk > K:
             lo2 = gl.maximum(start - K, 0)
             i = _produce_half(i, ring, flags, full, empty, cache2, idx2_ptr, idx2_st, len2_ptr, K2, P2, PB_2, PB2_2,
-                              t, lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, h, _EP_EXTRA)
+                              t, lo2, start + chunk - K - lo2, HAS_LEN2, SLOTS, h)
     return i
 
 

@@ -43,7 +43,7 @@ def _block_idx(idx_row, n0, cend, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _gather_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr, EP: gl.constexpr = ""):
+def _gather_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
     # the raw block of the candidates n0 .. with slot ids idx (_block_idx): seven [BLOCK_N, 16]-word e4m3 tiles,
     # the [BLOCK_N] scale rows as two 32-bit words (UE8M0 bytes of tiles 0-3 and 4-6, little-endian: two loads and
     # two registers instead of seven of each), the [BLOCK_N, 32]-word rope (bf16 pairs), and which candidates exist
@@ -56,18 +56,18 @@ def _gather_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr, EP
     words = cache.to(gl.pointer_type(gl.int32))
     r2 = gl.expand_dims(row // 4, 1) + gl.expand_dims(lanes, 0)
     v2 = gl.expand_dims(valid, 1)
-    k0 = gl.load(words + r2, mask=v2, other=0, eviction_policy=EP)
-    k1 = gl.load(words + r2 + 16, mask=v2, other=0, eviction_policy=EP)
-    k2 = gl.load(words + r2 + 32, mask=v2, other=0, eviction_policy=EP)
-    k3 = gl.load(words + r2 + 48, mask=v2, other=0, eviction_policy=EP)
-    k4 = gl.load(words + r2 + 64, mask=v2, other=0, eviction_policy=EP)
-    k5 = gl.load(words + r2 + 80, mask=v2, other=0, eviction_policy=EP)
-    k6 = gl.load(words + r2 + 96, mask=v2, other=0, eviction_policy=EP)
-    s_lo = gl.load(words + sb // 4, mask=valid, other=0, eviction_policy=EP)
-    s_hi = gl.load(words + sb // 4 + 1, mask=valid, other=0, eviction_policy=EP)
+    k0 = gl.load(words + r2, mask=v2, other=0)
+    k1 = gl.load(words + r2 + 16, mask=v2, other=0)
+    k2 = gl.load(words + r2 + 32, mask=v2, other=0)
+    k3 = gl.load(words + r2 + 48, mask=v2, other=0)
+    k4 = gl.load(words + r2 + 64, mask=v2, other=0)
+    k5 = gl.load(words + r2 + 80, mask=v2, other=0)
+    k6 = gl.load(words + r2 + 96, mask=v2, other=0)
+    s_lo = gl.load(words + sb // 4, mask=valid, other=0)
+    s_hi = gl.load(words + sb // 4 + 1, mask=valid, other=0)
     lanes32 = gl.arange(0, 32, layout=gl.SliceLayout(0, BR))
     r0 = gl.expand_dims(gl.convert_layout(ro // 2, gl.SliceLayout(1, BR)), 1) + gl.expand_dims(lanes32, 0)
-    rope = gl.load(words + r0, mask=gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, BR)), 1), other=0, eviction_policy=EP)
+    rope = gl.load(words + r0, mask=gl.expand_dims(gl.convert_layout(valid, gl.SliceLayout(1, BR)), 1), other=0)
     return k0, k1, k2, k3, k4, k5, k6, s_lo, s_hi, rope, valid
 
 
