@@ -20,8 +20,6 @@ warpgroup MMA: the launch refuses this body there, and Triton's CPU interpreter 
 
 from __future__ import annotations
 
-import os
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
@@ -29,11 +27,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import _segment_bounds, _store_softmax_state
 from .wgmma import HALF, _block_count, _final_scale, _partition_barrier, _stage_q, _store_half
 from .wspec import _block_idx, _gather_rows
-
-
-# SCRATCH (measured, then reverted or adopted): two halves gathered ahead per producer partition; producer registers
-_AHEAD2 = gl.constexpr(os.environ.get("DSV4_SM120_SCRATCH_AHEAD2", "") == "1")
-_PREGS = gl.constexpr(int(os.environ.get("DSV4_SM120_SCRATCH_PREGS", "0")))
 
 
 @gluon.jit
@@ -48,37 +41,20 @@ def _produce_half(i, ring, flags, full, empty, cache, idx_ptr, idx_st, len_ptr, 
     PB2_64 = PB2.to(gl.int64)
     cur = _gather_rows(cache, _block_idx(idx_row, start + h * HALF, cend, HALF), start + h * HALF, end, P, PB64,
                        PB2_64, HALF)
-    if _AHEAD2:
-        nx1 = _gather_rows(cache, _block_idx(idx_row, start + (2 + h) * HALF, cend, HALF), start + (2 + h) * HALF,
-                           end, P, PB64, PB2_64, HALF)
-        nid = _block_idx(idx_row, start + (4 + h) * HALF, cend, HALF)
-        for n0 in range(start, end, 2 * HALF):
-            nx2 = _gather_rows(cache, nid, n0 + (4 + h) * HALF, end, P, PB64, PB2_64, HALF)
-            nid = _block_idx(idx_row, n0 + (6 + h) * HALF, cend, HALF)
-            b = i % SLOTS
-            mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
-            _store_half(ring.index(b), flags.index(2 * b + h), cur, h)
-            fence_async_shared()
-            _partition_barrier()
-            mbarrier.arrive(full.index(b))
-            cur = nx1
-            nx1 = nx2
-            i += 1
-    else:
-        nid = _block_idx(idx_row, start + (2 + h) * HALF, cend, HALF)
-        for n0 in range(start, end, 2 * HALF):
-            nxt = _gather_rows(cache, nid, n0 + (2 + h) * HALF, end, P, PB64, PB2_64, HALF)
-            nid = _block_idx(idx_row, n0 + (4 + h) * HALF, cend, HALF)
-            b = i % SLOTS
-            mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
-            _store_half(ring.index(b), flags.index(2 * b + h), cur, h)
-            # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every
-            # warp of this partition before its one arrival
-            fence_async_shared()
-            _partition_barrier()
-            mbarrier.arrive(full.index(b))
-            cur = nxt
-            i += 1
+    nid = _block_idx(idx_row, start + (2 + h) * HALF, cend, HALF)
+    for n0 in range(start, end, 2 * HALF):
+        nxt = _gather_rows(cache, nid, n0 + (2 + h) * HALF, end, P, PB64, PB2_64, HALF)
+        nid = _block_idx(idx_row, n0 + (4 + h) * HALF, cend, HALF)
+        b = i % SLOTS
+        mbarrier.wait(empty.index(b), ((i // SLOTS) & 1) ^ 1)
+        _store_half(ring.index(b), flags.index(2 * b + h), cur, h)
+        # the stores (generic proxy) before the consumers' warpgroup MMAs read them (async proxy), from every warp
+        # of this partition before its one arrival
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(full.index(b))
+        cur = nxt
+        i += 1
     return i
 
 
@@ -321,4 +297,4 @@ def split_kernel_wgmma_t(
                      HAS_SINK, BLOCK_H, BALANCED)),
         (_producer_lo, prod),
         (_producer_hi, prod),
-    ], [4, 4], [_PREGS if _PREGS else PRODUCER_REGS, _PREGS if _PREGS else PRODUCER_REGS])
+    ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
