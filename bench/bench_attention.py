@@ -36,7 +36,9 @@ Impls (rows' ``impl``): ``ours-bf16`` / ``ours-fp8`` (``--qk-modes``), and each 
 the installed SGLang, the pristine copy under ~/.cache/dsv4_sm120 or ``--upstream-file``), ``torch-eager``
 (SGLang's torch reference; it syncs the host), ``gather-floor`` (``floor``: bench/attn_floor.py, a kernel that only
 reads the bytes a call must read, through the same gather, and writes out; timed first, and the other rows' notes
-carry ``floor_share`` = floor us / their us; docs/attention.md "Gather floor").
+carry ``floor_share`` = floor us / their us; docs/attention.md "Gather floor"), ``mma-floor`` (``mma``, Hopper
+only, not in the default list: bench/attn_mma_floor.py, the warpgroup MMAs the candidates-as-M body issues for the
+call and nothing else; ours' rows then carry ``mma_share`` = its us / theirs; docs/attention.md "MMA floor").
 
 ``--variants 'A;B'``: launch-config texts set as ``attention.launch.CONFIG_OVERRIDE`` (the DSV4_SM120_ATTN_CONFIG
 syntax); each is timed next to the default at ``--variant-cases`` (default tp4_decode; none of the chosen cases
@@ -120,6 +122,9 @@ BASELINES = ("flashmla", "flashinfer", "upstream-triton", "torch-eager")
 # The gather floor (bench/attn_floor.py): timed first at each point, at each of FLOOR_WAVES (programs aimed at per
 # SM), the fastest recorded; the other impls' rows get floor_share = floor us / their us in their notes.
 FLOOR, FLOOR_WAVES = "gather-floor", (4, 8, 16)
+# The MMA floor (bench/attn_mma_floor.py, Hopper): the candidates-as-M body's QK and PV warpgroup MMAs for the call
+# and nothing else; ours' rows get mma_share = its us / theirs.
+MMA_FLOOR = "mma-floor"
 SHARE_IMPLS = ("ours-bf16", "ours-fp8", "flashmla")
 ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length")  # per-row inputs
 
@@ -131,7 +136,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="", help="comma list of B for every case (default: each case's own)")
     p.add_argument("--impls", default="ours,flashmla,flashinfer,upstream,torch,floor",
                    help="comma list; missing baselines are skipped with a note; floor = the gather floor "
-                   "(bench/attn_floor.py)")
+                   "(bench/attn_floor.py); mma = the MMA floor (bench/attn_mma_floor.py, Hopper only, not by default)")
     p.add_argument("--variants", default="", help="';'-separated launch configs for ours, e.g. "
                    "'BLOCK_N=64,num_warps=4;waves=4' (bf16-only bodies skip fp8)")
     p.add_argument("--variant-cases", default="tp4_decode", help="cases at which --variants run (each variant "
@@ -236,10 +241,13 @@ def dry_run(args, cases, variants, modes, command):
                 names += [(b, "default") for b in BASELINES if b.split("-")[0] in impls]
                 if "floor" in impls:
                     names.append((FLOOR, "default"))
+                if "mma" in impls:
+                    names.append((MMA_FLOOR, "default"))
             for impl, variant in names:
                 row = R.make_row("attention", case=case, variant=variant, impl=impl, layout=layout, heads=H,
                                  batch=B, context=ctx, date=R.now(), command=command,
-                                 notes="" if impl.startswith("ours") or impl == FLOOR else "if present")
+                                 notes="" if impl.startswith("ours") or impl == FLOOR else
+                                 "Hopper only" if impl == MMA_FLOOR else "if present")
                 print(R.csv_line("attention", row))
                 n += 1
     print(f"{n} rows at most (baselines only where present; GPU, versions, us, GB/s, rel_err filled when run)")
@@ -528,6 +536,13 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
         rows.append(R.make_row("attention", case=case, impl=FLOOR, layout=layout, heads=H, batch=B, context=context,
                                notes=row.pop("notes"), **row, **env))
         print_row(rows[-1])
+    mma_us = None
+    if "mma" in impls and not launch_sweep:
+        row, mma_us = time_mma_floor(args, torch, H, layers)
+        if row is not None:
+            rows.append(R.make_row("attention", case=case, impl=MMA_FLOOR, layout=layout, heads=H, batch=B,
+                                   context=context, notes=row.pop("notes"), **row, **env))
+            print_row(rows[-1])
     for (impl, variant), (f, graph, note) in calls.items():
         res = dict(us=None, gbps=None, rel_err=None)
         notes = [f"layers={args.layers}"] + ([note] if note else [])
@@ -544,6 +559,8 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
                 notes.append("graph_equals_eager=false")  # graph replay must equal eager
             if floor_us and impl in SHARE_IMPLS:
                 notes.append(f"floor_share={floor_us / us:.3f}")
+            if mma_us and impl.startswith("ours"):
+                notes.append(f"mma_share={mma_us / us:.3f}")
         except Exception as e:  # noqa: BLE001 - one failing impl must not stop the others
             notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))
         row = R.make_row("attention", case=case, variant=variant, impl=impl, layout=layout, heads=H, batch=B,
@@ -587,6 +604,36 @@ def time_floor(args, torch, layers, qs, check_rows, bytes_call):
         us, spread, plan_ = best
         notes += [f"spread_us={spread:.2f}", f"plan={plan_}"]
         return dict(us=round(us, 2), gbps=round(bytes_call / us / 1e3, 1), notes="; ".join(notes)), us
+    except Exception as e:  # noqa: BLE001 - a failing floor must not stop the impls
+        notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))
+        return dict(notes="; ".join(notes)), None
+
+
+def time_mma_floor(args, torch, H, layers):
+    """The MMA floor at one point (Hopper only: None, None elsewhere, with a note on stderr once), timed as the
+    impls are and its per-program sums checked. -> (row fields us and notes, or None; its us or None)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        if not getattr(time_mma_floor, "noted", False):
+            print("note: mma-floor skipped: it issues Hopper's warpgroup MMAs (sm_90 only)", file=sys.stderr)
+            time_mma_floor.noted = True
+        return None, None
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import attn_mma_floor as M
+
+    notes = [f"layers={args.layers}"]
+    try:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        blocks = M.call_blocks(H, **layers[0][0])
+        floors = [M.MmaFloor(H, M.call_blocks(H, **kw), num_sms=sms, device="cuda", seed=i)
+                  for i, (kw, *_) in enumerate(layers)]
+        floors[0]()
+        torch.cuda.synchronize()
+        floors[0].check()
+        notes.append("sums=ok")
+        us, spread = time_call(torch, lambda i: floors[i](), len(layers), True, args.replays)
+        notes += [f"spread_us={spread:.2f}", f"plan={floors[0].plan}", f"blocks={blocks}"]
+        return dict(us=round(us, 2), notes="; ".join(notes)), us
     except Exception as e:  # noqa: BLE001 - a failing floor must not stop the impls
         notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))
         return dict(notes="; ".join(notes)), None
