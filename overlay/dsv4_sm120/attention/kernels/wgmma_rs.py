@@ -24,8 +24,6 @@ from .wspec import E4M3X4_SCALED_ASM
 BN = gl.constexpr(64)
 import os as _os
 QK_INFLIGHT = gl.constexpr(int(_os.environ.get("RS_QK_INFLIGHT", "0")))
-PV_INFLIGHT = gl.constexpr(int(_os.environ.get("RS_PV_INFLIGHT", "0")))
-NO_PREFETCH = gl.constexpr(int(_os.environ.get("RS_NO_PREFETCH", "0")))
 
 
 # [64, 16] words of a nope tile: thread (w, l) holds rows 16 w + l // 4 (+ 8) and words 4 (l % 4) .. + 3
@@ -155,18 +153,17 @@ def _run_cache(ot, m_i, l_p, q_s, kv, p_s, cache, idx_ptr, idx_st, len_ptr, K, P
     s_hi = gl.load(words + sb // 4 + 1, mask=valid, other=0)
     rope = _rope(words, ro, valid)
     nid = _slot_ids(idx_row, start + BN, cend)
-    st = gl.zeros([BN, BH], gl.float32, AL)
     for n0 in range(start, end, BN):
         vc = gl.convert_layout(valid, gl.SliceLayout(1, AL))
         nvalid, nrow, nsb, nro = _rows(nid, n0 + BN, end, P, PB64, PB2_64)
         nid = _slot_ids(idx_row, n0 + 2 * BN, cend)
         # the previous block's PV has read the V tile and P
         ot = warpgroup_mma_wait(0, deps=[ot])
+        st = gl.zeros([BN, BH], gl.float32, AL)
         a = _dec_tile(k0, s_lo, 0, AOP)
         k0 = _tile(words, nrow, nvalid, 0)
         kv.slice(0, 64, dim=1).store(a)
-        # the first tile overwrites the previous block's scores (no register zeroing inside a pipeline stage)
-        st = warpgroup_mma(a, q_s.slice(0, 64, dim=1).permute([1, 0]), st, use_acc=False, is_async=True)
+        st = warpgroup_mma(a, q_s.slice(0, 64, dim=1).permute([1, 0]), st, is_async=True)
         if QK_INFLIGHT == 0:
             st, a = warpgroup_mma_wait(0, deps=[st, a])
         pa = a
@@ -207,73 +204,7 @@ def _run_cache(ot, m_i, l_p, q_s, kv, p_s, cache, idx_ptr, idx_st, len_ptr, K, P
         _partition_barrier()
         ot = warpgroup_mma(kv.permute([1, 0]), p_s.permute([1, 0]), ot * alpha, is_async=True)
         # PV stays in flight into the next block's gathers and decode
-        ot = warpgroup_mma_wait(PV_INFLIGHT, deps=[ot])
-    ot = warpgroup_mma_wait(0, deps=[ot])
-    return ot, m_i, l_p
-
-
-@gluon.jit
-def _run_cache_np(ot, m_i, l_p, q_s, kv, p_s, cache, idx_ptr, idx_st, len_ptr, K, P, PB, PB2, t, start, chunk,
-                  sm_scale_log2, HAS_LEN: gl.constexpr, BH: gl.constexpr):
-    # as _run_cache, each block's tiles loaded at its start (no registers carried across blocks)
-    AL: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=AL, k_width=2)
-    idx_row = idx_ptr + t.to(gl.int64) * idx_st
-    cend, end = _segment_bounds(len_ptr, K, t, start, chunk, HAS_LEN)
-    PB64 = PB.to(gl.int64)
-    PB2_64 = PB2.to(gl.int64)
-    words = cache.to(gl.pointer_type(gl.int32))
-    nid = _slot_ids(idx_row, start, cend)
-    st = gl.zeros([BN, BH], gl.float32, AL)
-    for n0 in range(start, end, BN):
-        valid, row, sb, ro = _rows(nid, n0, end, P, PB64, PB2_64)
-        nid = _slot_ids(idx_row, n0 + BN, cend)
-        s_lo = gl.load(words + sb // 4, mask=valid, other=0)
-        s_hi = gl.load(words + sb // 4 + 1, mask=valid, other=0)
-        k0 = _tile(words, row, valid, 0)
-        k1 = _tile(words, row, valid, 1)
-        k2 = _tile(words, row, valid, 2)
-        k3 = _tile(words, row, valid, 3)
-        vc = gl.convert_layout(valid, gl.SliceLayout(1, AL))
-        ot = warpgroup_mma_wait(0, deps=[ot])
-        a = _dec_tile(k0, s_lo, 0, AOP)
-        k4 = _tile(words, row, valid, 4)
-        kv.slice(0, 64, dim=1).store(a)
-        # the first tile overwrites the previous block's scores (no register zeroing inside a pipeline stage)
-        st = warpgroup_mma(a, q_s.slice(0, 64, dim=1).permute([1, 0]), st, use_acc=False, is_async=True)
-        if QK_INFLIGHT == 0:
-            st, a = warpgroup_mma_wait(0, deps=[st, a])
-        pa = a
-        a = _dec_tile(k1, s_lo, 8, AOP)
-        k5 = _tile(words, row, valid, 5)
-        st, pa = _qk_tile(st, a, kv, q_s, 1, pa)
-        a = _dec_tile(k2, s_lo, 16, AOP)
-        k6 = _tile(words, row, valid, 6)
-        st, pa = _qk_tile(st, a, kv, q_s, 2, pa)
-        a = _dec_tile(k3, s_lo, 24, AOP)
-        rope = _rope(words, ro, valid)
-        st, pa = _qk_tile(st, a, kv, q_s, 3, pa)
-        a = _dec_tile(k4, s_hi, 0, AOP)
-        st, pa = _qk_tile(st, a, kv, q_s, 4, pa)
-        a = _dec_tile(k5, s_hi, 8, AOP)
-        st, pa = _qk_tile(st, a, kv, q_s, 5, pa)
-        a = _dec_tile(k6, s_hi, 16, AOP)
-        st, pa = _qk_tile(st, a, kv, q_s, 6, pa)
-        a = _dec_rope(rope, AOP)
-        st, pa = _qk_tile(st, a, kv, q_s, 7, pa)
-        st, pa = warpgroup_mma_wait(0, deps=[st, pa])
-        x = gl.where(gl.expand_dims(vc, 1), st * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.expand_dims(gl.exp2(m_i - m_use), 0)
-        p = gl.exp2(x - gl.expand_dims(m_use, 0))
-        l_p = l_p * alpha + p
-        m_i = m_new
-        p_s.store(gl.permute(p.to(gl.bfloat16), [1, 0]))
-        fence_async_shared()
-        _partition_barrier()
-        ot = warpgroup_mma(kv.permute([1, 0]), p_s.permute([1, 0]), ot * alpha, is_async=True)
-        ot = warpgroup_mma_wait(PV_INFLIGHT, deps=[ot])
+        ot = warpgroup_mma_wait(1, deps=[ot])
     ot = warpgroup_mma_wait(0, deps=[ot])
     return ot, m_i, l_p
 
@@ -315,22 +246,12 @@ def split_kernel_wgmma_rs(
     l_p = gl.zeros([BN, BH], gl.float32, AL)
     ot = gl.zeros([512, BH], gl.float32, AL)
     if start < main_K:
-        if NO_PREFETCH:
-            ot, m_i, l_p = _run_cache_np(ot, m_i, l_p, q_s, kv, p_s, main, main_idx_ptr, main_idx_st, main_len_ptr,
-                                         main_K, main_P, main_PB, main_PB2, t, start, chunk, sm_scale_log2,
-                                         HAS_MAIN_LEN, BH)
-        else:
-            ot, m_i, l_p = _run_cache(ot, m_i, l_p, q_s, kv, p_s, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K,
+        ot, m_i, l_p = _run_cache(ot, m_i, l_p, q_s, kv, p_s, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K,
                                   main_P, main_PB, main_PB2, t, start, chunk, sm_scale_log2, HAS_MAIN_LEN, BH)
     if HAS_EXTRA:
         if start + chunk > main_K:
             lo2 = gl.maximum(start - main_K, 0)
-            if NO_PREFETCH:
-                ot, m_i, l_p = _run_cache_np(ot, m_i, l_p, q_s, kv, p_s, extra, extra_idx_ptr, extra_idx_st,
-                                             extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, t, lo2,
-                                             start + chunk - main_K - lo2, sm_scale_log2, HAS_EXTRA_LEN, BH)
-            else:
-                ot, m_i, l_p = _run_cache(ot, m_i, l_p, q_s, kv, p_s, extra, extra_idx_ptr, extra_idx_st, extra_len_ptr,
+            ot, m_i, l_p = _run_cache(ot, m_i, l_p, q_s, kv, p_s, extra, extra_idx_ptr, extra_idx_st, extra_len_ptr,
                                       extra_K, extra_P, extra_PB, extra_PB2, t, lo2, start + chunk - main_K - lo2,
                                       sm_scale_log2, HAS_EXTRA_LEN, BH)
     l_i = gl.sum(l_p, axis=0)
