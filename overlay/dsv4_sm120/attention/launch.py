@@ -214,10 +214,6 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
             # the output / partial through shared memory where most of a program's 64 head rows are real (with 16
             # heads the direct stores of 16 rows cost less than staging 64: H200, 384 rows, 99.6 against 109.5 us)
             flags["STAGE_OUT"] = H > 16
-        if impl == "wgmma_t" and BH == 16 and __import__("os").environ.get("DSV4_SM120_SCRATCH_RS") == "1":
-            SPLIT_KERNELS["wgmma_rs"][(T, s1 + s2, HG)](*args, SPAN=True, PRODUCER_REGS=0,
-                                                        **{k: v for k, v in flags.items() if k != "maxnreg"})
-            return
         SPLIT_KERNELS[impl][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
                                               PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), **flags)
     else:

@@ -52,8 +52,6 @@ except ImportError:  # pragma: no cover
     split_kernel_wgmma_t = None
 else:
     SPLIT_KERNELS["wgmma_t"] = split_kernel_wgmma_t
-    from .wgmma_rs import split_kernel_wgmma_rs
-    SPLIT_KERNELS["wgmma_rs"] = split_kernel_wgmma_rs
 
 __all__ = ["SPLIT_KERNELS", "combine_kernel", "q_fp8_kernel", "split_kernel_flat", "split_kernel_reg",
            "split_kernel_tiled", "E4M3_BF16_ASM"]
