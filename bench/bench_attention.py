@@ -432,9 +432,10 @@ def main(argv=None):
             rows += got
     print(R.render_table("attention", rows, env["gpu"], all_variants=True) if rows else "no rows measured")
     print("\n".join(R.best_variants([r for r in rows if not r["case"].startswith("launch")])))
-    shares = floor_share_table(rows)
-    if shares:
-        print(shares)
+    for shares in (floor_share_table(rows),
+                   floor_share_table(rows, "mma_share", "MMA floor share (mma-floor us / impl us: the body's MMAs alone):")):
+        if shares:
+            print(shares)
     if any(r["case"].startswith("launch") for r in rows):
         print(f"launch tables from these rows: python bench/results_table.py launch attention --gpu '{env['gpu']}'"
               + ("" if args.results == REPO / "bench" / "results" / "attention.csv" else f" --results {args.results}"))
@@ -612,10 +613,15 @@ def time_floor(args, torch, layers, qs, check_rows, bytes_call):
 def time_mma_floor(args, torch, H, layers):
     """The MMA floor at one point (Hopper only: None, None elsewhere, with a note on stderr once), timed as the
     impls are and its per-program sums checked. -> (row fields us and notes, or None; its us or None)."""
+    why = None
     if torch.cuda.get_device_capability()[0] != 9:
-        if not getattr(time_mma_floor, "noted", False):
-            print("note: mma-floor skipped: it issues Hopper's warpgroup MMAs (sm_90 only)", file=sys.stderr)
-            time_mma_floor.noted = True
+        why = "it issues Hopper's warpgroup MMAs (sm_90 only)"
+    elif H > 32:
+        why = "it is the candidates-as-M body's MMAs, which run up to 32 heads (more heads run the 64-head body)"
+    if why:
+        if why not in getattr(time_mma_floor, "noted", set()):
+            print(f"note: mma-floor skipped: {why}", file=sys.stderr)
+            time_mma_floor.noted = getattr(time_mma_floor, "noted", set()) | {why}
         return None, None
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
@@ -639,19 +645,20 @@ def time_mma_floor(args, torch, H, layers):
         return dict(notes="; ".join(notes)), None
 
 
-def floor_share_table(rows):
+def floor_share_table(rows, note="floor_share", title="Gather floor share (floor us / impl us; 1.0 = at the floor):"):
     """Markdown: per case and shape, the floor's share of each impl's time (floor us / impl us; 1.0 = at the
-    floor) at each B, from the rows' floor_share notes; empty when no row has one."""
+    floor) at each B, from the rows' ``note`` notes (floor_share, or mma_share for the MMA floor); empty when no
+    row has one."""
     def share(r):
         for n in r["notes"].split(";"):
-            if n.strip().startswith("floor_share="):
+            if n.strip().startswith(note + "="):
                 return n.strip().split("=", 1)[1]
         return None
 
     got = [r for r in rows if share(r)]
     if not got:
         return ""
-    out = ["", "Gather floor share (floor us / impl us; 1.0 = at the floor):", ""]
+    out = ["", title, ""]
     for key in dict.fromkeys((r["case"], r["layout"], r["heads"], r["context"]) for r in got):
         rs = [r for r in got if (r["case"], r["layout"], r["heads"], r["context"]) == key]
         bs = sorted({int(r["batch"]) for r in rs})

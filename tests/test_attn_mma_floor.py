@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# before Triton is imported: the other test files of this process run Triton's interpreter (the floor kernel here
+# is only compiled, in a child without it)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -131,3 +135,21 @@ def test_loop_is_the_bodys_64_mmas_per_block_and_nothing_else():
         assert v["ptx_shapes"] == [f"m64n{n}k16"], (name, v)
         assert v["loop_mma"] in (0, 64) and v["loop_mem"] == 0, (name, v)   # 0: cuobjdump gave no SASS here
         assert v.get("stack", 0) == 0 and v["shared"] <= 227 * 1024, (name, v)
+
+
+def test_run_ends_with_the_mma_share_table():
+    """The closing tables of a run: ours' mma_share notes per case and B, beside the gather floor's shares."""
+    import bench_attention as BA
+    from dsv4_sm120 import bench_results as R
+
+    def row(impl, B, notes):
+        return R.make_row("attention", case="spec_h16_c4", impl=impl, layout="swa128+c4", heads=16, batch=B,
+                          context=16384, date="2026-12-01T00:00:00+00:00", notes=notes, us=10.0)
+
+    rows = [row("mma-floor", 6, "layers=4; sums=ok"), row("ours-bf16", 6, "floor_share=0.500; mma_share=0.312"),
+            row("ours-bf16", 96, "floor_share=0.400")]
+    text = BA.floor_share_table(rows, "mma_share", "MMA floor share:")
+    assert text.splitlines()[1] == "MMA floor share:"
+    assert "| ours-bf16 | 0.312 |" in text and "B=96" not in text and "mma-floor |" not in text
+    assert "| ours-bf16 | 0.500 | 0.400 |" in BA.floor_share_table(rows)
+    assert BA.floor_share_table(rows[:1], "mma_share", "x") == ""
