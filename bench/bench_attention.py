@@ -124,7 +124,8 @@ BASELINES = ("flashmla", "flashinfer", "upstream-triton", "torch-eager")
 FLOOR, FLOOR_WAVES = "gather-floor", (4, 8, 16)
 # The MMA floor (bench/attn_mma_floor.py, Hopper): the candidates-as-M body's QK and PV warpgroup MMAs for the call
 # and nothing else; ours' rows get mma_share = its us / theirs.
-MMA_FLOOR = "mma-floor"
+MMA_FLOOR, MMA_FLOOR_MAX_HEADS = "mma-floor", 32
+_mma_notes = set()   # the skip notes already printed
 SHARE_IMPLS = ("ours-bf16", "ours-fp8", "flashmla")
 ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length")  # per-row inputs
 
@@ -241,7 +242,7 @@ def dry_run(args, cases, variants, modes, command):
                 names += [(b, "default") for b in BASELINES if b.split("-")[0] in impls]
                 if "floor" in impls:
                     names.append((FLOOR, "default"))
-                if "mma" in impls:
+                if "mma" in impls and H <= MMA_FLOOR_MAX_HEADS:
                     names.append((MMA_FLOOR, "default"))
             for impl, variant in names:
                 row = R.make_row("attention", case=case, variant=variant, impl=impl, layout=layout, heads=H,
@@ -616,12 +617,12 @@ def time_mma_floor(args, torch, H, layers):
     why = None
     if torch.cuda.get_device_capability()[0] != 9:
         why = "it issues Hopper's warpgroup MMAs (sm_90 only)"
-    elif H > 32:
+    elif H > MMA_FLOOR_MAX_HEADS:
         why = "it is the candidates-as-M body's MMAs, which run up to 32 heads (more heads run the 64-head body)"
     if why:
-        if why not in getattr(time_mma_floor, "noted", set()):
+        if why not in _mma_notes:
             print(f"note: mma-floor skipped: {why}", file=sys.stderr)
-            time_mma_floor.noted = getattr(time_mma_floor, "noted", set()) | {why}
+            _mma_notes.add(why)
         return None, None
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
@@ -630,7 +631,6 @@ def time_mma_floor(args, torch, H, layers):
     notes = [f"layers={args.layers}"]
     try:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        blocks = M.call_blocks(H, **layers[0][0])
         floors = [M.MmaFloor(H, M.call_blocks(H, **kw), num_sms=sms, device="cuda", seed=i)
                   for i, (kw, *_) in enumerate(layers)]
         floors[0]()
@@ -638,7 +638,7 @@ def time_mma_floor(args, torch, H, layers):
         floors[0].check()
         notes.append("sums=ok")
         us, spread = time_call(torch, lambda i: floors[i](), len(layers), True, args.replays)
-        notes += [f"spread_us={spread:.2f}", f"plan={floors[0].plan}", f"blocks={blocks}"]
+        notes += [f"spread_us={spread:.2f}", f"plan={floors[0].plan}", f"blocks={floors[0].W}"]
         return dict(us=round(us, 2), notes="; ".join(notes)), us
     except Exception as e:  # noqa: BLE001 - a failing floor must not stop the impls
         notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))

@@ -100,6 +100,8 @@ def test_dry_run_lists_the_mma_floor_only_when_asked(tmp_path):
     assert "mma-floor" not in impls()
     got = impls("--impls", "ours,floor,mma")
     assert got == ["ours-bf16", "gather-floor", "mma-floor"], got
+    # above 32 heads the 64-head body runs: no MMA floor row
+    assert impls("--impls", "ours,mma", "--cases", "spec_h64_c4") == ["ours-bf16"]
     assert not (tmp_path / "r.csv").exists()
 
 
