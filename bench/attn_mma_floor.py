@@ -23,6 +23,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from attn_floor import _lengths  # the gather floor's per-row lengths (the list's width where none are given)
+
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier   # the CTA barrier's name differs by Triton version
 BLOCK = gl.constexpr(64)    # candidates per block (the body's BLOCK_N)
 D = gl.constexpr(512)       # K = V width
@@ -69,21 +71,17 @@ def head_block(heads: int) -> int:
     return 16 if heads <= 16 else 32
 
 
-def _lengths(length, idx) -> torch.Tensor:
-    K = idx.shape[-1]
-    if length is None:
-        return torch.full((idx.shape[0],), K, dtype=torch.int64)
-    return length.reshape(-1).to(torch.int64).clamp(0, K).cpu()
-
-
 def call_blocks(heads: int, indices, topk_length=None, extra_indices_in_kvcache=None, extra_topk_length=None,
                 **_ignored) -> int:
     """The blocks the body runs for a call: per row ``ceil(len / 64)`` of the main list plus of the extra list
     (``len``: the row's length, the list's width without one), summed over rows, times the head groups."""
-    b = int(BLOCK)
-    n = (_lengths(topk_length, indices) + b - 1) // b
+    def blocks(length, idx):   # per row, the list's length (its width without one) cut at the width, in blocks
+        n = _lengths(length, idx).to(torch.int64).clamp(0, idx.shape[-1]).cpu()
+        return (n + int(BLOCK) - 1) // int(BLOCK)
+
+    n = blocks(topk_length, indices)
     if extra_indices_in_kvcache is not None:
-        n = n + (_lengths(extra_topk_length, extra_indices_in_kvcache) + b - 1) // b
+        n = n + blocks(extra_topk_length, extra_indices_in_kvcache)
     return int(n.sum()) * -(-heads // head_block(heads))
 
 
