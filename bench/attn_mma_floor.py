@@ -24,6 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from attn_floor import _lengths  # the gather floor's per-row lengths (the list's width where none are given)
+from dsv4_sm120.attention.config import wgmma_t_block_h
 
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier   # the CTA barrier's name differs by Triton version
 BLOCK = gl.constexpr(64)    # candidates per block (the body's BLOCK_N)
@@ -67,8 +68,8 @@ def mma_floor_kernel(a_ptr, q_ptr, p_ptr, sums_ptr, W, N: gl.constexpr):
 
 
 def head_block(heads: int) -> int:
-    """The body's heads per program (its MMA N): 16 up to 16 heads, else 32."""
-    return 16 if heads <= 16 else 32
+    """The body's heads per program (its MMA N), as its launch picks them (``config.wgmma_t_block_h``)."""
+    return wgmma_t_block_h(heads)
 
 
 def call_blocks(heads: int, indices, topk_length=None, extra_indices_in_kvcache=None, extra_topk_length=None,

@@ -139,6 +139,12 @@ def head_class(H: int) -> int:
     return 16 if H <= 16 else (32 if H <= 32 else 64)
 
 
+def wgmma_t_block_h(H: int) -> int:
+    """The candidates-as-M body's heads per program (its MMA N) where nobody names one: every head up to 32 in one
+    program (16 up to 16 heads, else 32)."""
+    return 16 if H <= 16 else 32
+
+
 def table_entry(H: int, T: int, qk: str, device: Device, impl: Optional[str] = None,
                 root=None) -> Tuple[Dict[str, object], str]:
     """The table entry for this shape and device (before overrides and "auto" resolution) and where it came
@@ -236,7 +242,7 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
                                                           or cfg.get("BLOCK_H") not in WGMMA_T_BLOCK_H):
         # the heads are the MMA's N: all of them up to 32 in one program, unless the user or an entry naming this
         # body says 16
-        cfg["BLOCK_H"] = 16 if H <= 16 else 32
+        cfg["BLOCK_H"] = wgmma_t_block_h(H)
     if impl == "wgmma_t" and int(user.get("balanced", 0)):
         cfg["BLOCK_H"] = 16   # the balanced launch's heads per program (keys.check_wgmma_t_keys)
     if impl == "wspec" and "maxnreg" not in user:
