@@ -52,18 +52,21 @@ among them: a note on stderr) and recorded with that text as ``variant``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "overlay"))
-
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 REPO = Path(HERE).resolve().parent
+from attn_baselines import Baselines  # noqa: E402
+from attn_inputs import ROW_KEYS, make_layer, valid_tokens  # noqa: E402
+from attn_timing import FLOOR, MMA_FLOOR, MMA_FLOOR_MAX_HEADS, floor_share_table, time_call, time_floor, \
+    time_mma_floor  # noqa: E402
 from dsv4_sm120 import bench_results as R  # noqa: E402
 
 B_ALL = (1, 4, 16, 64, 128)
@@ -75,7 +78,6 @@ CASES.update({"dspark_draft": ("dspark192", 16, tuple(5 * b for b in SPEC_B)),
               "dspark_verify": ("swa128+c4", 16, tuple(6 * b for b in SPEC_B)),
               "eagle_verify": ("swa128+c4", 16, tuple(4 * b for b in SPEC_B)),
               "eagle_draft": ("swa128", 16, SPEC_B)})
-DSPARK_BLOCK, DSPARK_VALID = 5, 133  # draft rows per request; valid candidates = window 128 + block 5
 # Speculative verify rows against the gather floor (group ``spec_rows``): 6 rows per request (DSpark verify), 1..64
 # requests, every per-rank head count, the three layouts; c128 also at long context. Each case's context (None:
 # --context) and the rows per request, whose rows share the request's pages (CASE_ROWS_PER_REQUEST).
@@ -119,15 +121,7 @@ GROUPS = {"default": ("tp4_decode", "single512", "h64", "h64_single512"),
           "spec_rows": tuple(c for c in CASES if c.startswith("spec_h")),
           "launch": ("launch_h16", "launch_h32", "launch_h64")}
 BASELINES = ("flashmla", "flashinfer", "upstream-triton", "torch-eager")
-# The gather floor (bench/attn_floor.py): timed first at each point, at each of FLOOR_WAVES (programs aimed at per
-# SM), the fastest recorded; the other impls' rows get floor_share = floor us / their us in their notes.
-FLOOR, FLOOR_WAVES = "gather-floor", (4, 8, 16)
-# The MMA floor (bench/attn_mma_floor.py, Hopper): the candidates-as-M body's QK and PV warpgroup MMAs for the call
-# and nothing else; ours' rows get mma_share = its us / theirs.
-MMA_FLOOR, MMA_FLOOR_MAX_HEADS = "mma-floor", 32
-_mma_notes = set()   # the skip notes already printed
-SHARE_IMPLS = ("ours-bf16", "ours-fp8", "flashmla")
-ROW_KEYS = ("indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length")  # per-row inputs
+SHARE_IMPLS = ("ours-bf16", "ours-fp8", "flashmla")  # rows that get floor_share (bench/attn_timing.py)
 
 
 def parse_args(argv=None):
@@ -253,151 +247,6 @@ def dry_run(args, cases, variants, modes, command):
                 n += 1
     print(f"{n} rows at most (baselines only where present; GPU, versions, us, GB/s, rel_err filled when run)")
     return 0
-
-def load_file_module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def stub_sglang_for_file():
-    """flash_mla_sm120.py imports sglang.srt.environ / sglang.srt.utils; give it minimal stand-ins."""
-    import types
-
-    if "sglang.srt.environ" in sys.modules:
-        return
-    sg = types.ModuleType("sglang")
-    srt = types.ModuleType("sglang.srt")
-    env = types.ModuleType("sglang.srt.environ")
-    utl = types.ModuleType("sglang.srt.utils")
-
-    class _E:
-        def get(self):
-            return "torch"
-
-    class _Envs:
-        def __getattr__(self, k):
-            return _E()
-
-    env.envs = _Envs()
-    utl.is_hip = lambda: False
-    sg.srt = srt
-    for k, v in {"sglang": sg, "sglang.srt": srt, "sglang.srt.environ": env, "sglang.srt.utils": utl}.items():
-        sys.modules.setdefault(k, v)
-
-
-class Baselines:
-    def __init__(self, args, torch):
-        self.notes = {}
-        self.upstream = None
-        self.torch_fwd = None
-        self.flashinfer = None
-        self.flashmla = None
-        try:
-            from sglang.kernels.ops.attention import flash_mla_sm120 as m  # noqa
-
-            self.torch_fwd = m._sm120_sparse_decode_fwd
-            if torch.cuda.get_device_capability()[0] == 12:
-                self.flashinfer = m._flash_mla_flashinfer
-            from sglang.kernels.ops.attention.flash_mla_sm120_triton import flash_mla_sparse_decode_triton
-
-            self.upstream = flash_mla_sparse_decode_triton
-        except Exception as e:
-            self.notes["sglang"] = f"not importable: {type(e).__name__}: {e}"
-        pristine = os.path.expanduser("~/.cache/dsv4_sm120/pristine/sglang/kernels/ops/attention")
-        if not args.upstream_file and os.path.exists(os.path.join(pristine, "flash_mla_sm120_triton.py")):
-            args.upstream_file = os.path.join(pristine, "flash_mla_sm120_triton.py")
-        if not args.sglang_sm120_file and os.path.exists(os.path.join(pristine, "flash_mla_sm120.py")):
-            args.sglang_sm120_file = os.path.join(pristine, "flash_mla_sm120.py")
-        if self.upstream is None and args.upstream_file:
-            try:
-                self.upstream = load_file_module("_up_triton", args.upstream_file).flash_mla_sparse_decode_triton
-            except Exception as e:
-                self.notes["upstream"] = f"{type(e).__name__}: {e}"
-        if self.torch_fwd is None and args.sglang_sm120_file:
-            try:
-                stub_sglang_for_file()
-                self.torch_fwd = load_file_module("_sg_sm120", args.sglang_sm120_file)._sm120_sparse_decode_fwd
-            except Exception as e:
-                self.notes["torch"] = f"{type(e).__name__}: {e}"
-        if torch.cuda.get_device_capability()[0] in (9, 10):
-            try:
-                import flash_mla
-
-                self.flashmla = flash_mla
-            except Exception as e:
-                self.notes["flashmla"] = f"{type(e).__name__}: {e}"
-        else:
-            self.notes["flashmla"] = "FlashMLA runs on sm_90/sm_100 only"
-        if self.flashinfer is None and torch.cuda.get_device_capability()[0] == 12:
-            self.notes.setdefault("flashinfer", "needs SGLang + FlashInfer on sm_120")
-
-
-def make_layer(torch, layout, B, context, gen, device, rows_per_req=1):
-    """One layer's caches and indices: (decode keyword arguments, raw cache buffers). ``rows_per_req`` > 1: verify
-    rows, that many consecutive rows per request, sharing its pages: row r of a request sees the request's SWA
-    window shifted by r (causal), draws its own c4 top-512 from the request's c4 entries, and lists all of the
-    request's c128 entries (the same list for every row of the request)."""
-    from dsv4_sm120.attention.cache import random_cache_device
-
-    swa = layout.startswith(("swa", "dspark"))
-    K = 192 if layout == "dspark192" else 128 if swa else 512
-    # main: page 256; each owner (row, or request of verify rows) owns two pages, its window starts at a random offset
-    span = 512 if swa else max(1024, context)
-    pages_per_row = span // 256
-    per = DSPARK_BLOCK if layout == "dspark192" else rows_per_req
-    owners = B if rows_per_req == 1 else -(-B // per)
-    main = random_cache_device(owners * pages_per_row + 1, 256, device, generator=gen)
-    # the request of each row: the rows of one DSpark draft block share their request's window
-    req = torch.arange(B, device=device) // per
-    if swa:
-        start = torch.randint(0, 256, (B, 1), device=device, generator=gen)[req]
-        if rows_per_req > 1:
-            start = start + (torch.arange(B, device=device) % per)[:, None]
-        slots = start + torch.arange(K, device=device)[None, :]
-    else:
-        slots = torch.rand(B, span, device=device, generator=gen).argsort(1)[:, :K]
-    base = (req * span)[:, None]
-    idx = (base + slots).to(torch.int32).view(B, 1, K)
-    valid = K
-    if layout == "dspark192":  # window + block slots, -1 padded to 192 (SGLang's BuildDsparkSwaPageIndices)
-        valid = DSPARK_VALID
-        idx[:, :, valid:] = -1
-    kw = dict(k_cache=main.view, indices=idx, topk_length=torch.full((B,), valid, dtype=torch.int32, device=device))
-    raws = [main.raw]
-    if layout.endswith("+c4"):
-        c = max(1024, context // 4)
-        extra = random_cache_device(owners * (c // 64), 64, device, generator=gen)
-        e = torch.rand(B, c, device=device, generator=gen).argsort(1)[:, :512]
-        eidx = ((req * c)[:, None] + e).to(torch.int32).view(B, 1, 512)
-        kw.update(extra_k_cache=extra.view, extra_indices_in_kvcache=eidx,
-                  extra_topk_length=torch.full((B,), 512, dtype=torch.int32, device=device))
-        raws.append(extra.raw)
-    elif layout.endswith("+c128"):
-        n, K2 = c128_topk(context)  # entries of the context, candidates (-1 padded)
-        pages = -(-n // 2)           # 2-token pages
-        extra = random_cache_device(owners * pages, 2, device, generator=gen)
-        perm = torch.rand(owners, n, device=device, generator=gen).argsort(1)[req]
-        eidx = torch.full((B, K2), -1, dtype=torch.int32, device=device)
-        eidx[:, :n] = ((req * 2 * pages)[:, None] + perm).to(torch.int32)
-        kw.update(extra_k_cache=extra.view, extra_indices_in_kvcache=eidx.view(B, 1, K2),
-                  extra_topk_length=torch.full((B,), n, dtype=torch.int32, device=device))
-        raws.append(extra.raw)
-    return kw, raws
-
-
-def c128_topk(context):
-    """(c128 entries of a context, candidates of a c128 layer = ceil64 of them; 512 at 64k, 1024 at 128k)."""
-    n = 2 * -(-context // 256)
-    return n, 64 * -(-n // 64)
-
-
-def valid_tokens(kw):
-    n = int(kw["topk_length"].sum())
-    if "extra_indices_in_kvcache" in kw:
-        n += int(kw["extra_topk_length"].sum())
-    return n
 
 
 def main(argv=None):
@@ -576,137 +425,6 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
 
 def print_row(row):
     print(",".join(row[c] for c in ("case", "impl", "variant", "batch", "us", "gbps", "rel_err", "notes")), flush=True)
-
-
-def time_floor(args, torch, layers, qs, check_rows, bytes_call):
-    """The gather floor at one point: each plan of FLOOR_WAVES timed as the impls are (graph replay over the
-    layers), the fastest kept; its checksum of the check rows compared with torch's sum of the same bytes.
-    -> (row fields us, gbps, notes; the floor's us or None)."""
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    import attn_floor as F
-
-    notes = [f"layers={args.layers}"]
-    sms = torch.cuda.get_device_properties(qs[0].device).multi_processor_count
-    best = None
-    try:
-        for waves in FLOOR_WAVES:
-            floors = [F.GatherFloor(qs[i], num_sms=sms, waves=waves, **layers[i][0]) for i in range(len(layers))]
-            if best is None:  # the checksum once (the plans differ only in how the rows are cut)
-                _, cs = floors[0]()
-                kw = {k: (v[check_rows] if k in ROW_KEYS else v) for k, v in layers[0][0].items()}
-                got = F.checksum(cs)[check_rows].cpu()
-                want = F.reference_checksum(qs[0][check_rows], **kw).cpu()
-                if not torch.equal(got, want):
-                    raise RuntimeError("the floor's checksum differs from torch's sum of the same bytes")
-                notes.append("checksum=ok")
-            us, spread = time_call(torch, lambda i: floors[i](), len(layers), True, args.replays)
-            if best is None or us < best[0]:
-                best = (us, spread, floors[0].plan)
-        us, spread, plan_ = best
-        notes += [f"spread_us={spread:.2f}", f"plan={plan_}"]
-        return dict(us=round(us, 2), gbps=round(bytes_call / us / 1e3, 1), notes="; ".join(notes)), us
-    except Exception as e:  # noqa: BLE001 - a failing floor must not stop the impls
-        notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))
-        return dict(notes="; ".join(notes)), None
-
-
-def time_mma_floor(args, torch, H, layers):
-    """The MMA floor at one point (Hopper only: None, None elsewhere, with a note on stderr once), timed as the
-    impls are and its per-program sums checked. -> (row fields us and notes, or None; its us or None)."""
-    why = None
-    if torch.cuda.get_device_capability()[0] != 9:
-        why = "it issues Hopper's warpgroup MMAs (sm_90 only)"
-    elif H > MMA_FLOOR_MAX_HEADS:
-        why = "it is the candidates-as-M body's MMAs, which run up to 32 heads (more heads run the 64-head body)"
-    if why:
-        if why not in _mma_notes:
-            print(f"note: mma-floor skipped: {why}", file=sys.stderr)
-            _mma_notes.add(why)
-        return None, None
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    import attn_mma_floor as M
-
-    notes = [f"layers={args.layers}"]
-    try:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        floors = [M.MmaFloor(H, M.call_blocks(H, **kw), num_sms=sms, device="cuda", seed=i)
-                  for i, (kw, *_) in enumerate(layers)]
-        floors[0]()
-        torch.cuda.synchronize()
-        floors[0].check()
-        notes.append("sums=ok")
-        us, spread = time_call(torch, lambda i: floors[i](), len(layers), True, args.replays)
-        notes += [f"spread_us={spread:.2f}", f"plan={floors[0].plan}", f"blocks={floors[0].W}"]
-        return dict(us=round(us, 2), notes="; ".join(notes)), us
-    except Exception as e:  # noqa: BLE001 - a failing floor must not stop the impls
-        notes.append("error=" + f"{type(e).__name__}: {str(e)[:300]}".replace(";", ","))
-        return dict(notes="; ".join(notes)), None
-
-
-def floor_share_table(rows, note="floor_share", title="Gather floor share (floor us / impl us; 1.0 = at the floor):"):
-    """Markdown: per case and shape, the floor's share of each impl's time (floor us / impl us; 1.0 = at the
-    floor) at each B, from the rows' ``note`` notes (floor_share, or mma_share for the MMA floor); empty when no
-    row has one."""
-    def share(r):
-        for n in r["notes"].split(";"):
-            if n.strip().startswith(note + "="):
-                return n.strip().split("=", 1)[1]
-        return None
-
-    got = [r for r in rows if share(r)]
-    if not got:
-        return ""
-    out = ["", title, ""]
-    for key in dict.fromkeys((r["case"], r["layout"], r["heads"], r["context"]) for r in got):
-        rs = [r for r in got if (r["case"], r["layout"], r["heads"], r["context"]) == key]
-        bs = sorted({int(r["batch"]) for r in rs})
-        out += [f"{key[0]} ({key[1]}, H={key[2]}, context {key[3]}):",
-                "| impl | " + " | ".join(f"B={b}" for b in bs) + " |", "| --- |" + " ---: |" * len(bs)]
-        for impl, variant in dict.fromkeys((r["impl"], r["variant"]) for r in rs):
-            cell = {int(r["batch"]): share(r) for r in rs if (r["impl"], r["variant"]) == (impl, variant)}
-            name = impl + ("" if variant == "default" else f" {variant}")
-            out.append(f"| {name} | " + " | ".join(cell.get(b, "-") for b in bs) + " |")
-        out.append("")
-    return "\n".join(out)
-
-
-def time_call(torch, f, n_layers, graph, replays):
-    """Median us per layer call (5 samples), and the samples' spread; graph: the layers captured in one graph."""
-    for i in range(n_layers):
-        f(i)
-    torch.cuda.synchronize()
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(n_layers):
-                f(i)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(n_layers):
-                f(i)
-        run = g.replay
-    else:
-        def run():
-            for i in range(n_layers):
-                f(i)
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    samples = []
-    n = replays if graph else max(3, replays // 10)
-    for _ in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(n):
-            run()
-        e1.record()
-        torch.cuda.synchronize()
-        samples.append(e0.elapsed_time(e1) * 1000.0 / (n * n_layers))
-    return statistics.median(samples), max(samples) - min(samples)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import attn_floor as F  # noqa: E402
+import attn_inputs as AI  # noqa: E402
 import bench_attention as BA  # noqa: E402
 from attention_cases import Case, build  # noqa: E402
 from conftest import gpu_compile_result  # noqa: E402
@@ -127,15 +128,15 @@ def test_plan_spreads_rows_over_programs():
 
 
 def test_make_layer_spec_rows_share_their_request_pages():
-    """The spec_rows inputs (bench_attention.make_layer, rows_per_req=6): rows of a request use its own pages only;
+    """The spec_rows inputs (attn_inputs.make_layer, rows_per_req=6): rows of a request use its own pages only;
     SWA windows shift by one per row; c4 lists are each row's own top-512 of the request's entries; c128 lists are
     all of the request's entries, the same for every row of the request, -1 padded to ceil64."""
-    assert BA.c128_topk(16384) == (128, 128) and BA.c128_topk(65536) == (512, 512)
-    assert BA.c128_topk(131072) == (1024, 1024) and BA.c128_topk(1000) == (8, 64)
+    assert AI.c128_topk(16384) == (128, 128) and AI.c128_topk(65536) == (512, 512)
+    assert AI.c128_topk(131072) == (1024, 1024) and AI.c128_topk(1000) == (8, 64)
     g = torch.Generator().manual_seed(0)
     B, per = 12, 6
     for layout in ("swa128", "swa128+c4", "swa128+c128"):
-        kw, _ = BA.make_layer(torch, layout, B, 1000 if layout.endswith("c128") else 4096, g, "cpu", per)
+        kw, _ = AI.make_layer(torch, layout, B, 1000 if layout.endswith("c128") else 4096, g, "cpu", per)
         idx = kw["indices"][:, 0].long()
         assert idx.shape == (B, 128) and (idx >= 0).all()
         assert (idx // 512 == (torch.arange(B) // per)[:, None]).all()       # the request's own two pages
