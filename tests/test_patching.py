@@ -469,3 +469,21 @@ echo " + a-package==1.0"
         assert [[a for a in c if a != "--offline"] for c in offline] == online, (offline, online)
         assert out.count("not everything is in uv's cache yet (uv offline: error: not in the cache): resolving "
                          "against the package index") == 2, out
+
+
+def test_readme_names_every_patch_of_the_series():
+    """README's ranges of call-site patches ("0002-000N") end at the series' last patch, and make help's maintainer
+    targets are all named in README (they drift when a patch or a target is added)."""
+    import re
+
+    series = [x for x in (REPO / "patches" / "series").read_text().splitlines() if x and not x.startswith("#")]
+    last = series[-1][:4]
+    readme = (REPO / "README.md").read_text()
+    ranges = re.findall(r"0002-(\d{4})", readme)
+    assert ranges and all(r == last for r in ranges), (ranges, last)
+    makefile = (REPO / "Makefile").read_text()
+    maint = re.findall(r"^([a-zA-Z0-9_-]+):.*##m ", makefile, flags=re.M)
+    assert maint, "no maintainer targets found in the Makefile"
+    para = next(p for p in readme.split("\n\n") if p.startswith("Maintainer targets"))
+    missing = [t for t in maint if f"`{t}" not in para]
+    assert not missing, f"maintainer targets not named in README's 'Maintainer targets' paragraph: {missing}"

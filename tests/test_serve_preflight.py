@@ -275,6 +275,12 @@ def test_run_preflight_collects_one_line_per_failure(tmp_path):
     assert len(out) == 9 and sum("compute capability 9.0" in x for x in out) == 8
     assert any("does not exist" in x for x in out)
     assert "preflight patches: skipped" in said and "preflight gpu: FAILED" in said
+    # each reason right under its check's status line, indented (the status line itself stays as readers parse it)
+    i = said.index("preflight gpu: FAILED")
+    under = said[i + 1:i + 9]
+    assert all(x.startswith("  ") and "compute capability 9.0" in x for x in under), said
+    assert not said[i + 9].startswith("  ") and said[i + 9] == "preflight model: FAILED", said
+    assert said[i + 10].startswith("  ") and "does not exist" in said[i + 10], said
 
 
 def test_env_files(tmp_path):

@@ -443,14 +443,14 @@ def run_dry_checks(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
     skip = skipped_checks(plan)
     say("# preflight, the checks that need no GPU (a start runs them again, with the rest):")
     failures = check_overlay_env(plan)
-    say(f"preflight env: {'ok' if not failures else 'FAILED'}")
+    _verdict("env", failures, say)
     say(f"preflight python: not run (dry run: {NOT_IN_DRY_RUN['python']})")
     for name in CHECKS:
         if name in skip:
             say(f"preflight {name}: skipped")
         elif name == "model":
             res = check_model(plan, weights=False)
-            say("preflight model: FAILED" if res else f"preflight model: ok ({_model_note(plan)})")
+            _verdict("model", res, say, ok=f"ok ({_model_note(plan)})")
             failures += res
         elif name == "numa":
             say("preflight numa: ok (the numa lines above)" if any(p.numa for p in plan.procs)
@@ -467,7 +467,7 @@ def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
     if failures:
         return failures  # nothing else can run without the environment
     failures = check_overlay_env(plan)
-    say(f"preflight env: {'ok' if not failures else 'FAILED'}")
+    _verdict("env", failures, say)
     if not failures:
         failures = calibrate_first(plan, say)
         if failures:
@@ -480,8 +480,16 @@ def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
         notes: List[str] = []
         if isinstance(res, tuple):
             res, notes = res
-        say(f"preflight {name}: {'ok' if not res else 'FAILED'}")
+        _verdict(name, res, say)
         for n in notes:
             say(f"preflight {name}: {n}")
         failures += res
     return failures
+
+
+def _verdict(name: str, failures: List[str], say: Callable[[str], None], ok: str = "ok") -> None:
+    """A check's status line (``ok`` or ``FAILED``; the line readers parse), then each failure's reason indented
+    under it, so the reason sits beside its check (the refusal's summary at the end repeats them)."""
+    say(f"preflight {name}: {ok if not failures else 'FAILED'}")
+    for f in failures:
+        say(f"  {f}")
