@@ -65,6 +65,7 @@ if HERE not in sys.path:
 REPO = Path(HERE).resolve().parent
 from attn_baselines import Baselines  # noqa: E402
 from attn_inputs import ROW_KEYS, make_layer, valid_tokens  # noqa: E402
+from attn_targets import report as targets_report  # noqa: E402
 from attn_timing import FLOOR, MMA_FLOOR, MMA_FLOOR_MAX_HEADS, floor_share_table, time_call, time_floor, \
     time_mma_floor  # noqa: E402
 from dsv4_sm120 import bench_results as R  # noqa: E402
@@ -286,6 +287,9 @@ def main(argv=None):
                    floor_share_table(rows, "mma_share", "MMA floor share (mma-floor us / impl us: the body's MMAs alone):")):
         if shares:
             print(shares)
+    targets = targets_report(rows)
+    if targets:
+        print(targets)
     if any(r["case"].startswith("launch") for r in rows):
         print(f"launch tables from these rows: python bench/results_table.py launch attention --gpu '{env['gpu']}'"
               + ("" if args.results == REPO / "bench" / "results" / "attention.csv" else f" --results {args.results}"))

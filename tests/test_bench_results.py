@@ -328,3 +328,20 @@ def test_driver_stops_on_a_bad_commit_override(tmp_path):
                         "--batches", "1", "--results", str(res)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "DSV4_SM120_COMMIT" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not res.exists()
+
+
+def test_attention_tables_compare_with_flashinfer_where_flashmla_is_absent():
+    """On sm_120 FlashMLA does not run and FlashInfer is the baseline: the table gets an ours / flashinfer row (and
+    no flashmla one); where both are measured, both rows."""
+    gpu = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    rows = [_row(gpu=gpu, batch=b, us=us) for b, us in ((1, 8.0), (16, 20.0))]
+    rows += [_row(gpu=gpu, impl="flashinfer", batch=b, us=us) for b, us in ((1, 10.0), (16, 16.0))]
+    for r in rows:
+        r["_line"] = 0
+    text = R.render_table("attention", rows, gpu)
+    ratio = next(ln for ln in text.splitlines() if ln.startswith("| ours-bf16 / flashinfer"))
+    assert [c.strip() for c in ratio.split("|")][3:5] == ["0.80", "1.25"], ratio
+    assert "/ flashmla" not in text
+    both = rows + [_row(gpu=gpu, impl="flashmla", batch=1, us=4.0)]
+    text = R.render_table("attention", both, gpu)
+    assert "| ours-bf16 / flashmla | default | 2.00 | - |" in text and "| ours-bf16 / flashinfer |" in text

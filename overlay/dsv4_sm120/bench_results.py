@@ -41,11 +41,13 @@ NUMERIC = ("us", "gbps", "rel_err")
 DERIVED = {"kv": ("bytes", "descs")}
 X_FIELD = {"attention": "batch", "moe": "tokens", "fp8": "m", "kv": "prompt"}
 X_LABEL = {"attention": "B", "moe": "M", "fp8": "M", "kv": "N"}
-# (numerator impl, denominator impl, label) of the ratio row printed under each table
-RATIO = {"attention": ("ours-bf16", "flashmla", "ours-bf16 / flashmla"),
-         "moe": ("nvfp4-bf16", "fp8-baseline", "nvfp4-bf16 / fp8-baseline"),
-         "fp8": ("triton-sglang-default-cfg", "triton-tuned", "speedup (default cfg / tuned)"),
-         "kv": ("nixl-ucx", "memcpy-peer", "nixl-ucx / memcpy-peer")}
+# (numerator impl, denominator impl, label) of each ratio row printed under a table where both are measured: the
+# attention baseline is FlashMLA on sm_90 / sm_100 and FlashInfer on sm_120 (neither runs on the other's GPUs)
+RATIO = {"attention": (("ours-bf16", "flashmla", "ours-bf16 / flashmla"),
+                       ("ours-bf16", "flashinfer", "ours-bf16 / flashinfer")),
+         "moe": (("nvfp4-bf16", "fp8-baseline", "nvfp4-bf16 / fp8-baseline"),),
+         "fp8": (("triton-sglang-default-cfg", "triton-tuned", "speedup (default cfg / tuned)"),),
+         "kv": (("nixl-ucx", "memcpy-peer", "nixl-ucx / memcpy-peer"),)}
 # impls listed first (in this order) in a table; others follow by name
 IMPL_ORDER = {"attention": ("ours-bf16", "ours-fp8", "flashmla", "flashinfer", "upstream-triton", "torch-eager"),
               "moe": ("nvfp4-bf16", "nvfp4-fp4", "fp8-baseline", "bf16-baseline"),
@@ -237,7 +239,6 @@ def render_table(subject: str, rows: List[Dict[str, str]], gpu: str, all_variant
            f"Generated{f' by `{command}`' if command else ''} from `bench/results/{subject}.csv`: the latest row per "
            "(case, impl, variant, shape); do not edit by hand. Cells: us per call (GB/s, rel. error vs float64). "
            "`measured`: when the row's run started (UTC). Each row's command is in the results file.", ""]
-    num, den, label = RATIO[subject]
     for case in case_order:
         in_case = [r for r in sel if r["case"] == case]
         for shape in sorted({tuple(r[f] for f in others) for r in in_case}, key=lambda t: [_sort_key(v) for v in t]):
@@ -262,11 +263,12 @@ def render_table(subject: str, rows: List[Dict[str, str]], gpu: str, all_variant
                 by_x = {r[x]: r for r in mine}
                 out.append(f"| {impl} | {variant} | " + " | ".join(_cell(by_x.get(v), newest) for v in xs)
                            + f" | {_when(mine)} |")
-            a = {r[x]: number(r["us"]) for r in rs if r["impl"] == num and r["variant"] == DEFAULT_VARIANT}
-            b = {r[x]: number(r["us"]) for r in rs if r["impl"] == den and r["variant"] == DEFAULT_VARIANT}
-            if any(a.get(v) and b.get(v) for v in xs):
-                out.append(f"| {label} | default | " + " | ".join(
-                    f"{a[v] / b[v]:.2f}" if a.get(v) and b.get(v) else "-" for v in xs) + " | |")
+            for num, den, label in RATIO[subject]:
+                a = {r[x]: number(r["us"]) for r in rs if r["impl"] == num and r["variant"] == DEFAULT_VARIANT}
+                b = {r[x]: number(r["us"]) for r in rs if r["impl"] == den and r["variant"] == DEFAULT_VARIANT}
+                if any(a.get(v) and b.get(v) for v in xs):
+                    out.append(f"| {label} | default | " + " | ".join(
+                        f"{a[v] / b[v]:.2f}" if a.get(v) and b.get(v) else "-" for v in xs) + " | |")
             out.append("")
             remarks = sorted({n.strip()[5:] for r in rs for n in r["notes"].split(";")
                               if n.strip().startswith("note=")})
