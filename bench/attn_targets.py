@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from attn_timing import note_value
+
 OURS = "ours-bf16"
 BASELINES = ("flashmla", "flashinfer")   # the first one a case has is its baseline
 SHARE_HEADS, SHARE_MIN, SHARE_ROWS = 16, 0.70, (32, 384)
@@ -22,11 +24,7 @@ def _num(v: str) -> Optional[float]:
 
 
 def _floor_share(notes: str) -> Optional[float]:
-    for n in notes.split(";"):
-        k, _, v = n.strip().partition("=")
-        if k == "floor_share":
-            return _num(v)
-    return None
+    return _num(note_value(notes, "floor_share"))
 
 
 def judge(rows: List[Dict[str, str]]) -> List[Tuple[str, int, int, str]]:

@@ -86,10 +86,7 @@ def floor_share_table(rows, note="floor_share", title="Gather floor share (floor
     floor) at each B, from the rows' ``note`` notes (floor_share, or mma_share for the MMA floor); empty when no
     row has one."""
     def share(r):
-        for n in r["notes"].split(";"):
-            if n.strip().startswith(note + "="):
-                return n.strip().split("=", 1)[1]
-        return None
+        return note_value(r["notes"], note)
 
     got = [r for r in rows if share(r)]
     if not got:
@@ -106,6 +103,15 @@ def floor_share_table(rows, note="floor_share", title="Gather floor share (floor
             out.append(f"| {name} | " + " | ".join(cell.get(b, "-") for b in bs) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def note_value(notes: str, key: str):
+    """The text of ``key=...`` among a row's ``;``-separated notes, or None."""
+    for n in notes.split(";"):
+        k, _, v = n.strip().partition("=")
+        if k == key:
+            return v
+    return None
 
 
 def time_call(torch, f, n_layers, graph, replays):
