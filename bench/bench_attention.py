@@ -26,6 +26,8 @@ share its pages: SWA window shifted by one per row, own c4 top-512 from the requ
   spec_h{8,16,32,64}_c128        SWA128 + c128 (page 2, every entry of the context: ceil64(2*ceil(ctx/256))
                                  candidates, 128 at --context 16384)
   spec_h{8,16,32,64}_c128_64k    the same at context 65536 (512 candidates); _c128_128k: 131072 (1024)
+A run with spec_rows cases ends with the targets judged on its rows (bench/attn_targets.py: 16 heads >= 0.70 of the
+gather floor at 32-384 rows, 8-32 heads not slower than FlashMLA / FlashInfer, 64 heads within 1.25x).
 Launch sweeps (group ``launch``: launch_h16, launch_h32, launch_h64; SWA128 + c4-512): only ours, each candidate
 launch of LAUNCH_CANDIDATES (both --qk-modes) recorded with its text as ``variant``; then
 ``python bench/results_table.py launch attention`` writes this GPU's launch tables from the rows.
