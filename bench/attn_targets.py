@@ -1,68 +1,88 @@
-"""The speculative-row targets, judged on one bench/bench_attention.py run's ``spec_rows`` rows (docs/attention.md,
-"Speculative row counts"): at 16 heads ours at >= 0.70 of the gather floor from 32 to 384 rows; at 8, 16 and 32 heads
-never slower than the baseline; at 64 heads within 1.25x of it. The baseline is FlashMLA where the run measured it
-(sm_90 / sm_100) and FlashInfer otherwise (sm_120). Rows 1-8 "within 5% of before" needs an earlier run and is not
-judged here."""
+"""The speculative-row targets, judged on bench/bench_attention.py rows of the ``spec_rows`` cases (docs/attention.md,
+"Benchmark"): at 16 heads ours at >= 0.70 of the gather floor from 32 to 384 rows; at 8, 16 and 32 heads never slower
+than the baseline; at 64 heads within 1.25x of it. The baseline is FlashMLA where the run measured it (sm_90 /
+sm_100) and FlashInfer otherwise (sm_120). A point where ours failed (no time) counts as not met. Rows 1-8 "within 5%
+of before" needs an earlier run and is not judged here."""
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
-from attn_timing import note_value
+from attn_timing import FLOOR, note_value
 
 OURS = "ours-bf16"
-BASELINES = ("flashmla", "flashinfer")   # the first one a case has is its baseline
+BASELINES = ("flashmla", "flashinfer")   # the first one a point has is its baseline
 SHARE_HEADS, SHARE_MIN, SHARE_ROWS = 16, 0.70, (32, 384)
 LEAD_HEADS, WIDE_HEADS, WIDE_MAX = (8, 16, 32), 64, 1.25
 
 
-def _num(v: str) -> Optional[float]:
+def _down(x: float) -> str:
+    """``x`` to 3 decimals, rounded down (a share just below a bound never prints as the bound)."""
+    return f"{math.floor(x * 1000 + 1e-9) / 1000:.3f}"
+
+
+def _up(x: float) -> str:
+    """``x`` to 3 decimals, rounded up (a ratio just above a bound never prints as the bound)."""
+    return f"{math.ceil(x * 1000 - 1e-9) / 1000:.3f}"
+
+
+def _num(v) -> Optional[float]:
     try:
         return float(v)
     except (TypeError, ValueError):
         return None
 
 
-def _floor_share(notes: str) -> Optional[float]:
-    return _num(note_value(notes, "floor_share"))
+def _share(ours: Dict[str, str], impls: Dict[str, Dict[str, str]]) -> Optional[float]:
+    # the floor's time over ours from the two rows' times (the note's value is rounded to 3 decimals), else the note
+    floor = _num(impls[FLOOR]["us"]) if FLOOR in impls else None
+    if floor:
+        return floor / float(ours["us"])
+    return _num(note_value(ours["notes"], "floor_share"))
 
 
 def judge(rows: List[Dict[str, str]]) -> List[Tuple[str, int, int, str]]:
-    """[(target, points met, points judged, the worst point as text)] for the targets this run's spec_rows
-    default rows can judge; a target with no points (e.g. no baseline measured) is left out."""
-    spec = [r for r in rows if r["case"].startswith("spec_h") and r["variant"] == "default" and _num(r["us"])]
-    by_point: Dict[Tuple[str, int], Dict[str, Dict[str, str]]] = {}
-    for r in spec:
-        by_point.setdefault((r["case"], int(r["batch"])), {})[r["impl"]] = r
-    share, lead, wide = [], [], []
-    for (case, rows_), impls in sorted(by_point.items()):
+    """[(target, points met, points judged, the worst point as text)] for the targets the spec_rows default rows can
+    judge; a target with no points (e.g. no baseline measured) is left out. A point is one run's (GPU and start
+    date) case and row count: rows of several runs are never paired across runs."""
+    by_point: Dict[Tuple[str, str, str, int], Dict[str, Dict[str, str]]] = {}
+    for r in rows:
+        if r["case"].startswith("spec_h") and r["variant"] == "default":
+            key = (r.get("gpu", ""), r.get("date", ""), r["case"], int(r["batch"]))
+            by_point.setdefault(key, {})[r["impl"]] = r
+    share, lead, wide = [], [], []   # (value, case, rows[, baseline]); value None: ours failed there
+    for (_, _, case, n), impls in sorted(by_point.items()):
         ours = impls.get(OURS)
         if ours is None:
             continue
         heads = int(ours["heads"])
-        fs = _floor_share(ours["notes"])
-        if heads == SHARE_HEADS and SHARE_ROWS[0] <= rows_ <= SHARE_ROWS[1] and fs is not None:
-            share.append((fs, case, rows_))
-        base = next((b for b in BASELINES if b in impls), None)
-        if base is None:
+        failed = _num(ours["us"]) is None
+        if heads == SHARE_HEADS and SHARE_ROWS[0] <= n <= SHARE_ROWS[1]:
+            fs = None if failed else _share(ours, impls)
+            if failed or fs is not None:
+                share.append((fs, case, n))
+        base = next((b for b in BASELINES if b in impls and _num(impls[b]["us"])), None)
+        if base is None or heads not in LEAD_HEADS + (WIDE_HEADS,):
             continue
-        ratio = float(ours["us"]) / float(impls[base]["us"])
-        if heads in LEAD_HEADS:
-            lead.append((ratio, case, rows_, base))
-        elif heads == WIDE_HEADS:
-            wide.append((ratio, case, rows_, base))
+        ratio = None if failed else float(ours["us"]) / float(impls[base]["us"])
+        (lead if heads in LEAD_HEADS else wide).append((ratio, case, n, base))
     out = []
     if share:
-        fs, case, n = min(share)
+        bad = [p for p in share if p[0] is None]
+        fs, case, n = bad[0] if bad else min(share)
         out.append((f"{SHARE_HEADS} heads, >= {SHARE_MIN:.2f} of the gather floor at {SHARE_ROWS[0]}-{SHARE_ROWS[1]} "
-                    "rows", sum(s >= SHARE_MIN for s, *_ in share), len(share), f"lowest {fs:.3f}: {case} at {n} rows"))
+                    "rows", sum(p[0] is not None and p[0] >= SHARE_MIN for p in share), len(share),
+                    f"ours failed: {case} at {n} rows" if fs is None else f"lowest {_down(fs)}: {case} at {n} rows"))
     for pts, limit, what in ((lead, 1.0, "/".join(map(str, LEAD_HEADS)) + " heads, not slower than"),
                              (wide, WIDE_MAX, f"{WIDE_HEADS} heads, within {WIDE_MAX}x of")):
         if pts:
-            ratio, case, n, base = max(pts)
+            bad = [p for p in pts if p[0] is None]
+            ratio, case, n, base = bad[0] if bad else max(pts)
             names = "/".join(dict.fromkeys(p[3] for p in pts))
-            out.append((f"{what} {names}", sum(p[0] <= limit for p in pts), len(pts),
-                        f"highest ours / {base} {ratio:.3f}: {case} at {n} rows"))
+            out.append((f"{what} {names}", sum(p[0] is not None and p[0] <= limit for p in pts), len(pts),
+                        f"ours failed: {case} at {n} rows" if ratio is None
+                        else f"highest ours / {base} {_up(ratio)}: {case} at {n} rows"))
     return out
 
 
@@ -71,7 +91,7 @@ def report(rows: List[Dict[str, str]]) -> str:
     got = judge(rows)
     if not got:
         return ""
-    lines = ["", "Speculative-row targets (this run's spec_rows rows; docs/attention.md):"]
+    lines = ["", "Speculative-row targets (the spec_rows rows of this run; docs/attention.md, \"Benchmark\"):"]
     for target, met, n, worst in got:
         verdict = "met" if met == n else f"NOT met at {n - met} of {n} points"
         lines.append(f"- {target}: {verdict} ({met}/{n} points; {worst})")
