@@ -1,8 +1,8 @@
 """The speculative-row targets, judged on bench/bench_attention.py rows of the ``spec_rows`` cases (docs/attention.md,
 "Benchmark"): at 16 heads ours at >= 0.70 of the gather floor from 32 to 384 rows; at 8, 16 and 32 heads never slower
 than the baseline; at 64 heads within 1.25x of it. The baseline is FlashMLA where the run measured it (sm_90 /
-sm_100) and FlashInfer otherwise (sm_120). A point where ours failed (no time) counts as not met. Rows 1-8 "within 5%
-of before" needs an earlier run and is not judged here."""
+sm_100) and FlashInfer otherwise (sm_120). With reference rows (an earlier run's, ``--targets-reference COMMIT``):
+at 1-8 rows ours within 5% of its time there. A point where ours failed (no time) counts as not met."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ OURS = "ours-bf16"
 BASELINES = ("flashmla", "flashinfer")   # the first one a point has is its baseline
 SHARE_HEADS, SHARE_MIN, SHARE_ROWS = 16, 0.70, (32, 384)
 LEAD_HEADS, WIDE_HEADS, WIDE_MAX = (8, 16, 32), 64, 1.25
+SMALL_ROWS, SMALL_MAX = 8, 1.05
 
 
 def _down(x: float) -> str:
@@ -42,10 +43,12 @@ def _share(ours: Dict[str, str], impls: Dict[str, Dict[str, str]]) -> Optional[f
     return _num(note_value(ours["notes"], "floor_share"))
 
 
-def judge(rows: List[Dict[str, str]]) -> List[Tuple[str, int, int, str]]:
+def judge(rows: List[Dict[str, str]], reference: Optional[List[Dict[str, str]]] = None,
+          reference_name: str = "the reference") -> List[Tuple[str, int, int, str]]:
     """[(target, points met, points judged, the worst point as text)] for the targets the spec_rows default rows can
     judge; a target with no points (e.g. no baseline measured) is left out. A point is one run's (GPU and start
-    date) case and row count: rows of several runs are never paired across runs."""
+    date) case and row count: rows of several runs are never paired across runs. ``reference``: rows of an earlier
+    run (same GPU), the latest of each case and row count taken, for the small-row target."""
     by_point: Dict[Tuple[str, str, str, int], Dict[str, Dict[str, str]]] = {}
     for r in rows:
         if r["case"].startswith("spec_h") and r["variant"] == "default":
@@ -67,6 +70,15 @@ def judge(rows: List[Dict[str, str]]) -> List[Tuple[str, int, int, str]]:
             continue
         ratio = None if failed else float(ours["us"]) / float(impls[base]["us"])
         (lead if heads in LEAD_HEADS else wide).append((ratio, case, n, base))
+    then = {}
+    for r in sorted(reference or [], key=lambda r: (r.get("date", ""), r.get("_line", 0))):
+        if r["case"].startswith("spec_h") and r["variant"] == "default" and r["impl"] == OURS and _num(r["us"]):
+            then[(r["case"], int(r["batch"]))] = float(r["us"])
+    small = []
+    for (_, _, case, n), impls in sorted(by_point.items()):
+        if OURS in impls and n <= SMALL_ROWS and (case, n) in then:
+            now = _num(impls[OURS]["us"])
+            small.append((None if now is None else now / then[(case, n)], case, n, reference_name))
     out = []
     if share:
         bad = [p for p in share if p[0] is None]
@@ -75,20 +87,23 @@ def judge(rows: List[Dict[str, str]]) -> List[Tuple[str, int, int, str]]:
                     "rows", sum(p[0] is not None and p[0] >= SHARE_MIN for p in share), len(share),
                     f"ours failed: {case} at {n} rows" if fs is None else f"lowest {_down(fs)}: {case} at {n} rows"))
     for pts, limit, what in ((lead, 1.0, "/".join(map(str, LEAD_HEADS)) + " heads, not slower than"),
-                             (wide, WIDE_MAX, f"{WIDE_HEADS} heads, within {WIDE_MAX}x of")):
+                             (wide, WIDE_MAX, f"{WIDE_HEADS} heads, within {WIDE_MAX}x of"),
+                             (small, SMALL_MAX, f"1-{SMALL_ROWS} rows, within {SMALL_MAX - 1:.0%} of ours at")):
         if pts:
             bad = [p for p in pts if p[0] is None]
             ratio, case, n, base = bad[0] if bad else max(pts)
             names = "/".join(dict.fromkeys(p[3] for p in pts))
+            against = "ours then" if pts is small else base
             out.append((f"{what} {names}", sum(p[0] is not None and p[0] <= limit for p in pts), len(pts),
                         f"ours failed: {case} at {n} rows" if ratio is None
-                        else f"highest ours / {base} {_up(ratio)}: {case} at {n} rows"))
+                        else f"highest ours / {against} {_up(ratio)}: {case} at {n} rows"))
     return out
 
 
-def report(rows: List[Dict[str, str]]) -> str:
+def report(rows: List[Dict[str, str]], reference: Optional[List[Dict[str, str]]] = None,
+           reference_name: str = "the reference") -> str:
     """The targets as lines to print at the end of a run; empty when the run has no judgeable spec_rows rows."""
-    got = judge(rows)
+    got = judge(rows, reference, reference_name)
     if not got:
         return ""
     lines = ["", "Speculative-row targets (the spec_rows rows of this run; docs/attention.md, \"Benchmark\"):"]

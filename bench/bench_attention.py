@@ -27,7 +27,8 @@ share its pages: SWA window shifted by one per row, own c4 top-512 from the requ
                                  candidates, 128 at --context 16384)
   spec_h{8,16,32,64}_c128_64k    the same at context 65536 (512 candidates); _c128_128k: 131072 (1024)
 A run with spec_rows cases ends with the targets judged on its rows (bench/attn_targets.py: 16 heads >= 0.70 of the
-gather floor at 32-384 rows, 8-32 heads not slower than FlashMLA / FlashInfer, 64 heads within 1.25x).
+gather floor at 32-384 rows, 8-32 heads not slower than FlashMLA / FlashInfer, 64 heads within 1.25x; with
+--targets-reference COMMIT also 1-8 rows within 5% of ours at that commit).
 Launch sweeps (group ``launch``: launch_h16, launch_h32, launch_h64; SWA128 + c4-512): only ours, each candidate
 launch of LAUNCH_CANDIDATES (both --qk-modes) recorded with its text as ``variant``; then
 ``python bench/results_table.py launch attention`` writes this GPU's launch tables from the rows.
@@ -149,6 +150,9 @@ def parse_args(argv=None):
     p.add_argument("--upstream-max-batch", type=int, default=128)
     p.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "attention.csv",
                    help="results file to append to (default bench/results/attention.csv)")
+    p.add_argument("--targets-reference", default="", metavar="COMMIT",
+                   help="judge the spec_rows run's 1-8-row points against ours at this earlier commit's rows of the "
+                   "same GPU in --results (within 5%%; bench/attn_targets.py)")
     p.add_argument("--dry-run", action="store_true", help="list the cases and the rows it would write; no GPU")
     return p.parse_args(argv)
 
@@ -184,6 +188,9 @@ def plan(args):
     if not modes or any(m not in ("bf16", "fp8") for m in modes):
         raise UsageError(f"--qk-modes must be a comma list of bf16, fp8; got {args.qk_modes!r}")
     variants = [v.strip() for v in args.variants.split(";") if v.strip()]
+    ref = args.targets_reference.strip()
+    if ref and not (7 <= len(ref) <= 40 and all(c in "0123456789abcdef" for c in ref.lower())):
+        raise UsageError(f"--targets-reference must be a commit id (7-40 hex digits), got {args.targets_reference!r}")
     out = []
     for n in dict.fromkeys(names):
         layout, H, bs = CASES[n]
@@ -289,7 +296,14 @@ def main(argv=None):
                    floor_share_table(rows, "mma_share", "MMA floor share (mma-floor us / impl us: the body's MMAs alone):")):
         if shares:
             print(shares)
-    targets = targets_report(rows)
+    reference, ref = None, args.targets_reference.strip().lower()
+    if ref:
+        reference = [r for r in R.read_rows(args.results, "attention")
+                     if r["commit"].lower().startswith(ref) and r["gpu"] == env["gpu"] and r["date"] != env["date"]]
+        if not reference:
+            print(f"note: no rows of commit {ref} on {env['gpu']} in {args.results}: the 1-8-row target is not judged",
+                  file=sys.stderr)
+    targets = targets_report(rows, reference, ref)
     if targets:
         print(targets)
     if any(r["case"].startswith("launch") for r in rows):

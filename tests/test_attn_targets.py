@@ -95,3 +95,30 @@ def test_variants_other_cases_and_lonely_rows_are_ignored():
     got = T.judge(rows)
     assert [(g[1], g[2]) for g in got] == [(0, 1)] and f"{math.floor(share * 1000) / 1000:.3f}" in got[0][3]
     assert T.report([row("tp4_decode", "ours-bf16", 64, 9.0, 0.95)]) == ""
+
+
+def test_small_rows_against_the_reference_run():
+    then = [row("spec_h16_c4", "ours-bf16", 6, 9.0, date="2026-12-02T10:00:00+00:00"),
+            row("spec_h16_c4", "ours-bf16", 6, 8.0, date="2026-12-03T10:00:00+00:00"),   # the latest is taken
+            row("spec_h16_swa", "ours-bf16", 1, 6.0), row("spec_h16_c4", "ours-bf16", 12, 5.0)]
+    now = [row("spec_h16_c4", "ours-bf16", 6, 8.4), row("spec_h16_swa", "ours-bf16", 1, 6.31),
+           row("spec_h16_c4", "ours-bf16", 12, 50.0)]                                    # 12 rows: not this target
+    assert T.judge(now) == [] and T.judge(now, [], "abc1234") == []                      # no reference: not judged
+    (target, met, n, worst), = T.judge(now, then, "abc1234")
+    # 8.4 / 8.0 = 1.05 (met, the bound itself), 6.31 / 6.0 = 1.0517 (not)
+    assert target == "1-8 rows, within 5% of ours at abc1234" and (met, n) == (1, 2), (target, met, n)
+    assert worst == "highest ours / ours then 1.052: spec_h16_swa at 1 rows"
+    now[1]["us"] = ""                                                                    # ours failed there
+    assert T.judge(now, then, "abc1234")[0][1:] == (1, 2, "ours failed: spec_h16_swa at 1 rows")
+
+
+def test_driver_refuses_a_reference_that_is_not_a_commit(tmp_path):
+    import subprocess
+
+    base = [sys.executable, str(REPO / "bench" / "bench_attention.py"), "--dry-run", "--cases", "spec_h16_c4",
+            "--batches", "6", "--results", str(tmp_path / "a.csv")]
+    bad = subprocess.run(base + ["--targets-reference", "not-a-sha"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--targets-reference must be a commit id" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+    ok = subprocess.run(base + ["--targets-reference", "57127da"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
