@@ -54,13 +54,19 @@ def judge(rows: List[Dict[str, str]], reference: Optional[List[Dict[str, str]]] 
         if r["case"].startswith("spec_h") and r["variant"] == "default":
             key = (r.get("gpu", ""), r.get("date", ""), r["case"], int(r["batch"]))
             by_point.setdefault(key, {})[r["impl"]] = r
-    share, lead, wide = [], [], []   # (value, case, rows[, baseline]); value None: ours failed there
+    then = {}   # the reference run's time of ours per (case, rows), the latest row of each
+    for r in sorted(reference or [], key=lambda r: (r.get("date", ""), r.get("_line", 0))):
+        if r["case"].startswith("spec_h") and r["variant"] == "default" and r["impl"] == OURS and _num(r["us"]):
+            then[(r["case"], int(r["batch"]))] = float(r["us"])
+    share, lead, wide, small = [], [], [], []   # (value, case, rows[, against]); value None: ours failed there
     for (_, _, case, n), impls in sorted(by_point.items()):
         ours = impls.get(OURS)
         if ours is None:
             continue
         heads = int(ours["heads"])
         failed = _num(ours["us"]) is None
+        if n <= SMALL_ROWS and (case, n) in then:
+            small.append((None if failed else float(ours["us"]) / then[(case, n)], case, n, reference_name))
         if heads == SHARE_HEADS and SHARE_ROWS[0] <= n <= SHARE_ROWS[1]:
             fs = None if failed else _share(ours, impls)
             if failed or fs is not None:
@@ -70,15 +76,6 @@ def judge(rows: List[Dict[str, str]], reference: Optional[List[Dict[str, str]]] 
             continue
         ratio = None if failed else float(ours["us"]) / float(impls[base]["us"])
         (lead if heads in LEAD_HEADS else wide).append((ratio, case, n, base))
-    then = {}
-    for r in sorted(reference or [], key=lambda r: (r.get("date", ""), r.get("_line", 0))):
-        if r["case"].startswith("spec_h") and r["variant"] == "default" and r["impl"] == OURS and _num(r["us"]):
-            then[(r["case"], int(r["batch"]))] = float(r["us"])
-    small = []
-    for (_, _, case, n), impls in sorted(by_point.items()):
-        if OURS in impls and n <= SMALL_ROWS and (case, n) in then:
-            now = _num(impls[OURS]["us"])
-            small.append((None if now is None else now / then[(case, n)], case, n, reference_name))
     out = []
     if share:
         bad = [p for p in share if p[0] is None]
