@@ -145,7 +145,8 @@ def test_launch_rules_read_as_behaviour():
     up to 4 grid rows per SM (its split count fills 2 x SMs program slots in one round), past it the tiled body
     (Hopper: one wave, scale prefetch, two stages when a program owns >= 2 blocks, no register cap then); fp8 QK
     never runs the register body; H > 16 on Hopper takes the flat body with 64-row head blocks past 2 (fp8) or
-    4 (bf16) grid rows per SM; sm_120 never pipelines and keeps head blocks at <= 32 rows."""
+    4 (bf16) grid rows per SM; sm_120 runs the register body at every size with bf16 QK, and with fp8 QK never
+    pipelines and keeps head blocks at <= 32 rows."""
     for T in (1, 4, 16, 64, 128, 528):
         L = config.resolve(16, T, 128, 512, HOPPER_132)
         assert (L.config["impl"], L.config["BLOCK_N"], L.config["num_warps"], L.config["spanning_splits"]) == ("reg", 32, 4, 1)
@@ -162,8 +163,12 @@ def test_launch_rules_read_as_behaviour():
     assert config.resolve(128, 67, 128, 512, HOPPER_132).config["impl"] == "flat"
     for dev in (RTX_PRO_6000, config.Device("NVIDIA GeForce RTX 5090", (12, 0), 170)):
         n = dev.num_sms
-        assert config.resolve(16, 4 * n, 128, 512, dev).config["impl"] == "reg"
-        past = config.resolve(16, 4 * n + 1, 128, 8192, dev).config
+        # bf16 QK: the register body at every size and head count (16-row head groups)
+        for H, T in ((16, 1), (16, 4 * n), (16, 4 * n + 1), (16, 40 * n), (32, 2 * n + 1), (64, n + 1), (64, 20 * n)):
+            got = config.resolve(H, T, 128, 8192, dev).config
+            assert (got["impl"], got["BLOCK_H"], got["spanning_splits"]) == ("reg", 16, 1), (dev.name, H, T)
+        # fp8 QK (no register body): one-stage tiled past 4 grid rows per SM, head blocks <= 32 rows
+        past = config.resolve(16, 4 * n + 1, 128, 8192, dev, qk="fp8").config
         assert (past["impl"], past["num_stages"], past["BLOCK_H"]) == ("tiled", 1, 16)
         assert config.resolve(64, 1, 128, 512, dev, qk="fp8").config["BLOCK_H"] == 32
     # a body asked for by name gets its own launch at any shape; the register body has no fp8 QK path

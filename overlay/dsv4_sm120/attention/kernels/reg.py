@@ -1,6 +1,6 @@
 """Split kernel, register body (``impl=reg``, bf16 QK only): each K byte read and decoded once per block, the
-next block gathered into registers while the current one computes. The default of bf16 QK on sm_90 and sm_120
-up to 4 grid rows per SM."""
+next block gathered into registers while the current one computes. The default of bf16 QK on sm_120 at every
+size, and on Hopper GPUs without a table of their own up to 4 grid rows per SM."""
 
 from __future__ import annotations
 
