@@ -167,7 +167,7 @@ def test_launch_rules_read_as_behaviour():
         for H, T in ((16, 1), (16, 4 * n), (16, 4 * n + 1), (16, 40 * n), (32, 2 * n + 1), (64, n + 1), (64, 20 * n)):
             got = config.resolve(H, T, 128, 8192, dev).config
             assert (got["impl"], got["BLOCK_H"], got["spanning_splits"]) == ("reg", 16, 1), (dev.name, H, T)
-        # fp8 QK (no register body): one-stage tiled past 4 grid rows per SM, head blocks <= 32 rows
+        # fp8 QK (no register body): one-stage tiled at every size, head blocks <= 32 rows
         past = config.resolve(16, 4 * n + 1, 128, 8192, dev, qk="fp8").config
         assert (past["impl"], past["num_stages"], past["BLOCK_H"]) == ("tiled", 1, 16)
         assert config.resolve(64, 1, 128, 512, dev, qk="fp8").config["BLOCK_H"] == 32
