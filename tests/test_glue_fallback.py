@@ -34,6 +34,7 @@ from dsv4_sm120.moe.reference import moe_reference, rel_err  # noqa: E402
 from dsv4_sm120.sglang_glue import attention as A  # noqa: E402
 from dsv4_sm120.sglang_glue import graphs as G  # noqa: E402
 from dsv4_sm120.sglang_glue import moe as M  # noqa: E402
+from dsv4_sm120.rank_agreement import StopServer  # noqa: E402
 from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
 
 DECODE = types.SimpleNamespace(is_decode=lambda: True)
@@ -277,7 +278,7 @@ def test_moe_serving_call_that_raises_switches_path_and_both_failing_stops(fresh
         raise RuntimeError("illegal instruction")
 
     fresh.setattr(moe_pkg, "nvfp4_fused_moe", broken)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(StopServer) as e:
         M.apply(lay, _dispatch(x, tw, ids))
     msg = str(e.value)
     assert "RuntimeError: illegal instruction" in msg and "DSV4_SM120_MOE_BACKEND=flashinfer_cutlass" in msg

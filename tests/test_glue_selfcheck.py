@@ -26,6 +26,7 @@ from dsv4_sm120.moe.reference import moe_reference, rel_err  # noqa: E402
 from dsv4_sm120.moe.testing import make_layer, random_routing  # noqa: E402
 from dsv4_sm120.sglang_glue import attention as D  # noqa: E402
 from dsv4_sm120.sglang_glue import moe as M  # noqa: E402
+from dsv4_sm120.rank_agreement import StopServer  # noqa: E402
 from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
 
 E, H, I, K = 6, 64, 32, 2
@@ -91,7 +92,7 @@ def test_moe_fails_on_every_path_stops_with_one_line(fresh):
         raise RuntimeError("illegal instruction")
 
     fresh.setattr(moe_pkg, "nvfp4_fused_moe", broken)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(StopServer) as e:
         M.prepare_layer(layer(6)[0])
     msg = str(e.value)
     assert "RuntimeError: illegal instruction" in msg and "DSV4_SM120_MOE_BACKEND=flashinfer_cutlass" in msg

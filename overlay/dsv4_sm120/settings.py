@@ -109,7 +109,13 @@ class Setting:
             problem = self.check(v)
             if problem:
                 raise SettingsError(f"{self.name}={text!r} is not valid: {problem}")
-        return text if self.kind == "text" else os.path.expanduser(v)
+        if self.kind == "text":
+            return text
+        path = os.path.expanduser(v)
+        if path.startswith("~"):   # os.path leaves an unknown ~user as is; pathlib would raise where it is used
+            raise SettingsError(f"{self.name}={text!r} is not valid: {v.split(os.sep)[0]} is not a user's home "
+                                f"directory here; give the path in full")
+        return path
 
 
 _EMPTY = {"bool": False, "int": 0, "float": 0.0, "path": "", "text": "", "choice": ""}
@@ -139,6 +145,12 @@ def _selfcheck_fault(text: str) -> Optional[str]:
                                                                                       text):
         return None
     return "expected attention, attention-raise, attention-raise-T=<rows>, moe or moe-raise"
+
+
+def _ranks(text: str) -> Optional[str]:
+    if re.fullmatch(r"[0-9]+(,[0-9]+)*", text.replace(" ", "")):
+        return None
+    return "expected ranks as a comma list, e.g. 1 or 0,2"
 
 
 def _commit_id(text: str) -> Optional[str]:
@@ -195,6 +207,11 @@ _OURS: Tuple[Setting, ...] = (
             "on the GPU against the stock path; a failing launch steps aside to the stock path for its rows in that "
             "process (docs/calibrate.md); 0: no check",
             "runtime"),
+    Setting("DSV4_SM120_RANK_AGREE_TIMEOUT_S", "float", "600",
+            "seconds a rank waits for the other ranks of its tensor-parallel group where they agree on a decision "
+            "(self-check fallbacks, a capture captured again, the MoE path, the PCIe-IPC all-reduce); a rank that "
+            "does not answer in time stops the server with a line naming it (docs/calibrate.md)", "runtime",
+            minimum=0, above=True),
     Setting("DSV4_SM120_FP8_CONFIG_DIR", "path", None,
             "where the patched SGLang looks up tuned FP8 block-GEMM configs first: unset = configs/fp8 of the "
             "checkout the patches were applied from; empty = SGLang's own configs only", "runtime",
@@ -282,6 +299,10 @@ _OURS: Tuple[Setting, ...] = (
             "raises; `attention-raise-T=<n>` = its calls of n rows raise; `moe-raise` = our MoE kernel raises on "
             "its first path (from the first layer's prepare_layer on)", "test", check=_selfcheck_fault,
             values="empty, attention, attention-raise, attention-raise-T=<n>, moe, moe-raise"),
+    Setting("DSV4_SM120_TEST_FAULT_RANKS", "text", "",
+            "the ranks (torch.distributed global ranks) where DSV4_SM120_TEST_SELFCHECK_FAULT applies, comma-separated "
+            "(empty: every rank): a fault on one rank of a tensor-parallel server", "test", check=_ranks,
+            values="empty, or ranks, e.g. 2 or 0,3"),
     Setting("DSV4_SM120_TEST_GPU_NAME", "text", "",
             "GPU name the SGLang glue looks the machine profile up for (CPU tests; empty: the current CUDA GPU)",
             "test"),

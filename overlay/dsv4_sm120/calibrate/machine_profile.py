@@ -70,7 +70,7 @@ def profile_dir() -> Optional[Path]:
     """Where profiles live (module doc); None when switched off. The directory may not exist yet."""
     env = settings.raw(ENV_DIR)
     if env is not None:
-        return Path(env).expanduser() if env.strip() else None
+        return Path(settings.get(ENV_DIR)) if env.strip() else None   # validated, expanded (SettingsError)
     repo = applied_repo_root()
     if repo is not None and (repo / "configs").is_dir():
         return repo / "configs" / "profiles"
@@ -105,8 +105,9 @@ def validate(p: object, source: str = "profile") -> dict:
         if not isinstance(d, dict) or not isinstance(d.get("buckets"), dict):
             bad(f"decision {name!r} has no buckets")
         for b, row in d["buckets"].items():
-            if not (isinstance(b, str) and b.isdigit() and int(b) > 0):
-                bad(f"decision {name!r}: bucket {b!r} is not a positive integer")
+            # the glue finds a bucket by str(int(key)): "01" or "+1" would validate and then miss (KeyError)
+            if not (isinstance(b, str) and b.isascii() and b.isdigit() and int(b) > 0 and str(int(b)) == b):
+                bad(f"decision {name!r}: bucket {b!r} is not a positive integer written plainly (e.g. \"8\")")
             cands = row.get("candidates") if isinstance(row, dict) else None
             if not isinstance(cands, dict):
                 bad(f"decision {name!r} bucket {b}: no candidates")
@@ -114,8 +115,14 @@ def validate(p: object, source: str = "profile") -> dict:
                 if not isinstance(r, dict) or r.get("status") not in STATUSES:
                     bad(f"decision {name!r} bucket {b}: candidate {c!r} has no valid status")
             w = row.get("winner")
+            if w is not None and not isinstance(w, str):
+                bad(f"decision {name!r} bucket {b}: winner {w!r} is not a name")
             if w is not None and (w not in cands or cands[w]["status"] != "ok"):
                 bad(f"decision {name!r} bucket {b}: winner {w!r} did not pass the correctness gate")
+        ov = d.get("overall")
+        if ov is not None and not (isinstance(ov, dict)
+                                   and isinstance(ov.get("recommended_backend"), (str, type(None)))):
+            bad(f"decision {name!r}: overall must be an object whose recommended_backend is a name")
     return p
 
 
@@ -226,9 +233,10 @@ def winner(profile: dict, name: str, bucket: int) -> Optional[str]:
     d = profile.get("decisions", {}).get(name)
     if not d or not d.get("buckets"):
         return None
-    keys = sorted(int(b) for b in d["buckets"])
+    rows = {int(b): r for b, r in d["buckets"].items()}
+    keys = sorted(rows)
     pick = next((b for b in keys if b >= bucket), keys[-1])
-    return d["buckets"][str(pick)].get("winner")
+    return rows[pick].get("winner")
 
 
 # -------------------------------------------------------------------------- the glue's entry point
@@ -257,7 +265,11 @@ def active_profile(gpu: Optional[str] = None, versions: Optional[dict] = None,
     gpu = gpu or _current_gpu()
     if gpu is None:
         return None, None, ["no CUDA GPU"]
-    path = profile_path(gpu, directory)
+    try:
+        path = profile_path(gpu, directory)
+    except settings.SettingsError as e:   # refused at start-up too; here it only means no profile
+        logger.warning("dsv4_sm120 profile: %s; ignored: stock decisions", e)
+        return None, None, [str(e)]
     key = f"{gpu}|{path}"
     if key in _CACHE:
         return _CACHE[key]
@@ -271,7 +283,9 @@ def active_profile(gpu: Optional[str] = None, versions: Optional[dict] = None,
             ok, reasons = match(prof, gpu, versions if versions is not None else _process_versions())
             res = (prof if ok else None, path, reasons)
         except ProfileError as e:
-            res = (None, path, [str(e)])
+            res = (None, path, [f"{e}; ignored: stock decisions"])
+        except Exception as e:  # noqa: BLE001 - a profile we cannot read must never stop the server
+            res = (None, path, [f"{path}: cannot be used ({type(e).__name__}: {e}); ignored: stock decisions"])
     for r in res[2]:
         logger.warning("dsv4_sm120 profile: %s", r)
     _CACHE[key] = res

@@ -246,6 +246,45 @@ def stepped_aside() -> Dict[tuple, str]:
     return dict(_FAILED)
 
 
+def failed_launches() -> List[list]:
+    """``[[layout, H, launch bucket, why], ...]``: :func:`stepped_aside` as the ranks exchange it (:mod:`.ranks`)."""
+    return sorted([lay, h, b, why[:200]] for (lay, h, b), why in _FAILED.items())
+
+
+def adopt(entries, device, source: str) -> List[list]:
+    """Step aside from the launches another rank stepped aside from (``entries`` as :func:`failed_launches`
+    gives them; ``source`` names that rank in the reason). Does not count as a fallback of this process
+    (:func:`fallback_count`) and logs nothing (the caller logs the agreed decision). Returns the entries new
+    here."""
+    new = []
+    with _lock:
+        for lay, h, b, why in entries:
+            if (lay, int(h), b) not in _FAILED:
+                _FAILED[(lay, int(h), b)] = f"{source}: {why}"
+                new.append([lay, int(h), b, why])
+        if new:
+            if _FAIL_STATE["device"] is None:
+                _FAIL_STATE["device"] = _device_facts(device)
+            _CALL_ROUTES.clear()
+    return new
+
+
+def rows_of_launch(rows, layout: str, H: int, bucket: str, device) -> List[int]:
+    """The row counts of ``rows`` whose calls of ``layout`` and ``H`` heads run launch ``bucket`` (host only)."""
+    facts = _device_facts(device)
+    return [int(t) for t in rows if attention_route(t, layout).backend == "dsv4"
+            and _bucket_or_rows(t, layout, H, attention_route(t, layout), facts) == bucket]
+
+
+def stock_name() -> str:
+    """What SGLang's stock dispatcher runs, for log lines."""
+    try:
+        backend = getattr(_stock(), "_sm120_default_backend", "flashinfer")
+    except Exception:  # noqa: BLE001 - SGLang absent (tests): the name alone
+        return "SGLang's stock dispatcher flash_mla_with_kvcache_sm120"
+    return f"SGLang's stock dispatcher flash_mla_with_kvcache_sm120 ({backend})"
+
+
 def fallback_count() -> int:
     """How many launch buckets stepped aside so far (the CUDA-graph capture hook compares it around a capture)."""
     return int(_FAIL_STATE["count"])
@@ -403,8 +442,15 @@ def _flashinfer(m, q, kw):
 
 
 def test_fault() -> str:
-    """``DSV4_SM120_TEST_SELFCHECK_FAULT`` (tests plant faults with it; empty in production)."""
-    return (settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") or "").strip()
+    """``DSV4_SM120_TEST_SELFCHECK_FAULT`` (tests plant faults with it; empty in production) on the ranks of
+    ``DSV4_SM120_TEST_FAULT_RANKS`` (empty: every rank), else empty."""
+    fault = (settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") or "").strip()
+    ranks = (settings.get("DSV4_SM120_TEST_FAULT_RANKS") or "").replace(" ", "")
+    if fault and ranks:
+        from dsv4_sm120.rank_agreement import process_rank
+
+        return fault if str(process_rank()) in ranks.split(",") else ""
+    return fault
 
 
 def run_dsv4_kernel(q, num_heads: int, kw: dict, launch=None, qk=None):

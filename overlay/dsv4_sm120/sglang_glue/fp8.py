@@ -5,6 +5,9 @@ Patched ``get_w8a8_block_fp8_configs`` (``kernels/ops/gemm/fp8_kernel.py``) asks
 SGLang's configs directory; None keeps SGLang's own. The project directory
 (:func:`project_config_dir`) is ``$DSV4_SM120_FP8_CONFIG_DIR`` when set (empty: none), else ``configs/fp8`` of
 the checkout the patches were applied from, else that of the checkout holding this source tree.
+
+Nothing here raises into SGLang: a setting that cannot be used (e.g. ``~nosuchuser/x``, refused by the settings
+check at start-up too) or any other error of the lookup logs one warning and keeps SGLang's own configs.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
     if env is not None:
         if not env.strip():
             return None
-        p = Path(env).expanduser()
+        p = Path(settings.get(ENV_CONFIG_DIR))      # validated and expanded (SettingsError: a ValueError)
         if not p.is_dir() and str(p) not in _warned:
             _warned.add(str(p))
             logger.warning("%s=%s is not a directory; using SGLang's own FP8 GEMM configs", ENV_CONFIG_DIR, p)
@@ -48,8 +51,20 @@ def project_config_dir(sglang_root: Optional[Path] = None) -> Optional[Path]:
 def project_config_path(json_file_name: str, sglang_root: Optional[Path] = None) -> Optional[str]:
     """Path of the project's config named ``json_file_name`` (SGLang's name), or None to use SGLang's own.
 
-    A project file that is not a valid config is skipped with a warning (SGLang's own is used).
+    A project file that is not a valid config is skipped with a warning (SGLang's own is used); so is any error
+    of the lookup itself (never raises).
     """
+    try:
+        return _project_config_path(json_file_name, sglang_root)
+    except Exception as e:  # noqa: BLE001 - a lookup of ours must never stop SGLang's GEMM config lookup
+        why = f"{type(e).__name__}: {e}"
+        if why not in _warned:
+            _warned.add(why)
+            logger.warning("dsv4_sm120: FP8 GEMM config lookup failed (%s); using SGLang's own configs", why)
+        return None
+
+
+def _project_config_path(json_file_name: str, sglang_root: Optional[Path]) -> Optional[str]:
     if os.path.basename(json_file_name) != json_file_name:
         return None
     d = project_config_dir(sglang_root)

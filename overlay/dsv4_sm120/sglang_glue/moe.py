@@ -30,7 +30,8 @@ Patch 0005 registers :data:`BACKEND_NAME` with SGLang (choices and runner backen
   experts (:func:`dsv4_sm120.moe.nvfp4_fused_moe`; the patch wraps it in ``StandardCombineInput``). A call
   that raises switches the process to the kernel's other compute path (``fp4`` <-> ``bf16``, the weights
   stay as loaded), which answers it; when that path raises too the server stops with one line naming
-  ``DSV4_SM120_MOE_BACKEND=flashinfer_cutlass`` (:func:`.selfcheck.moe_step_aside`).
+  ``DSV4_SM120_MOE_BACKEND=flashinfer_cutlass`` (:func:`.selfcheck.moe_step_aside`; a
+  :class:`~dsv4_sm120.rank_agreement.StopServer`, the only exception that leaves a forward of ours).
 
 Only routed experts of ModelOpt NVFP4 layers come here; shared experts keep their
 own (FP8) path. The routed scaling factor is not applied, as with
@@ -61,21 +62,52 @@ def hybrid_nvfp4_moe_runner_backend(
     is_sm120: bool,
     is_hip: bool = False,
     stock: str = STOCK_HYBRID_BACKEND,
+    hf_config=None,
+    nvfp4_meta=None,
 ) -> str:
     """MoE runner backend for a hybrid FP8+NVFP4 DeepSeek-V4 checkpoint.
 
     Called only when ``--moe-runner-backend`` is ``auto``. ``stock`` is what
     SGLang would pick; it is returned unchanged off sm_120 (and on ROCm).
     On sm_120: :func:`dsv4_sm120.moe_runner.nvfp4_runner` with
-    ``DSV4_SM120_MOE_BACKEND`` and :func:`backend_available`.
+    ``DSV4_SM120_MOE_BACKEND`` and :func:`backend_available`. When the machine
+    profile (not the setting) picks ``dsv4_triton_nvfp4`` and the checkpoint
+    (``hf_config``, ``nvfp4_meta``: SGLang's ``nvfp4_moe_meta``) has something
+    :func:`prepare_layer` would refuse (:func:`model_problem`), the stock CUTLASS
+    runner serves instead, with one warning: this is the last point where the
+    server-wide runner can still change (below).
     """
     if not is_sm120 or is_hip:
         return stock
     runner, source, warning = nvfp4_runner(settings.get(ENV_BACKEND), backend_available, stock)
     if warning:
         logger.warning("%s", warning)
+    problem = model_problem(hf_config, nvfp4_meta) if runner == TRITON_NVFP4_BACKEND else None
+    if problem and not source.startswith("env"):
+        logger.warning("dsv4_sm120 decision moe.nvfp4: %s picks %s, but %s; %s serves instead", source,
+                       TRITON_NVFP4_BACKEND, problem, SM120_NVFP4_BACKEND)
+        runner, source = SM120_NVFP4_BACKEND, f"{source}; stepped aside: {problem}"
+    elif problem:
+        logger.warning("dsv4_sm120: %s=%s, but %s: the server will stop at the first MoE layer; unset it to serve "
+                       "with %s", ENV_BACKEND, TRITON_NVFP4_BACKEND, problem, SM120_NVFP4_BACKEND)
     _log_decision(runner, source)
     return runner
+
+
+def model_problem(hf_config=None, nvfp4_meta=None):
+    """What of the checkpoint's config our runner cannot serve (one phrase), or None: the NVFP4 block size (our
+    kernel reads 16-element blocks with E4M3 scales, :func:`prepare_layer`) and the experts' activation (gated
+    SiLU). Never raises: a value it cannot read is no problem here (:func:`prepare_layer` checks the tensors)."""
+    try:
+        group = (nvfp4_meta or {}).get("group_size")
+        if group is not None and int(group) != 16:
+            return f"the checkpoint's NVFP4 group size is {group} (ours reads 16-element blocks)"
+        act = getattr(hf_config, "hidden_act", None)
+        if act is not None and str(act).lower() not in ("silu", "swiglu"):
+            return f"the experts' activation is {act!r} (ours runs gated SiLU)"
+    except Exception:  # noqa: BLE001
+        return None
+    return None
 
 
 _logged: set = set()
@@ -139,14 +171,14 @@ def _global_scales_13(layer):
     return s.float().contiguous()
 
 
-def prepare_layer(layer) -> None:
-    """Check the layer's NVFP4 tensors once after loading; keep them as loaded."""
+def layer_problem(layer):
+    """Why our runner cannot serve ``layer`` as loaded (one phrase), or None."""
     cfg = getattr(layer, "moe_runner_config", None)
     act = getattr(cfg, "activation", "silu")
     if act != "silu" or not getattr(cfg, "is_gated", True):
-        raise ValueError(f"{BACKEND_NAME}: only gated SiLU (SwiGLU) experts are supported, got {act!r}")
+        return f"only gated SiLU (SwiGLU) experts are supported, got {act!r}"
     if getattr(cfg, "apply_router_weight_on_input", False):
-        raise ValueError(f"{BACKEND_NAME}: apply_router_weight_on_input is not supported")
+        return "apply_router_weight_on_input is not supported"
     import torch
 
     E, two_i, h2 = layer.w13_weight.shape
@@ -155,10 +187,29 @@ def prepare_layer(layer) -> None:
                        ("w2_weight_scale", (E, h2 * 2, two_i // 32))):
         got = tuple(getattr(layer, name).shape)
         if got != want:
-            raise ValueError(f"{BACKEND_NAME}: {name} has shape {got}, expected {want}")
+            return f"{name} has shape {got}, expected {want}"
     for name in ("w13_weight_scale", "w2_weight_scale"):
         if getattr(layer, name).dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{BACKEND_NAME}: {name} must be float8_e4m3fn")
+            return f"{name} must be float8_e4m3fn"
+    return None
+
+
+def prepare_layer(layer) -> None:
+    """Check the layer's NVFP4 tensors once after loading; keep them as loaded.
+
+    A layer our runner cannot serve stops the server with one line
+    (:class:`~dsv4_sm120.rank_agreement.StopServer`, a ``RuntimeError``, on every rank alike: the check reads the
+    layer's shapes, the same on every rank). No stock path can take over here: SGLang 0.5.23 fixes the MoE runner
+    server-wide before the weights load (``FusedMoE`` caches whether it is CUTLASS at construction, the NVFP4
+    method reads the global runner), so the machine profile's choice steps aside earlier, where the runner is
+    decided (:func:`hybrid_nvfp4_moe_runner_backend`, :func:`model_problem`)."""
+    problem = layer_problem(layer)
+    if problem:
+        from dsv4_sm120.rank_agreement import StopServer
+
+        raise StopServer(f"{BACKEND_NAME}: {problem}; restart with {ENV_BACKEND}={SM120_NVFP4_BACKEND} (and "
+                         f"without --moe-runner-backend {BACKEND_NAME})")
+    E, two_i, h2 = layer.w13_weight.shape
     layer._dsv4_w13_scale_2 = _global_scales_13(layer)
     layer._dsv4_w2_scale_2 = layer.w2_weight_scale_2.data.float().reshape(-1).contiguous()
     dispatcher = getattr(layer, "dispatcher", None)
@@ -179,7 +230,9 @@ def run_experts(layer, x, topk_weights, topk_ids):
 
     from . import selfcheck
 
-    fault = (settings.get("DSV4_SM120_TEST_SELFCHECK_FAULT") or "").strip()
+    from .attention import test_fault
+
+    fault = test_fault()
     if fault == "moe-raise" and not selfcheck.moe_fallback_active():
         raise RuntimeError("planted test fault moe-raise (DSV4_SM120_TEST_SELFCHECK_FAULT) on the first path")
     cfg = layer.moe_runner_config
@@ -219,6 +272,13 @@ def apply(layer, dispatch_output):
         from . import selfcheck
 
         E, two_i, h2 = layer.w13_weight.shape
-        selfcheck.moe_step_aside(f"M={x.shape[0]} E={E} H={h2 * 2} I={two_i // 2}", f"{type(e).__name__}: "
-                                 f"{str(e)[:300]}", x.device)
-    return run_experts(layer, x, topk_output.topk_weights, topk_output.topk_ids)
+        shape = f"M={x.shape[0]} E={E} H={h2 * 2} I={two_i // 2}"
+        selfcheck.moe_step_aside(shape, f"{type(e).__name__}: {str(e)[:300]}", x.device)
+    try:
+        return run_experts(layer, x, topk_output.topk_weights, topk_output.topk_ids)
+    except Exception as e:  # noqa: BLE001 - only StopServer leaves a forward: SGLang then stops every rank
+        from dsv4_sm120.rank_agreement import StopServer
+
+        raise StopServer(f"dsv4_sm120: our MoE kernel fails on this GPU at {shape} on its "
+                         f"{selfcheck.moe_fallback_path()} path too ({type(e).__name__}: {str(e)[:300]}); restart "
+                         f"with {ENV_BACKEND}={SM120_NVFP4_BACKEND}") from e

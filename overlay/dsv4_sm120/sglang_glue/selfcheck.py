@@ -75,8 +75,8 @@ def results() -> Dict[str, object]:
 def reset() -> None:
     with _lock:
         _state.update(attention=None, moe=None, skipped_logged=False, checked={})
-        _state.pop("moe_fallback", None)
-        _state.pop("moe_fallbacks", None)
+        for k in ("moe_fallback", "moe_fallbacks", "moe_fallback_why"):
+            _state.pop(k, None)
 
 
 def skipped(reason: str) -> None:
@@ -261,14 +261,19 @@ def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optio
     layout, H, T, r = case["layout"], case["H"], case["T"], case["route"]
     launch, qk = r.launch, r.qk
     t0 = time.monotonic()
-    c = attention_case(layout, T, H, device, seed, sizes, pool)
-    shape = (f"{layout} T={T} H={H} K={c['K1']}" + (f"+{c['K2']}" if c["K2"] else "")
-             + f" launch={launch or 'default'}" + (" qk=fp8" if qk == "fp8" else ""))
     tol = ATTN_TOL_FP8QK if qk == "fp8" else ATTN_TOL
-    res = {"kernel": "attention", "shape": shape, "layout": layout, "H": H, "T": T, "rows": list(case["rows"]),
+    res = {"kernel": "attention", "layout": layout, "H": H, "T": T, "rows": list(case["rows"]),
            "other_rows": list(case.get("other_rows", [])),
            "launches": len(case["new"]), "tol": tol, "err": None, "ok": False, "error": None}
-    try:
+
+    def shape(K1="?", K2=0):
+        return (f"{layout} T={T} H={H} K={K1}" + (f"+{K2}" if K2 else "") + f" launch={launch or 'default'}"
+                + (" qk=fp8" if qk == "fp8" else ""))
+
+    res["shape"] = shape()
+    try:            # building the case is inside: a case that cannot be built fails the launch, never the server
+        c = attention_case(layout, T, H, device, seed, sizes, pool)
+        res["shape"] = shape(c["K1"], c["K2"])
         out = run_dsv4_kernel(c["q"], H, c["kw"], launch, qk)
         pick = torch.tensor(sample_rows(T), dtype=torch.long, device=c["q"].device)
         ref = stock_reference(c["q"][pick], _row_slice(c["kw"], pick))
@@ -430,7 +435,11 @@ def _moe_err(layer, run_fn, device) -> float:
 
 def check_moe(layer, run_fn, device) -> Optional[dict]:
     """The MoE self-check on ``layer`` (module doc), once per process: ``run_fn(x, topk_weights, topk_ids)`` is our
-    runner on that layer. Returns its result; raises SystemExit when no path of our kernel passes."""
+    runner on that layer. The ranks of the tensor-parallel group agree on each path's outcome: a path that fails on
+    any rank is left on every rank. Returns the result; raises :class:`~dsv4_sm120.rank_agreement.StopServer`
+    (one line, every rank) when no path passes on every rank."""
+    from . import group as G
+
     with _lock:
         if not enabled() or _state["moe"] is not None:
             return _state["moe"]
@@ -439,6 +448,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
         t0 = time.monotonic()
         E, two_i, h2 = layer.w13_weight.shape
         first = default_path(device)
+        other = "bf16" if first == "fp4" else "fp4"
         shape = f"M={MOE_TOKENS} E={E} H={h2 * 2} I={two_i // 2}"
         res = {"kernel": "moe", "shape": shape, "tol": MOE_TOL, "path": first, "err": None, "ok": False,
                "error": None, "fallback": None}
@@ -450,37 +460,74 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
                 return None, f"{type(e).__name__}: {str(e)[:300]}"
             return err, (None if err <= MOE_TOL else f"relative error {err:.3g} > tolerance {MOE_TOL:g}")
 
+        group = G.tp_group()
         res["err"], res["error"] = attempt(first)
         res["ok"] = res["error"] is None
-        if not res["ok"]:
-            other = "bf16" if first == "fp4" else "fp4"
+        if res["error"] is not None:
             logger.error("dsv4_sm120 self-check: our MoE kernel (path %s) FAILED at %s: %s; trying its %s path",
                          first, shape, res["error"], other)
-            _switch_moe_path(other)
-            err2, why2 = attempt(other)
-            res.update(fallback=other, fallback_err=err2, fallback_error=why2)
-            if why2 is not None:
-                _state["moe"] = res
-                raise SystemExit(f"dsv4_sm120 self-check: our MoE kernel fails on this GPU at {shape} (path {first}: "
-                                 f"{res['error']}; path {other}: {why2}); restart with "
-                                 f"DSV4_SM120_MOE_BACKEND=flashinfer_cutlass")
-            logger.warning("dsv4_sm120 self-check: our MoE kernel serves on its %s path in this process "
-                           "(error %.2g)", other, err2)
-        else:
-            logger.info("dsv4_sm120 self-check: MoE ok (%s, path %s, error %.2g) in %.2f s", shape, first,
-                        res["err"], time.monotonic() - t0)
+        failed = [(r, e) for r, e in enumerate(group.agree(f"MoE self-check, path {first}", res["error"])) if e]
+        if not failed:
+            logger.info("dsv4_sm120 self-check: MoE ok (%s, path %s, error %.2g) in %.2f s%s", shape, first,
+                        res["err"], time.monotonic() - t0, _agreed(group))
+            _state["moe"] = res
+            return res
+        if group.size > 1:
+            logger.error("dsv4_sm120 self-check: our MoE kernel (path %s) failed at %s on %s; agreed by all %d ranks: "
+                         "every rank tries its %s path", first, shape, G.who(failed), group.size, other)
+        _switch_moe_path(other, f"self-check on {G.who(failed)}")
+        err2, why2 = attempt(other)
+        res.update(fallback=other, fallback_err=err2, fallback_error=why2)
+        failed2 = [(r, e) for r, e in enumerate(group.agree(f"MoE self-check, path {other}", why2)) if e]
         _state["moe"] = res
+        if failed2:
+            from dsv4_sm120.rank_agreement import StopServer
+
+            raise StopServer(f"dsv4_sm120 self-check: our MoE kernel fails at {shape} (path {first}: "
+                             f"{_where(failed, group)}; path {other}: {_where(failed2, group)})"
+                             f"{_agreed(group, ', the server stops')}; restart with "
+                             f"DSV4_SM120_MOE_BACKEND=flashinfer_cutlass")
+        logger.warning("dsv4_sm120 self-check: our MoE kernel serves on its %s path in this process (error %.2g)%s",
+                       other, err2, _agreed(group))
         return res
 
 
-def _switch_moe_path(other: str) -> None:
+def _agreed(group, what: str = "") -> str:
+    return f" (agreed by all {group.size} ranks{what})" if group.size > 1 else ""
+
+
+def _where(failed, group) -> str:
+    from . import group as G
+
+    return G.who(failed) if group.size > 1 else failed[0][1]
+
+
+def _switch_moe_path(other: str, why: str = "") -> None:
     settings.put("DSV4_SM120_MOE_PATH", other)    # this process: every later call takes that path
     _state["moe_fallback"] = other
+    _state["moe_fallback_why"] = why[:200]
     _state["moe_fallbacks"] = int(_state.get("moe_fallbacks", 0)) + 1
 
 
 def moe_fallback_active() -> bool:
     return bool(_state.get("moe_fallback"))
+
+
+def moe_fallback_path() -> Optional[str]:
+    """The path our MoE kernel switched to in this process (None: its first)."""
+    return _state.get("moe_fallback") or None
+
+
+def adopt_moe_path(path: str, why: str) -> bool:
+    """Switch to ``path`` because another rank did (:mod:`.ranks`); not counted as a fallback of this process.
+    True when this process switched now."""
+    with _lock:
+        if moe_fallback_active():
+            return False
+        settings.put("DSV4_SM120_MOE_PATH", path)
+        _state["moe_fallback"] = path
+        _state["moe_fallback_why"] = why[:200]
+        return True
 
 
 def moe_fallback_count() -> int:
@@ -491,16 +538,22 @@ def moe_fallback_count() -> int:
 def moe_step_aside(shape: str, why: str, device) -> None:
     """A serving call of our MoE kernel raised (``why``) at ``shape``: switch this process to the kernel's other
     compute path (the weights stay as loaded, which both paths read) and log it once; when the other path is the
-    one that raised, stop the server with one line (SystemExit) naming the CUTLASS runner."""
+    one that raised, stop the server with one line (:class:`~dsv4_sm120.rank_agreement.StopServer`, a
+    ``RuntimeError``: SGLang's scheduler catches it and shuts the whole server down) naming the CUTLASS runner.
+    Local to this rank: a serving call is mid-forward, where the ranks cannot agree; the MoE kernel issues no
+    collective, so the ranks still issue the same ones (inside a CUDA-graph capture the capture loop agrees,
+    :mod:`.graphs`)."""
     from dsv4_sm120.moe.fused_moe import default_path
+    from dsv4_sm120.rank_agreement import StopServer
 
     with _lock:
         if moe_fallback_active():
-            raise SystemExit(f"dsv4_sm120: our MoE kernel fails on this GPU at {shape} on its {_state['moe_fallback']} "
-                             f"path too ({why}); restart with DSV4_SM120_MOE_BACKEND=flashinfer_cutlass")
+            raise StopServer(f"dsv4_sm120: our MoE kernel fails on this GPU at {shape} on its "
+                             f"{_state['moe_fallback']} path too ({why}); restart with "
+                             f"DSV4_SM120_MOE_BACKEND=flashinfer_cutlass")
         first = default_path(device)
         other = "bf16" if first == "fp4" else "fp4"
-        _switch_moe_path(other)
+        _switch_moe_path(other, f"serving at {shape}: {why}")
     logger.error("dsv4_sm120: our MoE kernel (path %s) failed while serving at %s: %s; this process serves on its %s "
                  "path from now on", first, shape, why, other)
 
