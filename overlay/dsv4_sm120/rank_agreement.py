@@ -117,14 +117,22 @@ class Group:
         except Exception as e:  # noqa: BLE001
             raise self._store_down(f"reading agreement {topic!r}", e) from e
         entries = [json.loads(v.decode() if isinstance(v, (bytes, bytearray)) else v) for v in values]
-        others = {r: e["topic"] for r, e in enumerate(entries) if e["topic"] != str(topic)}
-        if others:
-            topics = {self.rank: str(topic), **others}
-            raise RanksDisagree(f"dsv4_sm120: the ranks of group {self.name} met at step {step} at different "
-                                f"agreements (" + "; ".join(f"rank {r}: {t!r}" for r, t in sorted(topics.items()))
-                                + f"): {_ranks_text(sorted(others))} skipped or added one; the server stops "
-                                "instead of pairing them", topics)
+        topics = {r: e["topic"] for r, e in enumerate(entries)}
+        if len(set(topics.values())) > 1:
+            raise RanksDisagree(self._mispaired(topics, step), topics)
         return [e["status"] for e in entries]
+
+    def _mispaired(self, topics: Dict[int, str], step: int) -> str:
+        """One line, the same on every rank: the ranks off the most common topic (ties: rank 0's) and theirs."""
+        count: Dict[str, int] = {}
+        for t in topics.values():
+            count[t] = count.get(t, 0) + 1
+        main = max(count, key=lambda t: (count[t], t == topics[0]))
+        odd = sorted(r for r, t in topics.items() if t != main)
+        rest = sorted(r for r, t in topics.items() if t == main)
+        return (f"dsv4_sm120: the ranks of group {self.name} met at step {step} at different agreements: "
+                + "; ".join(f"rank {r} at {topics[r]!r}" for r in odd)
+                + f"; {_ranks_text(rest)} at {main!r}; the server stops instead of pairing them")
 
     def _wait(self, keys: List[str], topic: str, step: int, limit: float) -> None:
         t0 = time.monotonic()
@@ -171,7 +179,7 @@ def group_of(pg=None, name: Optional[str] = None, rank: Optional[int] = None,
     g = _GROUPS.get(id(pg))
     if g is None or g.size != size:
         store = c10d._world.pg_map[pg][1]          # the group's PrefixStore over the rendezvous store
-        label = name or c10d._get_process_group_name(pg)
+        label = name or ("world" if pg is c10d._get_default_group() else c10d._get_process_group_name(pg))
         g = Group(store, dist.get_rank(pg) if rank is None else int(rank), size, label)
         g._pg = pg                                 # keeps id(pg) from being reused while the group is cached
         _GROUPS[id(pg)] = g

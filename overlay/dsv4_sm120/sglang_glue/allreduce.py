@@ -113,17 +113,21 @@ def ensure_workspace(comm, inp, stock: Callable) -> bool:
     if comm._workspace is not None and what == "build":
         comm._dsv4_unshared_workspace = comm._workspace     # kept alive, out of SGLang's collective destroy()
         comm._workspace = None
-    if len(failed) < group.size or what == "tune":
+    if failed:
         logger.error("dsv4_sm120: FlashInfer PCIe-IPC all-reduce workspace %s failed on %s; agreed by all %d ranks: "
                      "every rank of group %s all-reduces with NCCL", what, who(failed), group.size, group.name)
     return False
 
 
 def _group_of(comm):
-    """The agreement group of a communicator: its CPU group (SGLang passes the TP group's), rank and size."""
+    """The agreement group of a communicator: its CPU group (SGLang passes the TP group's: then that group, named
+    as SGLang names it)."""
     from dsv4_sm120 import rank_agreement as RA
+
+    from .group import tp_group
 
     cpu = getattr(comm, "_cpu_group", None)
     if cpu is None:
         return RA.SINGLE
-    return RA.group_of(cpu, name="tp")
+    tp = tp_group()
+    return tp if getattr(tp, "_pg", None) is cpu else RA.group_of(cpu)

@@ -138,9 +138,14 @@ def retrying(capture_one: Callable, runner=None) -> Callable:
         if not raised and not ranks.differ(states):
             return result
         ranks.adopt_union(states, f"{label} capture of size {size}", _device(runner), capture_rows(runner))
-        logger.warning("dsv4_sm120 %s: CUDA-graph capture of size %s %s; every rank captures that size again, with "
-                       "the fallbacks of every rank%s", label, size, f"raised on {who(raised)} after our kernel stepped"
-                       " aside there" if raised else "left the ranks with different fallbacks", n)
+        if group.size == 1:
+            logger.warning("dsv4_sm120 %s: CUDA-graph capture of size %s raised (%s) after our kernel stepped aside "
+                           "during it; capturing that size again, on the stock path", label, size, raised[0][1])
+        else:
+            logger.warning("dsv4_sm120 %s: CUDA-graph capture of size %s %s; agreed by all %d ranks: every rank "
+                           "captures that size again, with the fallbacks of every rank", label, size,
+                           f"raised on {who(raised)} after our kernel stepped aside there" if raised
+                           else "left the ranks with different fallbacks", group.size)
         result, error, mine = _attempt(capture_one, size, args, kwargs)
         again = group.agree(f"{topic} again", dict(mine, state=ranks.state()))
         raised = [(r, s["error"]) for r, s in enumerate(again) if s["error"]]

@@ -51,8 +51,9 @@ def adopt_union(states: List[dict], label: str, device, rows: Optional[Iterable[
     for r, st in enumerate(states):
         for lay, h, b, why in st.get("attention") or ():
             entries.setdefault((lay, int(h), b), []).append((r, why))
+    changed = False
     for (lay, h, b), where in sorted(entries.items()):
-        A.adopt([[lay, h, b, where[0][1]]], device, f"rank {where[0][0]}")
+        changed |= bool(A.adopt([[lay, h, b, where[0][1]]], device, f"rank {where[0][0]}"))
         if len(where) < n:
             hit = A.rows_of_launch(rows, lay, h, b, device) if rows is not None else []
             lines.append(f"our attention kernel failed on {_who(where)} at launch {b}; rows "
@@ -61,6 +62,7 @@ def adopt_union(states: List[dict], label: str, device, rows: Optional[Iterable[
     off = [(r, st["attention_off"]) for r, st in enumerate(states) if st.get("attention_off")]
     if off and A.disabled("attention") is None:
         A.disable("attention", f"rank {off[0][0]}: {off[0][1]}")
+        changed = True
     if off and len(off) < n:
         lines.append(f"every launch of our attention kernel failed its self-check on {_who(off)}; our kernel is "
                      f"disabled on every rank and {A.stock_name()} serves every row")
@@ -72,8 +74,8 @@ def adopt_union(states: List[dict], label: str, device, rows: Optional[Iterable[
                      f"every rank serves on its {moe[0][1]} path")
     for line in lines:
         logger.error("dsv4_sm120 %s: %s (agreed by all %d ranks)", label, line, n)
-    if lines:
-        A.relog()
+    if changed:
+        A.relog()               # the decision lines again, with what this rank now runs
     return lines
 
 

@@ -485,15 +485,15 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
 
             raise StopServer(f"dsv4_sm120 self-check: our MoE kernel fails at {shape} (path {first}: "
                              f"{_where(failed, group)}; path {other}: {_where(failed2, group)})"
-                             f"{_agreed(group, ', the server stops')}; restart with "
-                             f"DSV4_SM120_MOE_BACKEND=flashinfer_cutlass")
+                             + (f", every rank stops{_agreed(group)}" if group.size > 1 else "")
+                             + "; restart with DSV4_SM120_MOE_BACKEND=flashinfer_cutlass")
         logger.warning("dsv4_sm120 self-check: our MoE kernel serves on its %s path in this process (error %.2g)%s",
                        other, err2, _agreed(group))
         return res
 
 
-def _agreed(group, what: str = "") -> str:
-    return f" (agreed by all {group.size} ranks{what})" if group.size > 1 else ""
+def _agreed(group) -> str:
+    return f" (agreed by all {group.size} ranks)" if group.size > 1 else ""
 
 
 def _where(failed, group) -> str:
