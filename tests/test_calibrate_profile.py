@@ -84,6 +84,28 @@ def test_invalid_profiles_are_refused(tmp_path):
         P.load(tmp_path / "junk.json")
 
 
+def test_bucket_keys_and_winners_the_glue_cannot_read_are_refused(tmp_path):
+    prof = make_profile()
+    for mutate, msg in ((lambda b: b.update({"01": b.pop("1")}), "bucket '01'"),
+                        (lambda b: b.update({"+4": b.pop("4")}), "bucket '\\+4'"),
+                        (lambda b: b.update({"\u0664": b.pop("4")}), "bucket"),     # an Arabic-Indic 4
+                        (lambda b: b["4"].update(winner=["dsv4"]), "is not a name"),
+                        (lambda b: b["4"].update(winner={"dsv4": 1}), "is not a name")):
+        d = json.loads(json.dumps(prof))
+        mutate(d["decisions"]["attention.swa_c4"]["buckets"])
+        with pytest.raises(P.ProfileError, match=msg):
+            P.validate(d)
+        path = tmp_path / "NVIDIA_X.json"
+        path.write_text(json.dumps(dict(d, gpu="NVIDIA X")))
+        P.clear_cache()
+        prof_used, _, reasons = P.active_profile("NVIDIA X", VERSIONS, tmp_path)     # never raises
+        assert prof_used is None and len(reasons) == 1 and reasons[0].endswith("ignored: stock decisions"), reasons
+    d = json.loads(json.dumps(prof))
+    d["decisions"]["moe.nvfp4"]["overall"] = "flashinfer_cutlass"
+    with pytest.raises(P.ProfileError, match="overall must be an object"):
+        P.validate(d)
+
+
 def test_version_keying():
     prof = make_profile()
     assert P.match(prof, GPU, VERSIONS) == (True, [])

@@ -172,6 +172,27 @@ def test_project_config_path_skips_invalid_and_path_tricks(tmp_path, monkeypatch
     assert glue_fp8.project_config_path("../" + name) is None
 
 
+def test_a_config_dir_setting_that_cannot_be_expanded_never_reaches_sglang(tmp_path, monkeypatch, caplog):
+    from dsv4_sm120 import settings
+
+    bad = "~nosuchuser_dsv4/x"
+    problems = settings.validate({fc.ENV_CONFIG_DIR: bad})      # refused at start-up, as it would be used
+    assert len(problems) == 1 and problems[0].startswith(f"{fc.ENV_CONFIG_DIR}='{bad}' is not valid: "
+                                                         "~nosuchuser_dsv4 is not a user's home directory"), problems
+    monkeypatch.setenv(fc.ENV_CONFIG_DIR, bad)
+    name = fc.config_file_name(1024, 4096, "Fake GPU")
+    with caplog.at_level("WARNING"):
+        assert glue_fp8.project_config_path(name) is None       # SGLang's own configs; no RuntimeError
+        assert glue_fp8.project_config_path(name) is None
+    assert len([x for x in caplog.messages if "FP8 GEMM config lookup failed" in x]) == 1, caplog.messages
+    with pytest.raises(ValueError, match=fc.ENV_CONFIG_DIR):   # tools get the setting's one line
+        fc.project_config_dir()
+    # any other failure of the lookup keeps SGLang's own configs too
+    monkeypatch.setenv(fc.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.setattr(glue_fp8, "project_config_dir", lambda root=None: (_ for _ in ()).throw(OSError(5, "EIO")))
+    assert glue_fp8.project_config_path(name) is None
+
+
 # --------------------------------------------------------------------------- backend recommendation
 
 def _summary(tmp_path, decision, complete=True, dev="Fake GPU"):

@@ -207,3 +207,91 @@ def test_profile_status_command(tmp_path, env, versions, capsys):
     assert [r["usable"] for r in rows] == [False, False]
     assert any("sglang 0.4.0 in profile" in x for x in rows[0]["reasons"]), rows[0]
     assert "no profile" in rows[1]["reasons"][0]
+
+
+# ---- a profile that does not validate never stops the server (stock decisions, one line)
+
+
+def _write_raw(tmp_path, decisions, versions):
+    """A profile written by hand (P.save would refuse it)."""
+    import json
+
+    prof = {"schema": P.SCHEMA, "gpu": GPU, "created_at": P.now_iso(), "versions": dict(versions),
+            "deployment": {}, "decisions": decisions}
+    path = P.profile_path(GPU, tmp_path)
+    path.write_text(json.dumps(prof))
+    return path
+
+
+@pytest.fixture
+def profile_log():
+    """The profile module's log at INFO (its status command quiets it for the rest of a process)."""
+    log = logging.getLogger(P.__name__)
+    level = log.level
+    log.setLevel(logging.NOTSET)
+    yield
+    log.setLevel(level)
+
+
+@pytest.mark.parametrize("mutate, what", [
+    (lambda d: d["buckets"].update({"01": d["buckets"].pop("1")}), "bucket '01' is not a positive integer"),
+    (lambda d: d["buckets"]["4"].update(winner=["triton"]), "winner ['triton'] is not a name"),
+    (lambda d: d.update(overall=["triton"]), "overall must be an object"),
+])
+def test_an_invalid_profile_is_ignored_with_one_line(tmp_path, env, versions, caplog, profile_log, mutate,
+                                                     what):
+    d = decision({1: "dsv4", 4: "triton", 16: "triton"})
+    mutate(d)
+    path = _write_raw(tmp_path, {"attention.swa_c4": d, "moe.nvfp4": d}, versions)
+    with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
+        routes = {A.attention_route(t, "swa_c4") for t in (1, 2, 4, 8)}      # no KeyError / TypeError here
+        assert M.hybrid_nvfp4_moe_runner_backend(is_sm120=True) == "flashinfer_cutlass"
+        A.log_decisions()
+    assert {(r.backend, r.source.split(":")[0]) for r in routes} == {("dsv4", "default")}, routes
+    lines = [x for x in caplog.messages if x.startswith("dsv4_sm120 profile:")]
+    assert len(lines) == 1 and str(path) in lines[0] and what in lines[0], lines
+    assert lines[0].endswith("ignored: stock decisions"), lines
+
+
+def test_a_profile_dir_that_cannot_be_expanded_means_no_profile(env):
+    env.setenv("DSV4_SM120_PROFILE_DIR", "~nosuchuser_dsv4/profiles")
+    assert settings_problems({"DSV4_SM120_PROFILE_DIR": "~nosuchuser_dsv4/profiles"})
+    assert A.attention_route(2, "swa").backend == "dsv4"                   # no RuntimeError from pathlib
+    assert P.active_profile(GPU)[0] is None
+
+
+def settings_problems(env):
+    from dsv4_sm120 import settings
+
+    return settings.validate(env)
+
+
+# ---- the MoE runner the profile chose steps aside where the checkpoint does not fit it
+
+
+def test_model_problem_reads_the_checkpoint_config():
+    v4 = types.SimpleNamespace(hidden_act="silu")
+    assert M.model_problem(v4, {"group_size": 16}) is None
+    assert "NVFP4 group size is 32" in M.model_problem(v4, {"group_size": 32})
+    assert "activation is 'gelu'" in M.model_problem(types.SimpleNamespace(hidden_act="gelu"), {"group_size": 16})
+    assert M.model_problem(None, None) is None and M.model_problem(object(), {"group_size": "x"}) is None
+
+
+def test_the_profile_choice_of_our_moe_steps_aside_for_a_checkpoint_it_cannot_serve(tmp_path, env, versions,
+                                                                                    caplog):
+    env.setattr(M, "backend_available", lambda: True)
+    write(tmp_path, {"moe.nvfp4": decision({1: "dsv4_triton_nvfp4", 8: "dsv4_triton_nvfp4"}, kind="tokens")},
+          versions)
+    v4 = types.SimpleNamespace(hidden_act="silu")
+    assert M.hybrid_nvfp4_moe_runner_backend(is_sm120=True, hf_config=v4, nvfp4_meta={"group_size": 16}) == \
+        "dsv4_triton_nvfp4"
+    with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
+        got = M.hybrid_nvfp4_moe_runner_backend(is_sm120=True, hf_config=v4, nvfp4_meta={"group_size": 32})
+    assert got == "flashinfer_cutlass"
+    lines = [x for x in caplog.messages if "picks dsv4_triton_nvfp4, but" in x]
+    assert len(lines) == 1 and "NVFP4 group size is 32" in lines[0] and "flashinfer_cutlass serves instead" in lines[0]
+    env.setenv("DSV4_SM120_MOE_BACKEND", "dsv4_triton_nvfp4")       # the user's explicit choice is kept, warned
+    with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
+        got = M.hybrid_nvfp4_moe_runner_backend(is_sm120=True, hf_config=v4, nvfp4_meta={"group_size": 32})
+    assert got == "dsv4_triton_nvfp4"
+    assert any("will stop at the first MoE layer" in x for x in caplog.messages)

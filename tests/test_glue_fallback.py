@@ -170,6 +170,17 @@ def test_a_failing_launch_in_the_self_check_takes_only_its_rows_to_stock(fresh, 
     assert len(S.run([8], torch.device("cpu"), rows=[2, 8])) == n
 
 
+def test_a_case_that_cannot_be_built_fails_its_launch_not_the_server(fresh):
+    def no_memory(*a, **k):
+        raise RuntimeError("CUDA out of memory while building the case")
+
+    fresh.setattr(S, "attention_case", no_memory)
+    cases = S.run([8], torch.device("cpu"), rows=[2])          # raised out of the check before
+    assert cases and all(not c["ok"] and "RuntimeError: CUDA out of memory" in c["error"] for c in cases), cases
+    assert cases[0]["shape"].startswith("swa T=2 H=8 K=? launch=default")
+    assert A.disabled("attention") is not None                 # every launch failed: the stock path serves
+
+
 def test_raising_fault_in_every_call_fails_every_launch_and_disables_the_kernel(fresh):
     fresh.setenv("DSV4_SM120_TEST_SELFCHECK_FAULT", "attention-raise")
     cases = S.run([8], torch.device("cpu"), rows=[1, 2])
@@ -283,6 +294,37 @@ def test_moe_serving_call_that_raises_switches_path_and_both_failing_stops(fresh
     msg = str(e.value)
     assert "RuntimeError: illegal instruction" in msg and "DSV4_SM120_MOE_BACKEND=flashinfer_cutlass" in msg
     assert "\n" not in msg
+
+
+def test_a_layer_our_runner_cannot_serve_stops_with_one_line(fresh):
+    lay, _ = layer(7)
+    lay.w2_weight_scale.data = lay.w2_weight_scale.data.float()
+    with pytest.raises(StopServer) as e:                       # a ValueError with a traceback before
+        M.prepare_layer(lay)
+    msg = str(e.value)
+    assert msg.startswith("dsv4_triton_nvfp4: w2_weight_scale must be float8_e4m3fn; restart with "
+                          "DSV4_SM120_MOE_BACKEND=flashinfer_cutlass") and "\n" not in msg, msg
+
+
+def test_a_serving_call_failing_on_both_paths_leaves_the_forward_only_as_the_stop(fresh):
+    from dsv4_sm120.moe.testing import random_routing
+
+    fresh.setenv("DSV4_SM120_SELFCHECK", "0")
+    lay, _ = layer(8)
+    M.prepare_layer(lay)
+    import dsv4_sm120.moe as moe_pkg
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    fresh.setattr(moe_pkg, "nvfp4_fused_moe", broken)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    tw, ids = random_routing(3, E, K, 12)
+    with pytest.raises(StopServer) as e:                       # the raw CUDA error of the retry before
+        M.apply(lay, _dispatch(x, tw, ids))
+    msg = str(e.value)
+    assert "on its " in msg and "path too (RuntimeError: CUDA error: an illegal memory access" in msg, msg
+    assert msg.endswith("restart with DSV4_SM120_MOE_BACKEND=flashinfer_cutlass") and "\n" not in msg
 
 
 def test_fault_setting_values_are_validated():

@@ -112,6 +112,16 @@ def test_free_form_values_are_checked():
         S.get("DSV4_SM120_FP8_GEMM_BACKEND", {"DSV4_SM120_FP8_GEMM_BACKEND": "triton; rm -rf /"})
 
 
+
+def test_path_settings_are_checked_as_they_will_be_used():
+    # os.path leaves an unknown ~user as it is; pathlib.Path.expanduser (what the readers use) raises on it
+    for name in [n for n, s in S.registry().items() if s.kind == "path" and n.startswith("DSV4_SM120_")]:
+        with pytest.raises(S.SettingsError, match=rf"{name}='~nosuchuser_dsv4/x' is not valid: ~nosuchuser_dsv4 "):
+            S.get(name, {name: "~nosuchuser_dsv4/x"})
+    home = S.get("DSV4_SM120_CACHE", {"DSV4_SM120_CACHE": "~/c"})
+    assert not home.startswith("~") and home.endswith("/c")
+
+
 # ---- validation
 
 

@@ -15,8 +15,13 @@ and are called from here.
 * :mod:`.selfcheck` (:mod:`.graphs` at each CUDA-graph capture loop; :mod:`.moe` at its first layer): every
   launch of our kernels that the captured rows reach is run once against the stock implementation; a failing
   launch steps aside to the stock path for its rows (the MoE: to its other compute path).
-* :mod:`.graphs` (patch 0006): the capture loop's hooks: the self-check over the rows it captures, and a second
-  capture of a size whose capture raised after one of our kernels stepped aside during it.
+* :mod:`.graphs` (patch 0006): the capture loops' hooks (decode, target-verify, draft, prefill): the self-check
+  over the rows they capture, and a second capture of a size whose capture raised after one of our kernels
+  stepped aside during it; the ranks of the tensor-parallel group agree on both (the union of their fallbacks,
+  every rank captures again together, or every rank stops with one line).
+* :mod:`.allreduce` (patch 0007): the group the ranks agree in (:mod:`dsv4_sm120.rank_agreement` over SGLang's
+  tensor-parallel group), and the agreed set-up of SGLang's FlashInfer PCIe-IPC all-reduce (any rank failed:
+  NCCL on every rank).
 * :mod:`.moe` (patches 0003, 0005): the MoE runner for hybrid FP8 + NVFP4 checkpoints, the MTP draft
   experts' MXFP4 method, and the ``dsv4_triton_nvfp4`` runner backend.
 * :mod:`.fp8` (patch 0004): where SGLang's FP8 block-GEMM config lookup finds the project's tuned configs.

@@ -1,6 +1,7 @@
-"""Patch 0007: SGLang's FlashInfer PCIe-IPC all-reduce (``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE``) is set up, built and
-tuned with the ranks' agreement: a rank whose set-up fails must not all-reduce with NCCL while the others wait in
-the PCIe-IPC kernels (which spin on peer flags with no timeout).
+"""The group the ranks agree in (:func:`tp_group`), and patch 0007: SGLang's FlashInfer PCIe-IPC all-reduce
+(``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE``) is set up, built and tuned with the ranks' agreement: a rank whose set-up
+fails must not all-reduce with NCCL while the others wait in the PCIe-IPC kernels (which spin on peer flags with no
+timeout).
 
 Stock SGLang 0.5.23 decides each step per rank:
 
@@ -17,8 +18,13 @@ Stock SGLang 0.5.23 decides each step per rank:
   differ), so every rank stays on NCCL too. Every rank reaches the build with the same tensor in the same order
   (SGLang's own precondition), and the exchange is host-only, so it is safe where the build happens.
 
-Issue #46 (choosing the all-reduce by measurement) reuses :func:`dsv4_sm120.rank_agreement.agree` on the same
-group (:func:`.group.of_coordinator`) for its choice.
+The group: every decision of the glue that changes which collectives a rank issues or which kernels a graph
+captures is exchanged over SGLang's tensor-parallel group (:func:`tp_group`: a
+:class:`dsv4_sm120.rank_agreement.Group` over the group's CPU (gloo) process group and its rendezvous store), by
+:mod:`.graphs`, :mod:`.selfcheck`'s MoE check and the functions here. Outside a server with several ranks (one GPU,
+tests without torch.distributed, SGLang's groups not built yet) it is :data:`dsv4_sm120.rank_agreement.SINGLE`:
+agreement is the rank's own status, at no cost. Choosing the all-reduce by measurement reuses
+:func:`of_coordinator` and :func:`dsv4_sm120.rank_agreement.agree` for its choice.
 """
 
 from __future__ import annotations
@@ -26,9 +32,36 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from .group import of_coordinator, who
+from dsv4_sm120 import rank_agreement as RA
 
 logger = logging.getLogger(__name__)
+
+
+def of_coordinator(coordinator) -> RA.Group:
+    """The group of an SGLang ``GroupCoordinator`` (its ``cpu_group``, ``rank_in_group``, ``world_size``,
+    ``unique_name``)."""
+    size = int(getattr(coordinator, "world_size", 1) or 1)
+    if coordinator is None or size <= 1 or getattr(coordinator, "cpu_group", None) is None:
+        return RA.SINGLE
+    return RA.group_of(coordinator.cpu_group, name=str(getattr(coordinator, "unique_name", "tp")),
+                       rank=int(coordinator.rank_in_group), size=size)
+
+
+def tp_group() -> RA.Group:
+    """SGLang's tensor-parallel group of this process (``get_parallel().tp_group``), or the single group."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        coordinator = get_parallel().tp_group
+    except Exception:  # noqa: BLE001 - no SGLang, or its groups not built: one rank
+        return RA.SINGLE
+    return of_coordinator(coordinator)
+
+
+def who(failed) -> str:
+    """``rank 2 (RuntimeError: ...)`` / ``ranks 1 (...), 3 (...)`` of ``[(rank, why), ...]``."""
+    failed = list(failed)
+    return ("rank " if len(failed) == 1 else "ranks ") + ", ".join(f"{r} ({why})" for r, why in failed)
 
 
 def _text(e: BaseException) -> str:
@@ -122,10 +155,6 @@ def ensure_workspace(comm, inp, stock: Callable) -> bool:
 def _group_of(comm):
     """The agreement group of a communicator: its CPU group (SGLang passes the TP group's: then that group, named
     as SGLang names it)."""
-    from dsv4_sm120 import rank_agreement as RA
-
-    from .group import tp_group
-
     cpu = getattr(comm, "_cpu_group", None)
     if cpu is None:
         return RA.SINGLE

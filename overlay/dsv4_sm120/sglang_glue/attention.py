@@ -247,7 +247,8 @@ def stepped_aside() -> Dict[tuple, str]:
 
 
 def failed_launches() -> List[list]:
-    """``[[layout, H, launch bucket, why], ...]``: :func:`stepped_aside` as the ranks exchange it (:mod:`.ranks`)."""
+    """``[[layout, H, launch bucket, why], ...]``: :func:`stepped_aside` as the ranks exchange it
+    (:func:`.graphs.adopt_union`)."""
     return sorted([lay, h, b, why[:200]] for (lay, h, b), why in _FAILED.items())
 
 

@@ -15,22 +15,27 @@ the kernel, the shape and the error. ``DSV4_SM120_SELFCHECK=0`` skips it.
   :mod:`dsv4_sm120.attention.cache`) with the real candidate counts (SWA 128, c4 512, c128 from the context
   length), up to :data:`SAMPLE_ROWS` of its rows compared with SGLang's torch path ``_sm120_sparse_decode_fwd``
   (exact; the float64 reference where SGLang is absent). Tolerance: relative Frobenius error 2e-2 (5e-2 for
-  block-scaled QK), as ``make calibrate``'s gate (:mod:`dsv4_sm120.tolerances`). A launch that raises or misses takes the rows that reach it
-  to the stock path (:func:`.attention.step_aside`: their launch-table entry, before any capture); rows whose
-  launches passed keep our kernel; when every launch checked fails, our kernel is disabled for every row.
+  block-scaled QK), as ``make calibrate``'s gate (:mod:`dsv4_sm120.tolerances`). A launch that raises or misses
+  takes the rows that reach it to the stock path (:func:`.attention.step_aside`: their launch-table entry, before
+  any capture); rows whose launches passed keep our kernel; when every launch checked fails, our kernel is disabled
+  for every row. With tensor parallelism the capture loop then has the ranks take the union of their fallbacks
+  (:mod:`.graphs`); the first-call check without graphs stays per rank (it changes no collective, and no graph).
   ``python -m dsv4_sm120.sglang_glue.selfcheck --time`` runs the same set for given heads, capture sizes and
   draft tokens without SGLang and prints its seconds (docs/calibrate.md).
 * MoE (:func:`check_moe`, at the first ``dsv4_triton_nvfp4`` layer's ``prepare_layer``, i.e. after its weights
   loaded and before capture): our NVFP4 runner on that layer's own weights, two tokens routed to random
   experts, against the float64 reference of the same dequantized experts (tolerance 0.3, ``make calibrate``'s
-  NVFP4 gate). The layer's weights were loaded for our kernel (no FlashInfer layout), so the fallback is our
-  kernel's other compute path (``DSV4_SM120_MOE_PATH``: ``fp4`` <-> ``bf16``), checked the same way; when
-  both fail the server stops with one line naming ``DSV4_SM120_MOE_BACKEND=flashinfer_cutlass``. A serving call
-  that raises takes the same fallback (:func:`moe_step_aside`).
+  NVFP4 gate). SGLang fixed the MoE runner server-wide when it built the layers, so no stock runner can take
+  over here; the fallback is our kernel's other compute path (``DSV4_SM120_MOE_PATH``: ``fp4`` <-> ``bf16``),
+  checked the same way. The ranks of the tensor-parallel group agree on each path's outcome (a path that fails on
+  any rank is left on every rank); when both fail every rank stops with one line naming the ranks and
+  ``DSV4_SM120_MOE_BACKEND=flashinfer_cutlass`` (:class:`~dsv4_sm120.rank_agreement.StopServer`). A serving call
+  that raises takes the same fallback on its rank (:func:`moe_step_aside`).
 
-Fault injection for tests (``DSV4_SM120_TEST_SELFCHECK_FAULT``): ``attention`` / ``moe`` make our kernel's result
-wrong (scaled by 2; for the MoE only on its first path); ``attention-raise`` / ``attention-raise-T=<n>`` make our
-attention kernel raise (every call / calls of n rows); ``moe-raise`` makes our MoE kernel raise on its first path.
+Fault injection for tests (``DSV4_SM120_TEST_SELFCHECK_FAULT``, on the ranks of ``DSV4_SM120_TEST_FAULT_RANKS``,
+default every rank): ``attention`` / ``moe`` make our kernel's result wrong (scaled by 2; for the MoE only on its
+first path); ``attention-raise`` / ``attention-raise-T=<n>`` make our attention kernel raise (every call / calls of
+n rows); ``moe-raise`` makes our MoE kernel raise on its first path.
 """
 
 from __future__ import annotations
@@ -438,7 +443,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
     runner on that layer. The ranks of the tensor-parallel group agree on each path's outcome: a path that fails on
     any rank is left on every rank. Returns the result; raises :class:`~dsv4_sm120.rank_agreement.StopServer`
     (one line, every rank) when no path passes on every rank."""
-    from . import group as G
+    from . import allreduce as G
 
     with _lock:
         if not enabled() or _state["moe"] is not None:
@@ -497,7 +502,7 @@ def _agreed(group) -> str:
 
 
 def _where(failed, group) -> str:
-    from . import group as G
+    from . import allreduce as G
 
     return G.who(failed) if group.size > 1 else failed[0][1]
 
@@ -519,8 +524,8 @@ def moe_fallback_path() -> Optional[str]:
 
 
 def adopt_moe_path(path: str, why: str) -> bool:
-    """Switch to ``path`` because another rank did (:mod:`.ranks`); not counted as a fallback of this process.
-    True when this process switched now."""
+    """Switch to ``path`` because another rank did (:func:`.graphs.adopt_union`); not counted as a fallback of
+    this process. True when this process switched now."""
     with _lock:
         if moe_fallback_active():
             return False
