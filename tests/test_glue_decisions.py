@@ -275,6 +275,8 @@ def test_model_problem_reads_the_checkpoint_config():
     assert "NVFP4 group size is 32" in M.model_problem(v4, {"group_size": 32})
     assert "activation is 'gelu'" in M.model_problem(types.SimpleNamespace(hidden_act="gelu"), {"group_size": 16})
     assert M.model_problem(None, None) is None and M.model_problem(object(), {"group_size": "x"}) is None
+    assert "all-to-all backend is deepep" in M.model_problem(v4, {"group_size": 16}, "deepep")
+    assert M.model_problem(v4, {"group_size": 16}, "none") is None
 
 
 def test_the_profile_choice_of_our_moe_steps_aside_for_a_checkpoint_it_cannot_serve(tmp_path, env, versions,

@@ -64,6 +64,7 @@ def hybrid_nvfp4_moe_runner_backend(
     stock: str = STOCK_HYBRID_BACKEND,
     hf_config=None,
     nvfp4_meta=None,
+    moe_a2a_backend=None,
 ) -> str:
     """MoE runner backend for a hybrid FP8+NVFP4 DeepSeek-V4 checkpoint.
 
@@ -72,8 +73,9 @@ def hybrid_nvfp4_moe_runner_backend(
     On sm_120: :func:`dsv4_sm120.moe_runner.nvfp4_runner` with
     ``DSV4_SM120_MOE_BACKEND`` and :func:`backend_available`. When the machine
     profile (not the setting) picks ``dsv4_triton_nvfp4`` and the checkpoint
-    (``hf_config``, ``nvfp4_meta``: SGLang's ``nvfp4_moe_meta``) has something
-    :func:`prepare_layer` would refuse (:func:`model_problem`), the stock CUTLASS
+    (``hf_config``, ``nvfp4_meta``: SGLang's ``nvfp4_moe_meta``; ``moe_a2a_backend``)
+    has something :func:`prepare_layer` or :func:`apply` would refuse
+    (:func:`model_problem`), the stock CUTLASS
     runner serves instead, with one warning: this is the last point where the
     server-wide runner can still change (below).
     """
@@ -82,7 +84,7 @@ def hybrid_nvfp4_moe_runner_backend(
     runner, source, warning = nvfp4_runner(settings.get(ENV_BACKEND), backend_available, stock)
     if warning:
         logger.warning("%s", warning)
-    problem = model_problem(hf_config, nvfp4_meta) if runner == TRITON_NVFP4_BACKEND else None
+    problem = model_problem(hf_config, nvfp4_meta, moe_a2a_backend) if runner == TRITON_NVFP4_BACKEND else None
     if problem and not source.startswith("env"):
         logger.warning("dsv4_sm120 decision moe.nvfp4: %s picks %s, but %s; %s serves instead", source,
                        TRITON_NVFP4_BACKEND, problem, SM120_NVFP4_BACKEND)
@@ -94,11 +96,14 @@ def hybrid_nvfp4_moe_runner_backend(
     return runner
 
 
-def model_problem(hf_config=None, nvfp4_meta=None):
+def model_problem(hf_config=None, nvfp4_meta=None, moe_a2a_backend=None):
     """What of the checkpoint's config our runner cannot serve (one phrase), or None: the NVFP4 block size (our
-    kernel reads 16-element blocks with E4M3 scales, :func:`prepare_layer`) and the experts' activation (gated
-    SiLU). Never raises: a value it cannot read is no problem here (:func:`prepare_layer` checks the tensors)."""
+    kernel reads 16-element blocks with E4M3 scales, :func:`prepare_layer`), the experts' activation (gated
+    SiLU) and the MoE all-to-all backend (ours runs on the standard dispatcher, :func:`apply`). Never raises: a
+    value it cannot read is no problem here (:func:`prepare_layer` checks the tensors)."""
     try:
+        if moe_a2a_backend not in (None, "none"):
+            return f"the MoE all-to-all backend is {moe_a2a_backend} (ours runs on the standard dispatcher)"
         group = (nvfp4_meta or {}).get("group_size")
         if group is not None and int(group) != 16:
             return f"the checkpoint's NVFP4 group size is {group} (ours reads 16-element blocks)"
@@ -256,9 +261,12 @@ def run_experts(layer, x, topk_weights, topk_ids):
 def apply(layer, dispatch_output):
     """Run the routed experts: ``[M, H]`` bf16."""
     if not hasattr(dispatch_output, "topk_output") or getattr(dispatch_output, "hidden_states_scale", None) is not None:
-        raise NotImplementedError(
+        from dsv4_sm120.rank_agreement import StopServer
+
+        raise StopServer(
             f"{BACKEND_NAME} runs on the standard (no all-to-all) MoE dispatcher with bf16 hidden states; got "
-            f"{type(dispatch_output).__name__}. Use --moe-runner-backend flashinfer_cutlass with this a2a backend.")
+            f"{type(dispatch_output).__name__}; restart with {ENV_BACKEND}={SM120_NVFP4_BACKEND} (and without "
+            f"--moe-runner-backend {BACKEND_NAME})")
     topk_output = dispatch_output.topk_output
     to_std = getattr(topk_output, "to_standard", None)
     if not hasattr(topk_output, "topk_ids") and to_std is not None:
