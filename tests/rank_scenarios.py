@@ -126,6 +126,21 @@ def _capture_loop(capture_bs, capture_one, heads=8, ratios=(0, 4)):
         r._capture_one_stream()
 
 
+def _prefill_loop(capture_num_tokens, capture_one):
+    """The patched ``PrefillCudaGraphRunner._capture_one_stream`` (patch 0006) on a stand-in runner."""
+    import torch
+
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+    from sglang.srt.runtime_context import override_platform
+
+    r = PrefillCudaGraphRunner.__new__(PrefillCudaGraphRunner)
+    r.model_runner = types.SimpleNamespace(model=torch.nn.Sequential(), device="cpu", gpu_id=0)
+    r.capture_num_tokens, r.max_context_size, r._capture_chunked_prefix = list(capture_num_tokens), None, False
+    r.capture_one_shape = capture_one
+    with override_platform(is_sm120=True):
+        r._capture_one_stream()
+
+
 def _routes(sizes, layouts=("swa", "swa_c4"), heads=8):
     from dsv4_sm120.sglang_glue import attention as A
 
@@ -133,12 +148,12 @@ def _routes(sizes, layouts=("swa", "swa_c4"), heads=8):
 
 
 def capture(rank, size, capture_bs=(4, 8, 16), fail_rank=-1, fail_size=-1, fail_times=1, step_aside=True,
-            check_fail_rank=-1, check_fail_layout="swa_c4", stall_rank=-1, no_agreement=False):
+            check_fail_rank=-1, check_fail_layout="swa_c4", stall_rank=-1, no_agreement=False, prefill=False):
     """The capture loop with a stand-in capture that issues three all-reduces per size on the TP group's CPU group
     (as a capture's warm-up does) and checks each sum. ``fail_rank`` raises at ``fail_size`` (``fail_times``
     times), after our kernel stepped aside there (``step_aside``) and after one of its three all-reduces;
     ``check_fail_rank``'s self-check fails the launches of ``check_fail_layout``; ``stall_rank`` never reaches the
-    self-check's agreement."""
+    self-check's agreement; ``prefill``: the prefill runner's loop (``capture_bs`` are its token counts)."""
     import torch
     import torch.distributed as dist
 
@@ -162,7 +177,7 @@ def capture(rank, size, capture_bs=(4, 8, 16), fail_rank=-1, fail_size=-1, fail_
     cpu = get_parallel().tp_group.cpu_group
     captured, sums, fails = [], [], {"n": 0}
 
-    def capture_one(bs, forward, *a):
+    def capture_one(bs, forward=None, *a, **k):
         captured.append(bs)
         failing = rank == fail_rank and bs == fail_size and fails["n"] < fail_times
         for i in range(3):
@@ -177,7 +192,7 @@ def capture(rank, size, capture_bs=(4, 8, 16), fail_rank=-1, fail_size=-1, fail_
             fails["n"] += 1
             raise RuntimeError("operation failed due to a previous error during capture")
 
-    _capture_loop(capture_bs, capture_one)
+    (_prefill_loop if prefill else _capture_loop)(capture_bs, capture_one)
     return {"captured": captured, "sums_ok": all(sums), "n_sums": len(sums), "routes": _routes(capture_bs),
             "disabled": A.disabled("attention")}
 

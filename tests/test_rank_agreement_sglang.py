@@ -6,8 +6,8 @@ log names the rank:
 * the self-check before capture (patch 0006's hook in ``DecodeCudaGraphRunner._capture_one_stream``):
   ``DSV4_SM120_TEST_SELFCHECK_FAULT=attention-raise`` on rank 2 only (``DSV4_SM120_TEST_FAULT_RANKS``) disables our
   attention kernel on every rank; a launch failing on rank 1 only steps aside on every rank;
-* a capture of one size that raises on rank 2 after our kernel stepped aside: every rank captures that size again,
-  together (every all-reduce of the stand-in capture sums the same step on every rank). Without the agreement
+* a capture of one size that raises on rank 2 after our kernel stepped aside (the decode loop; the prefill loop on
+  2 ranks): every rank captures that size again, together (every all-reduce of the stand-in capture sums the same step on every rank). Without the agreement
   (each rank deciding alone, as before) the same fault makes the other ranks' all-reduces silently sum other steps
   and rank 2 time out: the test guards something. A capture that raised without a fallback of ours, or raised
   again, stops every rank with one line naming the rank;
@@ -26,7 +26,8 @@ import pytest
 
 CODE = ("import json, sys; sys.path.insert(0, 'tests'); import rank_harness as H; "
         "print('RESULT' + json.dumps(H.run(json.loads(sys.argv[1]))))")
-PRELOAD = ["sglang.srt.model_executor.runner.decode_cuda_graph_runner", "sglang.srt.distributed.parallel_state",
+PRELOAD = ["sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+           "sglang.srt.model_executor.runner.prefill_cuda_graph_runner", "sglang.srt.distributed.parallel_state",
            "sglang.srt.distributed.device_communicators.pcie_ipc_ar", "sglang.kernels.ops.attention.flash_mla_sm120",
            "dsv4_sm120.sglang_glue.graphs", "dsv4_sm120.moe.testing", "dsv4_sm120.moe.reference"]
 NO_AGREEMENT = "rank_scenarios:_no_agreement"
@@ -44,6 +45,7 @@ SPECS = [
     _spec("capture_again", "capture", 4, args={"fail_rank": 2, "fail_size": 8}),
     _spec("capture_alone", "capture", 4, args={"fail_rank": 2, "fail_size": 8, "no_agreement": True},
           gloo_timeout=3, deadline=12),
+    _spec("prefill_again", "capture", 2, args={"fail_rank": 1, "fail_size": 8, "prefill": True}),
     _spec("capture_not_ours", "capture", 2, args={"fail_rank": 1, "fail_size": 8, "step_aside": False}),
     _spec("capture_fails_twice", "capture", 2, args={"fail_rank": 1, "fail_size": 8, "fail_times": 2}),
     _spec("silent_rank", "capture", 4, args={"stall_rank": 3}, env={"DSV4_SM120_RANK_AGREE_TIMEOUT_S": "2"},
@@ -128,6 +130,15 @@ def test_a_capture_raising_on_one_rank_is_captured_again_by_every_rank_together(
                  "dsv4_sm120 decode capture of size 8: our attention kernel failed on rank 2 (serving T=8: "
                  "RuntimeError: illegal instruction (planted on this rank)) at launch swa H=8"):
         assert all(len(x) == 1 for x in _lines(out["capture_again"], text)), (text, out["capture_again"])
+
+
+def test_the_prefill_runner_captures_again_together_too(out):
+    res = _results(out["prefill_again"])
+    assert all(r["captured"] == [16, 8, 8, 4] and r["sums_ok"] for r in res), res
+    assert all(len(x) == 1 for x in _lines(out["prefill_again"], "dsv4_sm120 prefill: CUDA-graph capture of size 8 "
+                                                                   "again succeeded on all 2 ranks")), out
+    # the prefill loop ran no attention self-check: our kernel does not serve prefill rows by default
+    assert not any(_lines(out["prefill_again"], "self-check (prefill)")[r] for r in (0, 1))
 
 
 def test_without_agreement_the_same_fault_mispairs_the_all_reduces(out):
