@@ -7,8 +7,8 @@ log names the rank:
   ``DSV4_SM120_TEST_SELFCHECK_FAULT=attention-raise`` on rank 2 only (``DSV4_SM120_TEST_FAULT_RANKS``) disables our
   attention kernel on every rank; a launch failing on rank 1 only steps aside on every rank;
 * a capture of one size that raises on rank 2 after our kernel stepped aside (the decode loop; the prefill loop on
-  2 ranks): every rank captures that size again, together (every all-reduce of the stand-in capture sums the same step on every rank). Without the agreement
-  (each rank deciding alone, as before) the same fault makes the other ranks' all-reduces silently sum other steps
+  2 ranks): every rank captures that size again, together (every all-reduce of the stand-in capture sums the same
+  step on every rank). Without the agreement (each rank deciding alone, as before) the same fault makes the other ranks' all-reduces silently sum other steps
   and rank 2 time out: the test guards something. A capture that raised without a fallback of ours, or raised
   again, stops every rank with one line naming the rank;
 * a rank that never reaches an agreement: the others stop within ``DSV4_SM120_RANK_AGREE_TIMEOUT_S`` naming it;

@@ -159,7 +159,7 @@ def retrying(capture_one: Callable, runner=None) -> Callable:
                              f"after every rank took the fallbacks; every rank stops{n}") from error
         if ranks_differ([s["state"] for s in again]):
             adopt_union([s["state"] for s in again], f"{label} capture of size {size} again", _device(runner),
-                              capture_rows(runner))
+                        capture_rows(runner))
         logger.warning("dsv4_sm120 %s: CUDA-graph capture of size %s again succeeded%s", label, size,
                        f" on all {group.size} ranks" if group.size > 1 else "")
         return result
