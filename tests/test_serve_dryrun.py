@@ -501,7 +501,8 @@ def test_dry_run_runs_the_checks_that_need_no_gpu_and_lists_the_rest(outputs):
     r = dry_run("serve_dsv4_tp4.sh", {"PREFLIGHT_SKIP": "model", "MODEL_PATH": "/nonexistent/ckpt"})
     assert preflight_status(r.stdout)["model"] == "skipped"
     r = dry_run("serve_dsv4_tp4.sh", {"PREFLIGHT_SKIP": "gpus"}, check=False)
-    assert r.returncode == 2 and "PREFLIGHT_SKIP: unknown check(s) gpus" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "PREFLIGHT_SKIP='gpus' is not valid: unknown check(s) gpus" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
 def _model_dir(root: Path, kind: str) -> str:

@@ -44,11 +44,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import model_config
+from ..serve_variables import PREFLIGHT_CHECKS, skipped
 from ..safetensors_index import INDEX_FILE, scan_checkpoint
 from .plan import Plan, port_variable
 from .pcie_checks import check_numa, check_p2p, check_ucx
 
-CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router", "profile")
+CHECKS = PREFLIGHT_CHECKS
 STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx")
 MODEL_PROBLEMS_SHOWN = 5
 
@@ -56,11 +57,10 @@ MODEL_PROBLEMS_SHOWN = 5
 def skipped_checks(plan: Plan) -> List[str]:
     txt = plan.settings.get("PREFLIGHT_SKIP", "")
     if txt.strip():
-        names = [x.strip() for x in txt.split(",") if x.strip()]
-        bad = [n for n in names if n not in CHECKS]
-        if bad:
-            raise ValueError(f"PREFLIGHT_SKIP: unknown check(s) {', '.join(bad)} (known: {', '.join(CHECKS)})")
-        return names
+        try:
+            return skipped(txt)
+        except ValueError as e:   # the plan refuses it first; a plan.json edited by hand gets here
+            raise ValueError(f"PREFLIGHT_SKIP={txt!r} is not valid: {e}") from None
     return list(STANDIN_DEFAULT_SKIP) if plan.standin else []
 
 
