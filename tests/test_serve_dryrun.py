@@ -23,7 +23,7 @@ SERVE = REPO / "serve"
 VENV = str(Path(sys.executable).parent.parent)
 
 
-def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), check=True):
+def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), check=True, cwd=None):
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith(("PREFILL_", "DECODE_", "ROUTER_", "SPEC_", "NCCL_")) or k in
                    ("MODEL_PATH", "NODE_ROLE", "DRY_RUN", "DETACH", "FP8_GEMM_BACKEND", "DSV4_SM120_SERVE_STANDIN",
@@ -33,7 +33,8 @@ def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), che
     env["RUN_DIR"] = "/tmp/dsv4-dry-run-dir"
     env["HF_HOME"] = "/nonexistent/dsv4-hf-home"     # no Hugging Face cache unless a test brings one
     env.update(extra_env or {})
-    r = subprocess.run(["bash", str(SERVE / script), *args], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(["bash", str(SERVE / script), *args], capture_output=True, text=True, env=env, timeout=60,
+                       cwd=cwd)
     if check:
         assert r.returncode == 0, r.stderr + r.stdout
     return r
@@ -581,3 +582,38 @@ def test_dry_run_passes_an_allocator_setting_without_expandable_segments():
     r = dry_run("serve_dsv4_tp4.sh", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                       "TRANSFER_BACKEND": "mooncake"})
     assert preflight_status(r.stdout)["env"] == "ok", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("script", ["serve_dsv4_tp4.sh", "serve_dsv4_mtp.sh"])
+def test_a_local_model_path_reaches_every_command_absolute(script, tmp_path):
+    """MODEL_PATH=out/nvfp4 (relative to where the command runs) or a quoted "~/..." would reach the servers, which
+    run in their run directory, unchanged: a path that does not exist there and reads as a Hub id. The plan passes
+    it on absolute: to both servers, the draft detection and the calibration command."""
+    work = tmp_path / "work"
+    ckpt = write_dsv4_config(work / "out" / "nvfp4")
+    for value, env in (("out/nvfp4", {}), ("./out/nvfp4", {}), ("~/out/nvfp4", {"HOME": str(work)})):
+        r = dry_run(script, {"MODEL_PATH": value, "CALIBRATE": "1", **env}, cwd=work)
+        cmds = commands(r.stdout)
+        for role in ("prefill", "decode"):
+            argv = cmds[role][1]
+            assert argv[argv.index("--model-path") + 1] == str(ckpt), (value, argv)
+        assert cmds["calibrate"][0]["MODEL_PATH"] == str(ckpt), (value, cmds["calibrate"])
+        assert f"setting MODEL_PATH={ckpt}" in r.stdout
+        if script == "serve_dsv4_mtp.sh":   # the draft was read from the checkout's config.json
+            assert f"# speculative decoding: EAGLE chosen from {ckpt}/config.json" in r.stdout, r.stdout
+    # a Hub id stays a Hub id
+    r = dry_run(script, {"MODEL_PATH": "deepseek-ai/DeepSeek-V4-Flash"}, cwd=work)
+    argv = commands(r.stdout)["decode"][1]
+    assert argv[argv.index("--model-path") + 1] == "deepseek-ai/DeepSeek-V4-Flash"
+
+
+def test_measure_gives_the_load_generator_an_absolute_tokenizer_path(tmp_path, monkeypatch):
+    """The load generator runs in the results directory: a relative --model / MODEL_PATH must reach it absolute."""
+    from dsv4_sm120.perf import measure
+
+    (tmp_path / "tok").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cmd = measure.bench_cmd("py", "http://r", "tok", 1, 8, 8, 4, "/o.jsonl", "random-ids", 1, 0)
+    assert cmd[cmd.index("--model") + 1] == cmd[cmd.index("--tokenizer") + 1] == str(tmp_path / "tok")
+    cmd = measure.bench_cmd("py", "http://r", "deepseek-ai/DeepSeek-V4-Flash", 1, 8, 8, 4, "/o", "random-ids", 1, 0)
+    assert cmd[cmd.index("--tokenizer") + 1] == "deepseek-ai/DeepSeek-V4-Flash"

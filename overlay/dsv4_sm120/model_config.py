@@ -51,6 +51,17 @@ def is_hf_id(model_path: str) -> bool:
     return not model_path.startswith(("/", ".", "~")) and bool(HF_ID.match(model_path))
 
 
+def absolute_if_local(model_path: str) -> str:
+    """``model_path`` as a process that runs elsewhere must get it: a local path (one that exists here, or one written
+    as a path: starting with ``/``, ``.`` or ``~``) absolute against the current directory, ``~`` expanded; anything
+    else (a Hugging Face id) unchanged. The servers run in their run directory, where a relative ``out/nvfp4`` would
+    not exist and would read as a Hub id."""
+    expanded = os.path.expanduser(model_path)
+    if model_path and (model_path.startswith(("/", ".", "~")) or os.path.exists(expanded)):
+        return os.path.abspath(expanded)
+    return model_path
+
+
 def hub_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
     """The Hugging Face hub cache directory, resolved the way huggingface_hub resolves it."""
     env = os.environ if environ is None else environ

@@ -35,7 +35,7 @@ from typing import List, Optional
 
 from .. import hints, settings
 from ..fileio import atomic_write_text
-from ..model_config import hub_cache_dir
+from ..model_config import absolute_if_local, hub_cache_dir
 from ..paths import CHECKOUT_DIR
 from ..serve_variables import DEFAULT_MODEL
 from . import spec_metrics
@@ -158,6 +158,8 @@ def log_tail(path: Path, n: int = 5) -> List[str]:
 
 def bench_cmd(python: str, router: str, model: str, c: int, input_len: int, output_len: int, num_prompts: int,
               out_file: str, dataset: str, seed: int, warmup: int) -> List[str]:
+    """The load generator's command; it runs in its output directory, so a local tokenizer path goes absolute."""
+    model = absolute_if_local(model)
     return [python, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", router,
             "--model", model, "--tokenizer", model, "--dataset-name", dataset,
             "--random-input-len", str(input_len), "--random-output-len", str(output_len),

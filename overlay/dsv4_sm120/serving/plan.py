@@ -340,6 +340,8 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         raise ConfigError(f"unknown variant {variant!r}")
     s = settings_from_env(environ)
     v = typed_settings(s)
+    # a local checkpoint, absolute: servers, draft detection, calibration, verify and measure get this path
+    s["MODEL_PATH"] = model_config.absolute_if_local(s["MODEL_PATH"])
     repo = checkout_root()
     standin = v["DSV4_SM120_SERVE_STANDIN"]
 
