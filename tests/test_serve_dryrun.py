@@ -617,3 +617,25 @@ def test_measure_gives_the_load_generator_an_absolute_tokenizer_path(tmp_path, m
     assert cmd[cmd.index("--model") + 1] == cmd[cmd.index("--tokenizer") + 1] == str(tmp_path / "tok")
     cmd = measure.bench_cmd("py", "http://r", "deepseek-ai/DeepSeek-V4-Flash", 1, 8, 8, 4, "/o", "random-ids", 1, 0)
     assert cmd[cmd.index("--tokenizer") + 1] == "deepseek-ai/DeepSeek-V4-Flash"
+
+
+@pytest.mark.parametrize("kind", ["proc", "file", "under_file", "run_dir_proc"])
+def test_an_unwritable_log_dir_is_one_line_at_plan_time(kind, tmp_path):
+    """LOG_DIR=/proc/x/logs or a LOG_DIR that is a file: one line naming the path, exit 2, in the dry run and at a
+    start (which used to run every check and then die with a traceback from deploy.py)."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    var, value = {"proc": ("LOG_DIR", "/proc/dsv4-nonexistent/logs"), "file": ("LOG_DIR", str(f)),
+                  "under_file": ("LOG_DIR", str(f / "logs")),
+                  "run_dir_proc": ("RUN_DIR", "/proc/dsv4-nonexistent/run")}[kind]
+    for args in (("--dry-run",), ()):
+        env = {var: value, "DSV4_SM120_SERVE_STANDIN": "1"}
+        if var == "LOG_DIR":
+            env["RUN_DIR"] = ""
+        r = dry_run("serve_dsv4_tp4.sh", env, args=args, check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
+        assert lines[0].startswith(f"[serve] configuration error: {var}={value}: the run directory cannot go there"), lines
+        assert f"set {var} to a writable directory" in lines[0]
+        assert r.stdout == "", r.stdout        # nothing ran: not the plan, not a check
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]    # the probe left nothing

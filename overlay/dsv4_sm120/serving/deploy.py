@@ -39,9 +39,9 @@ def _log_dir(environ) -> Path:
 
 def _link_latest(plan: Plan) -> None:
     latest = _log_dir(os.environ) / "latest"
-    latest.parent.mkdir(parents=True, exist_ok=True)
     tmp = latest.with_name(f".latest.{os.getpid()}")
     try:
+        latest.parent.mkdir(parents=True, exist_ok=True)
         if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
         os.symlink(plan.run_dir, tmp)
@@ -113,8 +113,13 @@ def cmd_start(a) -> int:
             print(f"[serve] refused: a deployment is running in {run_dir} (stop it with serve/stop.sh {run_dir})",
                   file=sys.stderr)
             return 1
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "plan.json", plan.to_json())
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "plan.json", plan.to_json())
+    except OSError as e:     # the plan checked the directory; it changed since
+        print(f"[serve] configuration error: cannot write the run directory {run_dir} ({e.strerror or e})",
+              file=sys.stderr)
+        return 2
     _link_latest(plan)
     note = runs.record(Path(plan.run_dir))
     if note:

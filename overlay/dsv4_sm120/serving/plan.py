@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -232,15 +233,41 @@ def _runners(s: Dict[str, str], environ: Mapping[str, str], roles: List[str], pg
     return fp8, fp8_reason, moe, moe_reason
 
 
+def directory_problem(path: Path) -> Optional[str]:
+    """Why a directory cannot be made and written at ``path`` (None: it can). Nothing stays behind: a probe
+    directory is made and removed in the nearest existing ancestor (the only sure test: permissions say
+    nothing for root, nor on /proc or a read-only mount)."""
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a directory" if p == path else f"{p} is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dsv4-sm120-probe-", dir=p))
+    except OSError as e:
+        return f"cannot create a directory in {p} ({e.strerror})"
+    return None
+
+
 def _run_dir(s: Dict[str, str], repo: Path, variant: str, now: Optional[float]) -> Path:
-    """The run directory (not created here)."""
+    """The run directory (not created here); ConfigError when it or LOG_DIR (where LOG_DIR/latest goes) cannot be
+    made or written."""
     log_dir = Path(os.path.expanduser(s["LOG_DIR"]))
     log_dir = log_dir if log_dir.is_absolute() else repo / log_dir
+    checks = [("LOG_DIR", log_dir)]
     if s["RUN_DIR"]:
         run_dir = Path(os.path.expanduser(s["RUN_DIR"]))
-        return run_dir if run_dir.is_absolute() else repo / run_dir
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
-    return log_dir / f"serve-{variant}-{stamp}-{os.getpid()}"
+        run_dir = run_dir if run_dir.is_absolute() else repo / run_dir
+        checks.append(("RUN_DIR", run_dir))
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
+        run_dir = log_dir / f"serve-{variant}-{stamp}-{os.getpid()}"
+    for var, d in checks:
+        problem = directory_problem(d)
+        if problem:
+            raise ConfigError(f"{var}={s[var]}: the run directory cannot go there ({problem}); set {var} to a "
+                              f"writable directory")
+    return run_dir
 
 
 def _common_env(repo: Path, environ: Mapping[str, str]) -> List[Tuple[str, str, str]]:
