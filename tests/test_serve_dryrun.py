@@ -639,3 +639,90 @@ def test_an_unwritable_log_dir_is_one_line_at_plan_time(kind, tmp_path):
         assert f"set {var} to a writable directory" in lines[0]
         assert r.stdout == "", r.stdout        # nothing ran: not the plan, not a check
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]    # the probe left nothing
+
+
+OWNED_CASES = [  # (variable, extra args, variant, the variable the refusal names)
+    ("SERVER_EXTRA_ARGS", "--tp=2 --context-length 1024", "base", "PREFILL_GPUS / DECODE_GPUS"),
+    ("SERVER_EXTRA_ARGS", "--tp-size 2", "base", "PREFILL_GPUS / DECODE_GPUS"),
+    ("PREFILL_EXTRA_ARGS", "--tensor-parallel-size=8", "base", "PREFILL_GPUS / DECODE_GPUS"),
+    ("DECODE_EXTRA_ARGS", "--enable-metrics --context-length=1024", "base", "CONTEXT_LEN"),
+    ("SERVER_EXTRA_ARGS", "--context-len 1024", "base", "CONTEXT_LEN"),
+    ("DECODE_EXTRA_ARGS", "--mem-fraction-static 0.95", "base", "MEM_FRACTION"),
+    ("SERVER_EXTRA_ARGS", "--model-path /x", "base", "MODEL_PATH"),
+    ("PREFILL_EXTRA_ARGS", "--model=/x", "base", "MODEL_PATH"),
+    ("DECODE_EXTRA_ARGS", "--port 1234", "base", "PREFILL_PORT / DECODE_PORT"),
+    ("SERVER_EXTRA_ARGS", "--host=0.0.0.0", "base", "PREFILL_HOST / DECODE_HOST"),
+    ("DECODE_EXTRA_ARGS", "--base-gpu-id 2", "base", "PREFILL_GPUS / DECODE_GPUS"),
+    ("PREFILL_EXTRA_ARGS", "--disaggregation-mode decode", "base", "NODE_ROLE"),
+    ("PREFILL_EXTRA_ARGS", "--disaggregation-bootstrap-port=9000", "base", "BOOTSTRAP_PORT"),
+    ("SERVER_EXTRA_ARGS", "--disaggregation-transfer-backend mooncake", "base", "TRANSFER_BACKEND"),
+    ("DECODE_EXTRA_ARGS", "--max-running-requests 64", "base", "MAX_RUNNING"),
+    ("DECODE_EXTRA_ARGS", "--cuda-graph-max-bs-decode=64", "base", "MAX_RUNNING"),
+    ("PREFILL_EXTRA_ARGS", "--max-running-requests 64", "base", "PREFILL_MAX_RUNNING"),
+    ("PREFILL_EXTRA_ARGS", "--chunked-prefill-size 4096", "base", "CHUNKED_PREFILL_SIZE"),
+    ("SERVER_EXTRA_ARGS", "--served-model-name x", "base", "SERVED_MODEL_NAME"),
+    ("SERVER_EXTRA_ARGS", "--fp8-gemm-backend=triton", "base", "FP8_GEMM_BACKEND"),
+    ("SERVER_EXTRA_ARGS", "--speculative-num-steps 5", "mtp", "SPEC_NUM_STEPS"),
+    ("DECODE_EXTRA_ARGS", "--speculative-algorithm=DSPARK", "mtp", "SPEC_ALGORITHM"),
+    ("ROUTER_EXTRA_ARGS", "--port=1", "base", "ROUTER_PORT"),
+    ("ROUTER_EXTRA_ARGS", "--prometheus-port 1", "base", "ROUTER_PROMETHEUS_PORT"),
+    ("ROUTER_EXTRA_ARGS", "--decode http://x:1", "base", "DECODE_HOST / DECODE_PORT"),
+]
+
+
+@pytest.mark.parametrize("var,extra,variant,names", OWNED_CASES)
+def test_extra_args_may_not_pass_flags_the_plan_sets(var, extra, variant, names):
+    """*_EXTRA_ARGS come after the plan's flags and SGLang keeps the last value: TP2 on four GPUs, CONTEXT_LEN's
+    range check bypassed. Refused, in both forms and abbreviated, naming the variable to set instead."""
+    script = "serve_dsv4_mtp.sh" if variant == "mtp" else "serve_dsv4_tp4.sh"
+    r = dry_run(script, {var: extra}, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    flag = next(t for t in shlex.split(extra) if t.startswith("--") and t != "--enable-metrics").split("=")[0]
+    assert lines[0].startswith(f"[serve] configuration error: {var} passes {flag}, ") and names in lines[0], lines
+
+
+def test_extra_args_the_plan_does_not_set_pass_through():
+    out = dry_run("serve_dsv4_tp4.sh", {"SERVER_EXTRA_ARGS": "--moe-runner-backend=triton --enable-metrics",
+                                        "DECODE_EXTRA_ARGS": "--numa-node 1 1 1 1 --chunked-prefill-size 4096",
+                                        "PREFILL_EXTRA_ARGS": "--speculative-algorithm NGRAM",
+                                        "ROUTER_EXTRA_ARGS": "--policy round_robin"}).stdout
+    cmds = commands(out)
+    dec = cmds["decode"][1]
+    assert dec[-9:] == ["--moe-runner-backend=triton", "--enable-metrics", "--numa-node", "1", "1", "1", "1",
+                        "--chunked-prefill-size", "4096"], dec
+    assert dec.count("--numa-node") == 1           # the user's, not the plan's as well
+    assert cmds["prefill"][1][-2:] == ["--speculative-algorithm", "NGRAM"]
+    assert cmds["router"][1][-2:] == ["--policy", "round_robin"]
+
+
+OWNED_VS_PARSERS = textwrap.dedent(r"""
+    import argparse, json, sys
+    from sglang.srt.server_args import ServerArgs
+    from sglang_router.router_args import RouterArgs
+    from dsv4_sm120.serving import extra_args as X
+    server = argparse.ArgumentParser(); ServerArgs.add_cli_args(server)
+    router = argparse.ArgumentParser(); RouterArgs.add_cli_args(router, use_router_prefix=False)
+    out = {}
+    for name, parser, owned in (("server", server, set(X.SERVER_BOTH) | set(X.SPECULATIVE)
+                                 | {f for d in X.SERVER_ROLE.values() for f in d}),
+                                ("router", router, set(X.ROUTER))):
+        by_dest = {}
+        for a in parser._actions:
+            by_dest.setdefault(a.dest, set()).update(o for o in a.option_strings if o.startswith("--"))
+        unknown = sorted(f for f in owned if not any(f in opts for opts in by_dest.values()))
+        aliases = sorted(o for opts in by_dest.values() if opts & owned for o in opts - owned)
+        # a full option the plan does not own that is a prefix of one it does would be refused by mistake
+        shadowed = sorted(o for opts in by_dest.values() for o in opts - owned if any(f.startswith(o) for f in owned))
+        out[name] = {"unknown": unknown, "aliases": aliases, "shadowed": shadowed}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_owned_flags_are_every_alias_the_real_parsers_know(python_child):
+    r = python_child(OWNED_VS_PARSERS, env=dict(os.environ, PYTHONPATH=str(REPO / "overlay")), cwd="/tmp")
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, r.stderr[-3000:]
+    res = json.loads(line[-1][len("RESULT"):])
+    for name in ("server", "router"):
+        assert res[name] == {"unknown": [], "aliases": [], "shadowed": []}, (name, res[name])

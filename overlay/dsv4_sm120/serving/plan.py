@@ -22,6 +22,7 @@ from .. import model_config, settings
 from ..moe_runner import MOE_FLAG, mxfp4_runner
 from ..paths import checkout_root
 from ..serve_variables import FP8_BACKENDS, ROLES, SERVE, VARIABLES, gpu_list, node_roles
+from . import extra_args
 from .envfiles import EnvFileError, load_env_dir
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -377,6 +378,9 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     python = str(venv / "bin" / "python")
 
     roles = _roles(s)
+    problem = extra_args.check(s, roles, variant)
+    if problem:
+        raise ConfigError(problem)
     pg, dg = _gpus(s, roles)
     ports, mem = _numbers(v)
     spec, spec_reason = _speculative(variant, s, environ)
