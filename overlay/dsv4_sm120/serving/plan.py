@@ -160,10 +160,18 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
 
     if device_name is None and not (settings.raw(ENV_BACKEND) or "").strip():
         return None, "SGLang default (no GPU name from nvidia-smi, so no tuning summary applies)"
+    import logging
+
+    # the profile lookup logs why no profile applies; the preflight's profile check says it, under its own name
+    log = logging.getLogger("dsv4_sm120.calibrate.machine_profile")
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         choice, why = recommended_fp8_gemm_backend(device_name or "unknown", repo / "configs" / "fp8")
     except ValueError as e:
         raise ConfigError(str(e))
+    finally:
+        log.setLevel(level)
     if choice is not None and choice not in FP8_BACKENDS:
         raise ConfigError(f"FP8 backend {choice!r} ({why}) is not one of {', '.join(FP8_BACKENDS)}")
     return choice, (f"{choice}: {why}" if choice else f"SGLang default: {why}")
@@ -468,8 +476,8 @@ def render_dry_run(plan: Plan) -> str:
     then the environment the servers get on top of the inherited one, the settings that differ from
     their defaults, and where health checks, logs and the router are."""
     out = [f"# dsv4_sm120 serve plan: variant={plan.variant} roles={','.join(plan.roles)}"
-           f"{' STANDIN' if plan.standin else ''} (dry run: nothing started; the checks that need no GPU follow "
-           f"the plan)"]
+           f"{' STANDIN' if plan.standin else ''} (dry run: nothing started; the preflight's checks that need no GPU, "
+           f"NIXL or running server follow the plan)"]
     if plan.calibrate_argv:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.calibrate_env.items())
         out.append(f"cmd calibrate: {prefix} {shlex.join(plan.calibrate_argv)}")   # CALIBRATE=1: before preflight
