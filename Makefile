@@ -55,6 +55,8 @@ revert-patches: ## restore every patched SGLang file byte-for-byte and uninstall
 	@$(PATCHING) revert $(ROOT_ARG) $(if $(SGLANG_ROOT),,--python $(PY))
 
 patch-status: ## say whether the SGLang tree is patched, and with which series
+	@if [ -z "$(SGLANG_ROOT)" ] && [ ! -x "$(PY)" ]; then \
+	  echo "[dsv4_sm120.patching] error: no environment at $(VENV): run \`make setup\` first (or pass VENV=<environment> or SGLANG_ROOT=/path/to/sglang)"; exit 2; fi
 	@$(PATCHING) status $(ROOT_ARG) $(if $(SGLANG_ROOT),,--python $(PY))
 
 check-patches: ## verify the series on a pristine scratch copy of the pinned wheel (cached download; touches no env)
