@@ -38,6 +38,7 @@ help: ## list the targets
 	@echo
 	@echo "Variables: VENV=$(VENV) (environment), SGLANG_ROOT=<sglang package dir> (patch another tree), DSV4_SM120_CACHE=$(DSV4_SM120_CACHE)"
 	@echo "           ATTN_VARIANTS / MOE_VARIANTS (launch variants bench-attention / bench-moe time next to the defaults; empty = none), ARGS=... (more bench options)"
+	@echo "           BENCH_OUT=$(BENCH_OUT): where every bench-* target appends its rows (outside the tree; the project's recorded rows: BENCH_OUT=bench/results)"
 	@echo "Serving is configured by environment variables: bash serve/serve_dsv4_tp4.sh --help-vars lists them."
 
 setup: ## create the pinned environment in VENV (sglang==0.5.23, router, nixl); no system-wide installs
@@ -54,6 +55,8 @@ revert-patches: ## restore every patched SGLang file byte-for-byte and uninstall
 	@$(PATCHING) revert $(ROOT_ARG) $(if $(SGLANG_ROOT),,--python $(PY))
 
 patch-status: ## say whether the SGLang tree is patched, and with which series
+	@if [ -z "$(SGLANG_ROOT)" ] && [ ! -x "$(PY)" ]; then \
+	  echo "[dsv4_sm120.patching] error: no environment at $(VENV): run \`make setup\` first (or pass VENV=<environment> or SGLANG_ROOT=/path/to/sglang)"; exit 2; fi
 	@$(PATCHING) status $(ROOT_ARG) $(if $(SGLANG_ROOT),,--python $(PY))
 
 check-patches: ## verify the series on a pristine scratch copy of the pinned wheel (cached download; touches no env)
@@ -79,9 +82,12 @@ test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv tune-fp8 calibrate convert-nvfp4 measure profile verify
 $(HINTED_TARGETS): export DSV4_SM120_MAKE_TARGET = $@
 
-# Every bench run appends rows to $(BENCH_OUT)/<subject>.csv (attention, moe, fp8, kv); `make bench-tables` regenerates
-# the committed tables from them (bench/results/README.md).
-BENCH_OUT ?= bench/results
+# Every bench run (attention, moe, fp8, kv) appends its rows to $(BENCH_OUT)/<subject>.csv: by default outside the
+# tracked tree, in $(DSV4_SM120_CACHE)/bench. The project's own recorded rows are bench/results/<subject>.csv
+# (maintainers: BENCH_OUT=bench/results). `make bench-tables` and `make launch-tables` read bench/results unless
+# BENCH_OUT is given (bench/results/README.md).
+BENCH_OUT ?= $(DSV4_SM120_CACHE)/bench
+BENCH_ROWS := $(if $(filter file,$(origin BENCH_OUT)),bench/results,$(BENCH_OUT))
 # launch variants timed next to the default at the tp4_decode case (H=16 SWA128+c4, the TP4 decode shape;
 # docs/attention.md); the run ends with the best one per batch size and, when one wins everywhere, the
 # DSV4_SM120_ATTN_CONFIG line that selects it. Each variant costs a few Triton compiles on the first run;
@@ -105,14 +111,14 @@ bench-fp8: ## tune SGLang's FP8 block GEMM (quick) and append what it measured t
 bench-kv: ## PD KV transfer: NIXL/UCX moving one TP4 rank's DSv4 KV pages between two GPUs vs a peer copy (1k-128k prompts); appends to BENCH_OUT/kv.csv
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_kv.py --results $(BENCH_OUT)/kv.csv $(ARGS)
 
-bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the results files (GPU=name; default: the only one)
+bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the committed rows (BENCH_OUT=dir: tables of your rows, in dir; GPU=name)
 	@for s in attention moe fp8 kv; do \
-	  if [ -f $(BENCH_OUT)/$$s.csv ]; then python3 bench/results_table.py table $$s --results $(BENCH_OUT)/$$s.csv \
-	    $(if $(GPU),--gpu '$(GPU)',) $(if $(filter-out bench/results,$(BENCH_OUT)),--out $(BENCH_OUT)/$$s.md,) || exit $$?; fi; done
+	  if [ -f $(BENCH_ROWS)/$$s.csv ]; then python3 bench/results_table.py table $$s --results $(BENCH_ROWS)/$$s.csv \
+	    $(if $(GPU),--gpu '$(GPU)',) $(if $(filter-out bench/results,$(BENCH_ROWS)),--out $(BENCH_ROWS)/$$s.md,) || exit $$?; fi; done
 
-launch-tables: ##m write GPU's attention and MoE launch tables from its launch-sweep rows in BENCH_OUT (GPU=name)
+launch-tables: ##m write GPU's attention and MoE launch tables from its launch-sweep rows in bench/results (or BENCH_OUT; GPU=name)
 	@test -n "$(GPU)" || { echo "launch-tables: name the GPU as its rows spell it, e.g. GPU='NVIDIA H200'" >&2; exit 2; }
-	@for s in attention moe; do python3 bench/results_table.py launch $$s --results $(BENCH_OUT)/$$s.csv --gpu '$(GPU)' || exit $$?; done
+	@for s in attention moe; do python3 bench/results_table.py launch $$s --results $(BENCH_ROWS)/$$s.csv --gpu '$(GPU)' || exit $$?; done
 
 tune-fp8: ## tune SGLang's Triton FP8 block GEMM for this GPU (quick search; ARGS=... for more); writes configs/fp8/
 	PYTHONPATH=$(CURDIR)/overlay $(if $(wildcard $(PY)),$(PY),python3) -m dsv4_sm120.tune_fp8 $(or $(ARGS),--quick)

@@ -148,8 +148,9 @@ def parse_args(argv=None):
     p.add_argument("--sglang-sm120-file", default="", help="path of SGLang's flash_mla_sm120.py (torch baseline) if SGLang is absent")
     p.add_argument("--torch-max-batch", type=int, default=16, help="skip the eager torch baseline above this B")
     p.add_argument("--upstream-max-batch", type=int, default=128)
-    p.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "attention.csv",
-                   help="results file to append to (default bench/results/attention.csv)")
+    p.add_argument("--results", type=Path, default=R.user_results("attention"),
+                   help="results file to append to (default: DSV4_SM120_CACHE/bench/attention.csv, outside the tree; "
+                        "the project's recorded rows: bench/results/attention.csv)")
     p.add_argument("--targets-reference", default="", metavar="COMMIT",
                    help="judge the spec_rows run's 1-8-row points against ours at this earlier commit's rows of the "
                    "same GPU in --results (within 5%%; bench/attn_targets.py)")

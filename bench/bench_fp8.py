@@ -78,8 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=True,
                    help="the tuner's small search space (default on; --no-quick = the full search)")
     p.add_argument("--from-summary", type=Path, help="append the rows of this tuner summary JSON; no tuning")
-    p.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "fp8.csv",
-                   help="results file to append to (default bench/results/fp8.csv)")
+    p.add_argument("--results", type=Path, default=R.user_results("fp8"),
+                   help="results file to append to (default: DSV4_SM120_CACHE/bench/fp8.csv, outside the tree; "
+                        "the project's recorded rows: bench/results/fp8.csv)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the rows it would write; no GPU")
     p.add_argument("tuner_args", nargs="*", help="after '--': more options for python -m dsv4_sm120.tune_fp8 "
                    "(e.g. --out-dir DIR --force --time-budget 300)")

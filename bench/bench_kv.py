@@ -12,7 +12,8 @@ connector's completion notification. The environment is the servers' (``serve/en
 verified once. Next to it, a plain peer copy (``cudaMemcpyPeer`` via ``tensor.copy_``) of the same
 number of bytes in one piece. At TP4 four such transfers (one per rank pair) run at once.
 
-Rows go to ``--results`` (``bench/results/kv.csv``, subject ``kv``). Needs torch and nixl only (no SGLang).
+Rows go to ``--results`` (default ``DSV4_SM120_CACHE/bench/kv.csv``, outside the tracked tree; the project's
+recorded rows are ``bench/results/kv.csv``; subject ``kv``). Needs torch and nixl only (no SGLang).
 ``--src-gpu 0 --dst-gpu 0`` runs on a one-GPU box (it then measures NIXL/UCX over device memory, not
 PCIe); ``--mem dram`` moves host memory (no GPU; exercises the same agents); ``--dry-run`` prints the
 byte table.
@@ -254,7 +255,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--config", type=Path, default=None, help="a checkpoint's config.json (its compress_ratios)")
     ap.add_argument("--backend", default=os.environ.get("SGLANG_DISAGGREGATION_NIXL_BACKEND", "UCX"))
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per transfer before giving up")
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "kv.csv")
+    ap.add_argument("--results", type=Path, default=R.user_results("kv"),
+                    help="results file to append to (default: DSV4_SM120_CACHE/bench/kv.csv, outside the tree; the "
+                         "project's recorded rows: bench/results/kv.csv)")
     ap.add_argument("--dry-run", action="store_true", help="print the bytes per prompt, move nothing")
     a = ap.parse_args(argv)
     try:

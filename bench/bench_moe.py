@@ -276,8 +276,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="", help="';'-separated launch variants of the default path (see below)")
     p.add_argument("--variant-m", default="1,4,16,64", help="token counts for --variants")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference (rows get no rel_err)")
-    p.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "moe.csv",
-                   help="results file to append to (default bench/results/moe.csv)")
+    p.add_argument("--results", type=Path, default=R.user_results("moe"),
+                   help="results file to append to (default: DSV4_SM120_CACHE/bench/moe.csv, outside the tree; "
+                        "the project's recorded rows: bench/results/moe.csv)")
     p.add_argument("--dry-run", action="store_true", help="list the rows it would write; no GPU")
     return p.parse_args(argv)
 

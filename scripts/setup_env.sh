@@ -6,7 +6,8 @@
 # Nothing is installed outside VENV_DIR: the SGLang wheel and the installer uv (requirements/tools.txt) are cached in
 # ${DSV4_SM120_CACHE:-~/.cache/dsv4_sm120}, the packages in uv's cache (${UV_CACHE_DIR:-~/.cache/uv}), from which uv
 # hard-links them into VENV_DIR when both are on one file system: a second environment costs little disk, and its time
-# is compiling the .pyc files (~200 CPU-seconds: about 100 s on 2 cores) after linking the packages (seconds).
+# is mostly compiling the .pyc files after linking the packages (seconds): 50-200 CPU-seconds, by the CPU, spread over
+# its cores; the last line says how long the whole set-up took.
 # DSV4_SM120_INSTALLER=pip installs with pip instead (also the fallback when uv cannot be installed).
 # DSV4_SM120_COMPILE_BYTECODE=0 skips compiling the .pyc files (uv); Python then compiles each module on its first
 # import (and writes the .pyc where it may).
@@ -109,7 +110,7 @@ if vals.get("cert"):
 
 # uv install from its cache alone first: every version is pinned (requirements/constraints.txt), so what the cache
 # holds is what the index would give, and uv otherwise asks the index again about every package whose cached
-# answer is older than ten minutes (~25 s for ~220 packages). Whatever is missing is resolved online.
+# answer is older than ten minutes (tens of seconds for ~220 packages). Whatever is missing is resolved online.
 uv_install() {
   local log why rc=0
   if [ -d "$("$uv_bin" cache dir 2>/dev/null)" ]; then
@@ -140,7 +141,7 @@ if [ -n "$uv_bin" ]; then
   if [ "${DSV4_SM120_COMPILE_BYTECODE:-1}" = 0 ]; then
     pyc="then no .pyc compilation (DSV4_SM120_COMPILE_BYTECODE=0: Python compiles each module on its first import)"
   else
-    pyc="then compiling the .pyc files: ~200 CPU-seconds, about 100 s on 2 cores (DSV4_SM120_COMPILE_BYTECODE=0 skips it)"
+    pyc="then compiling the .pyc files, most of a warm install's time: 50-200 CPU-seconds by the CPU, spread over its cores (DSV4_SM120_COMPILE_BYTECODE=0 skips it)"
   fi
   say "installing $(basename "$wheel") (sha256 verified) and requirements/runtime.txt with $("$uv_bin" --version)" \
       "(cold: several GB of downloads, minutes; warm: linked from $("$uv_bin" cache dir) in seconds; $pyc)"
@@ -163,4 +164,4 @@ stop_ticker
 got=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang"))')
 if [ "$got" != "0.5.23" ]; then say "error: installed sglang is $got, expected 0.5.23"; exit 1; fi
 echo "$stamp" > "$venv/.dsv4_env_stamp"
-say "environment $venv ready in $(elapsed)"
+say "environment $venv ready in $(elapsed) (measured on this machine: the time of a set-up depends on its CPU, disk and network)"

@@ -1,7 +1,7 @@
 # Shared by serve_dsv4_tp4.sh, serve_dsv4_mtp.sh and stop.sh (sourced, not run).
 # Finds the serving environment's python (VENV, default .venv in the repo) and runs the
 # launcher module from this checkout's overlay; all logic lives in
-# overlay/dsv4_sm120/serving/ (config.py, preflight.py, supervisor.py, deploy.py).
+# overlay/dsv4_sm120/serving/ (plan.py, preflight.py, supervisor.py, deploy.py).
 
 dsv4_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 

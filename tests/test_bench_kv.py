@@ -18,16 +18,26 @@ from dsv4_sm120.serving import kv_bytes as kb  # noqa: E402
 BENCH = REPO / "bench" / "bench_kv.py"
 
 
-def run(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+def run(*args, timeout=300, env=None):
+    env = {k: v for k, v in (env or os.environ).items() if not k.startswith("UCX_")}
     return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def _tracked(rel: str) -> bytes:
+    return (REPO / rel).read_bytes()
+
+
 def test_dram_run_moves_verified_pages_and_appends_kv_rows(tmp_path):
-    out = tmp_path / "kv.csv"
+    """The run the refusal suggests (`make bench-kv ARGS='--mem dram'`): its rows go outside the tracked tree by
+    default (DSV4_SM120_CACHE/bench/kv.csv), the run says where, and bench/results/kv.csv is untouched."""
+    out = tmp_path / "cache" / "bench" / "kv.csv"
     prompts = [1000, 4096 + 7]
-    r = run("--mem", "dram", "--prompts", ",".join(map(str, prompts)), "--reps", "2", "--results", str(out))
+    before = _tracked("bench/results/kv.csv")
+    r = run("--mem", "dram", "--prompts", ",".join(map(str, prompts)), "--reps", "2",
+            env=dict(os.environ, DSV4_SM120_CACHE=str(tmp_path / "cache")))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert _tracked("bench/results/kv.csv") == before
+    assert f"rows appended to {out}" in r.stdout, r.stdout[-2000:]
     assert "UCX_NET_DEVICES=lo" in r.stdout and "SGLANG_DISAGGREGATION_NIXL_BACKEND=UCX" in r.stdout
     rows = R.read_rows(out, "kv")
     assert [(x["impl"], int(x["prompt"])) for x in rows] == [(i, n) for n in prompts for i in ("nixl-ucx", "memcpy-peer")]
@@ -69,3 +79,35 @@ def test_dry_run_table_and_bad_input(tmp_path):
                      (["--config", str(tmp_path / "none.json")], "cannot read")):
         r = run(*bad, "--dry-run", timeout=60)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_every_bench_target_writes_outside_the_tree_by_default(tmp_path):
+    """attention, moe, fp8, kv: the make targets and the drivers themselves append to DSV4_SM120_CACHE/bench by
+    default; the committed rows stay where they are, and `make bench-tables` still reads them."""
+    import re
+    import shutil
+
+    import pytest
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "BENCH_OUT")}
+    env["DSV4_SM120_CACHE"] = str(tmp_path / "cache")
+    for subject in ("attention", "moe", "fp8", "kv"):
+        r = subprocess.run(["make", "-n", f"bench-{subject}"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert f"--results {tmp_path}/cache/bench/{subject}.csv" in r.stdout, (subject, r.stdout)
+        r = subprocess.run(["make", "-n", f"bench-{subject}", "BENCH_OUT=bench/results"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert f"--results bench/results/{subject}.csv" in r.stdout, (subject, r.stdout)
+        src = (REPO / "bench" / f"bench_{subject}.py").read_text()
+        assert re.search(rf'"--results", type=Path, default=R\.user_results\("{subject}"\)', src), subject
+        assert R.user_results(subject) == Path(os.path.expanduser(os.environ.get(
+            "DSV4_SM120_CACHE", "~/.cache/dsv4_sm120"))) / "bench" / f"{subject}.csv"
+    r = subprocess.run(["make", "-n", "bench-tables"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert "--results bench/results/$s.csv" in r.stdout and "--out" not in r.stdout, r.stdout
+    r = subprocess.run(["make", "-n", "bench-tables", f"BENCH_OUT={tmp_path}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert f"--results {tmp_path}/$s.csv" in r.stdout and f"--out {tmp_path}/$s.md" in r.stdout, r.stdout
+    help_text = subprocess.run(["make", "-s", "help"], cwd=REPO, env=env, capture_output=True, text=True).stdout
+    assert f"BENCH_OUT={tmp_path}/cache/bench: where every bench-* target appends its rows" in help_text

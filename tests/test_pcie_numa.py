@@ -103,8 +103,10 @@ def test_plan_and_dry_run_carry_the_binding(tmp_path):
     for x in off.procs[:2]:
         assert "--numa-node" not in x.argv and x.env["SGLANG_AUTO_NUMA_BIND"] == "0" and x.numa["node"] is None
     assert "numa prefill: unbound (NUMA_BIND=0)" in render_dry_run(off)
-    with pytest.raises(ConfigError, match="NUMA_BIND='yes'"):
-        plan(tmp_path, sysfs, smi, NUMA_BIND="yes")
+    # a yes/no switch: the usual words are taken, anything else is refused (the settings registry's bool kind)
+    assert plan(tmp_path, sysfs, smi, NUMA_BIND="no").procs[0].numa["node"] is None
+    with pytest.raises(ConfigError, match="NUMA_BIND='sometimes'"):
+        plan(tmp_path, sysfs, smi, NUMA_BIND="sometimes")
     # a box without NUMA information runs unbound, with the note in the dry run
     bare = plan(tmp_path, tmp_path / "empty-sys", smi)
     assert all("--numa-node" not in x.argv for x in bare.procs)

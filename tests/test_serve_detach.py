@@ -79,3 +79,47 @@ def test_no_verdict_within_the_limit_raises(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize("detach,dry,expect", [
+    ("no", "false", "foreground"), ("0", "", "foreground"), ("off", "No", "foreground"),
+    ("yes", "0", "detached"), ("1", "off", "detached"), ("TRUE", "", "detached"),
+    ("", "yes", "dry run"), ("0", "1", "dry run"), ("no", "on", "dry run"),
+])
+def test_yes_no_switches_mean_what_they_say(tmp_path, monkeypatch, detach, dry, expect):
+    """DETACH / DRY_RUN take 0/1 and the usual words; "no" and "false" are off (anything but 0 used to count as on)."""
+    seen = []
+
+    class Supervisor:
+        def __init__(self, plan):
+            pass
+
+        def run(self):
+            seen.append("foreground")
+            return 0
+
+    monkeypatch.setattr(deploy, "run_preflight", lambda plan, say: [])
+    monkeypatch.setattr(deploy.sv, "Supervisor", Supervisor)
+    monkeypatch.setattr(deploy, "_start_detached", lambda plan: seen.append("detached") or 0)
+    monkeypatch.setattr(deploy, "dry_run", lambda plan: seen.append("dry run") or 0)
+    monkeypatch.setattr(deploy, "_link_latest", lambda plan: None)
+    monkeypatch.setattr(deploy.runs, "record", lambda run_dir: None)
+    for k, v in {"VENV": str(Path(sys.executable).parents[1]), "RUN_DIR": str(tmp_path / "run"),
+                 "LOG_DIR": str(tmp_path / "logs"), "NVIDIA_SMI": "/nonexistent/nvidia-smi",
+                 "DSV4_SM120_SERVE_STANDIN": "1", "DETACH": detach, "DRY_RUN": dry}.items():
+        monkeypatch.setenv(k, v)
+    assert deploy.main(["start"]) == 0
+    assert seen == [expect]
+
+
+@pytest.mark.parametrize("name,value", [("DETACH", "nope"), ("DRY_RUN", "maybe"), ("DRY_RUN", "2")])
+def test_a_switch_that_is_neither_yes_nor_no_is_refused(tmp_path, monkeypatch, capsys, name, value):
+    monkeypatch.setattr(deploy, "run_preflight", lambda plan, say: pytest.fail("the start went on"))
+    monkeypatch.setattr(deploy, "dry_run", lambda plan: pytest.fail("the dry run went on"))
+    for k, v in {"VENV": str(Path(sys.executable).parents[1]), "RUN_DIR": str(tmp_path / "run"),
+                 "NVIDIA_SMI": "/nonexistent/nvidia-smi", name: value}.items():
+        monkeypatch.setenv(k, v)
+    assert deploy.main(["start"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"[serve] configuration error: {name}={value!r} is not valid: expected 0 or 1 (also true/false, "
+                   f"yes/no, on/off)"], err

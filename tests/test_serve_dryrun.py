@@ -23,7 +23,7 @@ SERVE = REPO / "serve"
 VENV = str(Path(sys.executable).parent.parent)
 
 
-def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), check=True):
+def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), check=True, cwd=None):
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith(("PREFILL_", "DECODE_", "ROUTER_", "SPEC_", "NCCL_")) or k in
                    ("MODEL_PATH", "NODE_ROLE", "DRY_RUN", "DETACH", "FP8_GEMM_BACKEND", "DSV4_SM120_SERVE_STANDIN",
@@ -32,8 +32,11 @@ def dry_run(script: str, extra_env: dict | None = None, args=("--dry-run",), che
     env["VENV"] = VENV
     env["RUN_DIR"] = "/tmp/dsv4-dry-run-dir"
     env["HF_HOME"] = "/nonexistent/dsv4-hf-home"     # no Hugging Face cache unless a test brings one
+    env["NVIDIA_SMI"] = "/nonexistent/nvidia-smi"    # no GPUs unless a test brings a fake nvidia-smi
+    env["PREFLIGHT_SKIP"] = "patches"                # the test environment's SGLang is not patched (its own test)
     env.update(extra_env or {})
-    r = subprocess.run(["bash", str(SERVE / script), *args], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(["bash", str(SERVE / script), *args], capture_output=True, text=True, env=env, timeout=60,
+                       cwd=cwd)
     if check:
         assert r.returncode == 0, r.stderr + r.stdout
     return r
@@ -155,12 +158,14 @@ def validate(python_child, jobs):
 def outputs():
     base = dry_run("serve_dsv4_tp4.sh").stdout
     mtp = dry_run("serve_dsv4_mtp.sh").stdout
+    # the multi-node plans bind addresses of other hosts: their ports check runs there
     mn_prefill = dry_run("serve_dsv4_tp4.sh", {"NODE_ROLE": "prefill", "PREFILL_HOST": "10.1.0.1",
                                                "DECODE_HOST": "10.1.0.2", "PREFILL_GPUS": "0,1,2,3",
-                                               "IB_DEVICE": "mlx5_0"}).stdout
+                                               "IB_DEVICE": "mlx5_0", "PREFLIGHT_SKIP": "patches,ports"}).stdout
     mn_decode = dry_run("serve_dsv4_mtp.sh", {"NODE_ROLE": "decode,router", "PREFILL_HOST": "10.1.0.1",
                                               "DECODE_HOST": "10.1.0.2", "DECODE_GPUS": "0,1,2,3",
-                                              "ROUTER_HOST": "0.0.0.0", "IB_DEVICE": "mlx5_0"}).stdout
+                                              "ROUTER_HOST": "0.0.0.0", "IB_DEVICE": "mlx5_0",
+                                              "PREFLIGHT_SKIP": "patches,ports"}).stdout
     fp8 = dry_run("serve_dsv4_tp4.sh", {"FP8_GEMM_BACKEND": "triton", "MAX_RUNNING": "8",
                                         "DECODE_EXTRA_ARGS": "--chunked-prefill-size 4096"}).stdout
     explicit = dry_run("serve_dsv4_tp4.sh", {"DECODE_EXTRA_ARGS": "--cuda-graph-bs-decode 1 2 3 5 16"}).stdout
@@ -197,8 +202,8 @@ def validated(outputs, tmp_path_factory, python_child):
     jobs.append({"profile_req": True, "argv": dict(body, num_stepz=7)})
     expect.append(("profile", "misspelt", "decode"))
     # A removed flag must be caught by the same machinery (shows the check can fail).
-    bad = dry_run("serve_dsv4_tp4.sh", {"DECODE_EXTRA_ARGS": "--cuda-graph-max-bs 16"}).stdout
-    jobs.append({"argv": server_argv(commands(bad)["decode"][1])})
+    # (appended here: the plan itself refuses it in DECODE_EXTRA_ARGS, as a prefix of --cuda-graph-max-bs-decode)
+    jobs.append({"argv": server_argv(commands(outputs["base"])["decode"][1]) + ["--cuda-graph-max-bs", "16"]})
     expect.append(("negative", "bad", "decode"))
     res = validate(python_child, jobs)
     assert len(res) == len(jobs)
@@ -303,12 +308,18 @@ def test_multi_node_plans(outputs):
     assert "health prefill (other host): http://10.1.0.1:30100/health" in outputs["mn_decode"]
 
 
-def test_dry_run_flag_equals_variable_and_needs_no_env():
+def test_dry_run_flag_equals_variable_and_prints_the_plan_without_the_env():
     a = dry_run("serve_dsv4_tp4.sh").stdout
     b = dry_run("serve_dsv4_tp4.sh", {"DRY_RUN": "1"}, args=()).stdout
     assert a == b
-    c = dry_run("serve_dsv4_mtp.sh", {"VENV": "/nonexistent-venv"})
+    # without the serving environment the plan is still printed, and the python check refuses as a start would
+    c = dry_run("serve_dsv4_mtp.sh", {"VENV": "/nonexistent-venv"}, check=False)
     assert "/nonexistent-venv/bin/python -m sglang.launch_server" in c.stdout
+    st = preflight_status(c.stdout)
+    assert c.returncode == 1 and st["python"] == "FAILED", c.stdout + c.stderr
+    assert st["router"] == st["profile"] == "not run (needs the python check, which failed)", st
+    assert c.stderr.splitlines()[0] == ("[serve] preflight: no python at /nonexistent-venv/bin/python: run `make setup` "
+                                        "or set VENV to the serving environment"), c.stderr
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -419,9 +430,10 @@ def test_dry_run_prints_commands_first_then_a_compact_environment(outputs):
     # the header, then the three commands, before any environment or setting line
     assert kinds[:4] == ["comment", "cmd", "cmd", "cmd"], base[:5]
     assert kinds.count("cmd") == 3
-    # settings: only those that differ from their defaults (the test sets VENV and RUN_DIR, nothing else)
+    # settings: only those that differ from their defaults (the test sets VENV, RUN_DIR, PREFLIGHT_SKIP, NVIDIA_SMI)
     settings = [x for x in base if x.startswith("setting ")]
-    assert settings == [f"setting VENV={VENV}", "setting RUN_DIR=/tmp/dsv4-dry-run-dir"], settings
+    assert settings == [f"setting VENV={VENV}", "setting RUN_DIR=/tmp/dsv4-dry-run-dir",
+                        "setting PREFLIGHT_SKIP=patches", "setting NVIDIA_SMI=/nonexistent/nvidia-smi"], settings
     fp8 = [x for x in outputs["fp8"].splitlines() if x.startswith("setting ")]
     assert "setting MAX_RUNNING=8" in fp8 and "setting FP8_GEMM_BACKEND=triton" in fp8, fp8
     assert "setting DECODE_EXTRA_ARGS='--chunked-prefill-size 4096'" in fp8, fp8
@@ -431,7 +443,7 @@ def test_dry_run_prints_commands_first_then_a_compact_environment(outputs):
     assert len(env_keys) == len(set(env_keys)) and "NCCL_PROTO" in env_keys, env_keys
     # the plan is compact; the preflight's lines follow it
     first = next(i for i, x in enumerate(base) if x.startswith(("preflight ", "# preflight")))
-    assert first < 30 and all(x.startswith(("preflight ", "# preflight")) for x in base[first:]), base
+    assert first < 32 and all(x.startswith(("preflight ", "# preflight")) for x in base[first:]), base
 
 
 def test_internal_variables_are_not_shown_as_settings(outputs):
@@ -490,18 +502,24 @@ def test_dry_run_runs_the_checks_that_need_no_gpu_and_lists_the_rest(outputs):
         st = preflight_status(outputs[name])
         assert set(st) == {"env", "python", *pf.CHECKS}, st
         assert st["env"] == "ok" and st["model"].startswith("ok (the published config.json"), st
+        assert st["python"] == st["ports"] == st["router"] == "ok" and st["patches"] == "skipped", st
         not_run = {k for k, v in st.items() if v.startswith("not run (dry run: ")}
-        assert not_run == {"python", "ports", "gpu", "patches", "nixl", "p2p", "ucx", "router", "profile"}, st
-    assert "the checks that need no GPU follow the plan" in outputs["base"].splitlines()[0]
+        # nvidia-smi does not answer here: gpu and profile wait for the start, as do the checks that move data
+        assert not_run == {"gpu", "nixl", "p2p", "ucx", "profile"}, st
+        assert st["gpu"] == ("not run (dry run: needs nvidia-smi, which does not answer here: /nonexistent/nvidia-smi "
+                             "not found)"), st
+    assert "the preflight's checks that need no GPU, NIXL or running server follow the plan" in \
+        outputs["base"].splitlines()[0]
     # a router-only host runs no server: nothing to read
     assert preflight_status(outputs["mn_decode"])["model"].startswith("ok (the published")
     r = dry_run("serve_dsv4_tp4.sh", {"NODE_ROLE": "router", "MODEL_PATH": "/nonexistent/ckpt"})
     assert preflight_status(r.stdout)["model"] == "ok (no server on this host)", r.stdout
     # PREFLIGHT_SKIP applies as at start; an unknown name is the start's configuration error
-    r = dry_run("serve_dsv4_tp4.sh", {"PREFLIGHT_SKIP": "model", "MODEL_PATH": "/nonexistent/ckpt"})
+    r = dry_run("serve_dsv4_tp4.sh", {"PREFLIGHT_SKIP": "model,patches", "MODEL_PATH": "/nonexistent/ckpt"})
     assert preflight_status(r.stdout)["model"] == "skipped"
     r = dry_run("serve_dsv4_tp4.sh", {"PREFLIGHT_SKIP": "gpus"}, check=False)
-    assert r.returncode == 2 and "PREFLIGHT_SKIP: unknown check(s) gpus" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "PREFLIGHT_SKIP='gpus' is not valid: unknown check(s) gpus" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
 def _model_dir(root: Path, kind: str) -> str:
@@ -580,3 +598,240 @@ def test_dry_run_passes_an_allocator_setting_without_expandable_segments():
     r = dry_run("serve_dsv4_tp4.sh", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                       "TRANSFER_BACKEND": "mooncake"})
     assert preflight_status(r.stdout)["env"] == "ok", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("script", ["serve_dsv4_tp4.sh", "serve_dsv4_mtp.sh"])
+def test_a_local_model_path_reaches_every_command_absolute(script, tmp_path):
+    """MODEL_PATH=out/nvfp4 (relative to where the command runs) or a quoted "~/..." would reach the servers, which
+    run in their run directory, unchanged: a path that does not exist there and reads as a Hub id. The plan passes
+    it on absolute: to both servers, the draft detection and the calibration command."""
+    work = tmp_path / "work"
+    ckpt = write_dsv4_config(work / "out" / "nvfp4")
+    for value, env in (("out/nvfp4", {}), ("./out/nvfp4", {}), ("~/out/nvfp4", {"HOME": str(work)})):
+        # (a config.json without weights: the dry run's model check would refuse it, rightly)
+        r = dry_run(script, {"MODEL_PATH": value, "CALIBRATE": "1", "PREFLIGHT_SKIP": "patches,model", **env},
+                    cwd=work)
+        cmds = commands(r.stdout)
+        for role in ("prefill", "decode"):
+            argv = cmds[role][1]
+            assert argv[argv.index("--model-path") + 1] == str(ckpt), (value, argv)
+        assert cmds["calibrate"][0]["MODEL_PATH"] == str(ckpt), (value, cmds["calibrate"])
+        assert f"setting MODEL_PATH={ckpt}" in r.stdout
+        if script == "serve_dsv4_mtp.sh":   # the draft was read from the checkout's config.json
+            assert f"# speculative decoding: EAGLE chosen from {ckpt}/config.json" in r.stdout, r.stdout
+    # a Hub id stays a Hub id
+    r = dry_run(script, {"MODEL_PATH": "deepseek-ai/DeepSeek-V4-Flash"}, cwd=work)
+    argv = commands(r.stdout)["decode"][1]
+    assert argv[argv.index("--model-path") + 1] == "deepseek-ai/DeepSeek-V4-Flash"
+
+
+def test_measure_gives_the_load_generator_an_absolute_tokenizer_path(tmp_path, monkeypatch):
+    """The load generator runs in the results directory: a relative --model / MODEL_PATH must reach it absolute."""
+    from dsv4_sm120.perf import measure
+
+    (tmp_path / "tok").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cmd = measure.bench_cmd("py", "http://r", "tok", 1, 8, 8, 4, "/o.jsonl", "random-ids", 1, 0)
+    assert cmd[cmd.index("--model") + 1] == cmd[cmd.index("--tokenizer") + 1] == str(tmp_path / "tok")
+    cmd = measure.bench_cmd("py", "http://r", "deepseek-ai/DeepSeek-V4-Flash", 1, 8, 8, 4, "/o", "random-ids", 1, 0)
+    assert cmd[cmd.index("--tokenizer") + 1] == "deepseek-ai/DeepSeek-V4-Flash"
+
+
+@pytest.mark.parametrize("kind", ["proc", "file", "under_file", "run_dir_proc"])
+def test_an_unwritable_log_dir_is_one_line_at_plan_time(kind, tmp_path):
+    """LOG_DIR=/proc/x/logs or a LOG_DIR that is a file: one line naming the path, exit 2, in the dry run and at a
+    start (which used to run every check and then die with a traceback from deploy.py)."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    var, value = {"proc": ("LOG_DIR", "/proc/dsv4-nonexistent/logs"), "file": ("LOG_DIR", str(f)),
+                  "under_file": ("LOG_DIR", str(f / "logs")),
+                  "run_dir_proc": ("RUN_DIR", "/proc/dsv4-nonexistent/run")}[kind]
+    for args in (("--dry-run",), ()):
+        env = {var: value, "DSV4_SM120_SERVE_STANDIN": "1"}
+        if var == "LOG_DIR":
+            env["RUN_DIR"] = ""
+        r = dry_run("serve_dsv4_tp4.sh", env, args=args, check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
+        assert lines[0].startswith(f"[serve] configuration error: {var}={value}: the run directory cannot go there"), lines
+        assert f"set {var} to a writable directory" in lines[0]
+        assert r.stdout == "", r.stdout        # nothing ran: not the plan, not a check
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]    # the probe left nothing
+
+
+OWNED_CASES = [  # (variable, extra args, variant, the variable the refusal names)
+    ("SERVER_EXTRA_ARGS", "--tp=2 --context-length 1024", "base", "PREFILL_GPUS / DECODE_GPUS"),
+    ("SERVER_EXTRA_ARGS", "--tp-size 2", "base", "PREFILL_GPUS / DECODE_GPUS"),
+    ("PREFILL_EXTRA_ARGS", "--tensor-parallel-size=8", "base", "PREFILL_GPUS / DECODE_GPUS"),
+    ("DECODE_EXTRA_ARGS", "--enable-metrics --context-length=1024", "base", "CONTEXT_LEN"),
+    ("SERVER_EXTRA_ARGS", "--context-len 1024", "base", "CONTEXT_LEN"),
+    ("DECODE_EXTRA_ARGS", "--mem-fraction-static 0.95", "base", "MEM_FRACTION"),
+    ("SERVER_EXTRA_ARGS", "--model-path /x", "base", "MODEL_PATH"),
+    ("PREFILL_EXTRA_ARGS", "--model=/x", "base", "MODEL_PATH"),
+    ("DECODE_EXTRA_ARGS", "--port 1234", "base", "PREFILL_PORT / DECODE_PORT"),
+    ("SERVER_EXTRA_ARGS", "--host=0.0.0.0", "base", "PREFILL_HOST / DECODE_HOST"),
+    ("DECODE_EXTRA_ARGS", "--base-gpu-id 2", "base", "PREFILL_GPUS / DECODE_GPUS"),
+    ("PREFILL_EXTRA_ARGS", "--disaggregation-mode decode", "base", "NODE_ROLE"),
+    ("PREFILL_EXTRA_ARGS", "--disaggregation-bootstrap-port=9000", "base", "BOOTSTRAP_PORT"),
+    ("SERVER_EXTRA_ARGS", "--disaggregation-transfer-backend mooncake", "base", "TRANSFER_BACKEND"),
+    ("DECODE_EXTRA_ARGS", "--max-running-requests 64", "base", "MAX_RUNNING"),
+    ("DECODE_EXTRA_ARGS", "--cuda-graph-max-bs-decode=64", "base", "MAX_RUNNING"),
+    ("PREFILL_EXTRA_ARGS", "--max-running-requests 64", "base", "PREFILL_MAX_RUNNING"),
+    ("PREFILL_EXTRA_ARGS", "--chunked-prefill-size 4096", "base", "CHUNKED_PREFILL_SIZE"),
+    ("SERVER_EXTRA_ARGS", "--served-model-name x", "base", "SERVED_MODEL_NAME"),
+    ("SERVER_EXTRA_ARGS", "--fp8-gemm-backend=triton", "base", "FP8_GEMM_BACKEND"),
+    ("SERVER_EXTRA_ARGS", "--speculative-num-steps 5", "mtp", "SPEC_NUM_STEPS"),
+    ("DECODE_EXTRA_ARGS", "--speculative-algorithm=DSPARK", "mtp", "SPEC_ALGORITHM"),
+    ("ROUTER_EXTRA_ARGS", "--port=1", "base", "ROUTER_PORT"),
+    ("ROUTER_EXTRA_ARGS", "--prometheus-port 1", "base", "ROUTER_PROMETHEUS_PORT"),
+    ("ROUTER_EXTRA_ARGS", "--decode http://x:1", "base", "DECODE_HOST / DECODE_PORT"),
+]
+
+
+@pytest.mark.parametrize("var,extra,variant,names", OWNED_CASES)
+def test_extra_args_may_not_pass_flags_the_plan_sets(var, extra, variant, names):
+    """*_EXTRA_ARGS come after the plan's flags and SGLang keeps the last value: TP2 on four GPUs, CONTEXT_LEN's
+    range check bypassed. Refused, in both forms and abbreviated, naming the variable to set instead."""
+    script = "serve_dsv4_mtp.sh" if variant == "mtp" else "serve_dsv4_tp4.sh"
+    r = dry_run(script, {var: extra}, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    flag = next(t for t in shlex.split(extra) if t.startswith("--") and t != "--enable-metrics").split("=")[0]
+    assert lines[0].startswith(f"[serve] configuration error: {var} passes {flag}, ") and names in lines[0], lines
+
+
+def test_extra_args_the_plan_does_not_set_pass_through():
+    out = dry_run("serve_dsv4_tp4.sh", {"SERVER_EXTRA_ARGS": "--moe-runner-backend=triton --enable-metrics",
+                                        "DECODE_EXTRA_ARGS": "--numa-node 1 1 1 1 --chunked-prefill-size 4096",
+                                        "PREFILL_EXTRA_ARGS": "--speculative-algorithm NGRAM",
+                                        "ROUTER_EXTRA_ARGS": "--policy round_robin"}).stdout
+    cmds = commands(out)
+    dec = cmds["decode"][1]
+    assert dec[-9:] == ["--moe-runner-backend=triton", "--enable-metrics", "--numa-node", "1", "1", "1", "1",
+                        "--chunked-prefill-size", "4096"], dec
+    assert dec.count("--numa-node") == 1           # the user's, not the plan's as well
+    assert cmds["prefill"][1][-2:] == ["--speculative-algorithm", "NGRAM"]
+    assert cmds["router"][1][-2:] == ["--policy", "round_robin"]
+
+
+OWNED_VS_PARSERS = textwrap.dedent(r"""
+    import argparse, json, sys
+    from sglang.srt.server_args import ServerArgs
+    from sglang_router.router_args import RouterArgs
+    from dsv4_sm120.serving import extra_args as X
+    server = argparse.ArgumentParser(); ServerArgs.add_cli_args(server)
+    router = argparse.ArgumentParser(); RouterArgs.add_cli_args(router, use_router_prefix=False)
+    out = {}
+    for name, parser, owned in (("server", server, set(X.SERVER_BOTH) | set(X.SPECULATIVE)
+                                 | {f for d in X.SERVER_ROLE.values() for f in d}),
+                                ("router", router, set(X.ROUTER))):
+        by_dest = {}
+        for a in parser._actions:
+            by_dest.setdefault(a.dest, set()).update(o for o in a.option_strings if o.startswith("--"))
+        unknown = sorted(f for f in owned if not any(f in opts for opts in by_dest.values()))
+        aliases = sorted(o for opts in by_dest.values() if opts & owned for o in opts - owned)
+        # a full option the plan does not own that is a prefix of one it does would be refused by mistake
+        shadowed = sorted(o for opts in by_dest.values() for o in opts - owned if any(f.startswith(o) for f in owned))
+        out[name] = {"unknown": unknown, "aliases": aliases, "shadowed": shadowed}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_owned_flags_are_every_alias_the_real_parsers_know(python_child):
+    r = python_child(OWNED_VS_PARSERS, env=dict(os.environ, PYTHONPATH=str(REPO / "overlay")), cwd="/tmp")
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, r.stderr[-3000:]
+    res = json.loads(line[-1][len("RESULT"):])
+    for name in ("server", "router"):
+        assert res[name] == {"unknown": [], "aliases": [], "shadowed": []}, (name, res[name])
+
+
+def fake_smi(d: Path, n: int = 8) -> str:
+    """An nvidia-smi that answers the serving code's queries for n RTX PRO 6000s (tests/pcie_box.py's table)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from pcie_box import BUS, SMI_TABLE
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "table.txt").write_text("\n".join(SMI_TABLE.splitlines()[:n]) + "\n")
+    (d / "names.txt").write_text("".join(f"{i}, NVIDIA RTX PRO 6000 Blackwell Server Edition\n" for i in range(n)))
+    (d / "bus.txt").write_text("".join(f"{i}, {BUS[i]}\n" for i in range(n)))
+    smi = d / "nvidia-smi"
+    smi.write_text(f"""#!/bin/sh
+case "$*" in
+  *index,pci.bus_id*) cat "{d}/bus.txt" ;;
+  *index,name,compute_cap*) cat "{d}/table.txt" ;;
+  *query-gpu=index,name*) cat "{d}/names.txt" ;;
+  *query-gpu=name*) echo "NVIDIA RTX PRO 6000 Blackwell Server Edition" ;;
+  *) echo "unexpected: $*" >&2; exit 9 ;;
+esac
+""")
+    smi.chmod(0o755)
+    return str(smi)
+
+
+def _listening_port():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("case", ["busy_port", "gpu_past_the_list", "no_weights", "unpatched"])
+def test_dry_run_fails_on_what_it_can_see_without_a_gpu(case, tmp_path):
+    """A busy port (a bind test), GPU 9 where nvidia-smi answers with 8, a checkpoint directory without
+    *.safetensors, an unpatched SGLang (the test environment's own): each passed the dry run (exit 0) though a start
+    refuses it. Now the dry run refuses them, with the start's own line."""
+    sock = _listening_port() if case == "busy_port" else None
+    try:
+        env = {"busy_port": {"ROUTER_PORT": str(sock.getsockname()[1]) if sock else ""},
+               "gpu_past_the_list": {"NVIDIA_SMI": fake_smi(tmp_path / "smi"), "DECODE_GPUS": "4,5,6,9"},
+               "no_weights": {"MODEL_PATH": str(write_dsv4_config(tmp_path / "ckpt"))},
+               "unpatched": {"PREFLIGHT_SKIP": ""}}[case]
+        r = dry_run("serve_dsv4_tp4.sh", env, check=False)
+        plan = build_plan({"VENV": VENV, "RUN_DIR": str(tmp_path / "run"), "NVIDIA_SMI": "/nonexistent/nvidia-smi",
+                           **env}, "base")
+        check = {"busy_port": "ports", "gpu_past_the_list": "gpu", "no_weights": "model", "unpatched": "patches"}[case]
+        want = pf.RUNNERS[check](plan)
+        want = want[0] if isinstance(want, tuple) else want
+    finally:
+        if sock:
+            sock.close()
+    assert len(want) == 1, want                    # the start's line, from the same check function
+    needle = {"busy_port": "is already in use", "gpu_past_the_list": "decode: GPU 9 not found (nvidia-smi lists 8 "
+              "GPU(s): 0,1,2,3,4,5,6,7)", "no_weights": "no *.safetensors weights",
+              "unpatched": "is not patched: run `make apply-patches`"}[case]
+    assert needle in want[0], want
+    assert r.returncode == 1 and "Traceback" not in r.stderr, (r.returncode, r.stdout[-2000:], r.stderr)
+    assert r.stderr.splitlines() == [f"[serve] preflight: {want[0]}",
+                                     "[serve] dry run: 1 preflight failure(s); a start with these settings would refuse"]
+    st = preflight_status(r.stdout)
+    assert st[check] == "FAILED", st
+    # "not run" is left for what needs the GPUs moving data, NIXL, or a failed check it depends on
+    not_run = {k for k, v in st.items() if v.startswith("not run")}
+    assert not_run <= {"gpu", "profile", "nixl", "p2p", "ucx"}, st
+    if case == "gpu_past_the_list":
+        assert st["p2p"] == st["ucx"] == st["profile"] == "not run (needs the gpu check, which failed)", st
+
+
+def test_dry_run_runs_the_gpu_and_profile_checks_where_nvidia_smi_answers(tmp_path):
+    """With nvidia-smi answering, gpu and profile run in the dry run too, and nothing reaches stderr unprefixed
+    (the machine profile lookup used to log "dsv4_sm120 profile: no profile ..." there)."""
+    r = dry_run("serve_dsv4_tp4.sh", {"NVIDIA_SMI": fake_smi(tmp_path / "smi"),
+                                      "DSV4_SM120_PROFILE_DIR": str(tmp_path / "no-profiles")})
+    st = preflight_status(r.stdout)
+    lines = r.stdout.splitlines()
+    assert "preflight gpu: ok" in lines and "preflight profile: ok" in lines, r.stdout
+    assert any(x.startswith("preflight profile: WARNING: no matching machine profile for NVIDIA RTX PRO 6000")
+               for x in r.stdout.splitlines()), r.stdout
+    assert {k for k, v in st.items() if v.startswith("not run")} == {"nixl", "p2p", "ucx"}, st
+    assert r.stderr == "", r.stderr
+    assert "needs nvidia-smi" not in r.stdout
+
+
+def test_the_mtp_script_names_the_closest_published_id():
+    r = dry_run("serve_dsv4_mtp.sh", {"MODEL_PATH": "deepseek-ai/DeepSeek-V4-Flsh"}, check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "[serve] configuration error: MODEL_PATH=deepseek-ai/DeepSeek-V4-Flsh is not in the local Hugging Face cache "
+        "nor a published checkpoint: did you mean deepseek-ai/DeepSeek-V4-Flash?"], r.stderr

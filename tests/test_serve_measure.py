@@ -104,7 +104,10 @@ def test_measure_and_profile_end_to_end_through_router_and_standins(env, tmp_pat
         assert "--max-concurrency" in run["command"] and run["command"][run["command"].index("--max-concurrency") + 1] == str(run["concurrency"])
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.txt").read_text()
-    assert "TTFT p99 ms" in table and len(table.strip().splitlines()) == 3
+    assert "TTFT p99 ms" in table and len(table.strip().splitlines()) == 4
+    # a rehearsal against stand-ins says so in every output's title, not only in results.json
+    assert table.splitlines()[0] == measure.STANDIN_TITLE and res["standin"] is True
+    assert f"measure: {measure.STANDIN_TITLE}" in m.stdout and "(stand-in servers: a rehearsal" in m.stdout
     assert "tok/s/user" in m.stdout
     assert c.returncode == 0, c.stdout + c.stderr
     check_capture(env, prof, c.stdout)
@@ -355,3 +358,70 @@ def test_stop_after_measure_is_quick(env, tmp_path):
     sup_log = "".join(p.read_text() for p in Path(env["LOG_DIR"]).glob("*/supervisor.log"))
     assert "SIGKILL" not in s.stdout + sup_log, s.stdout + sup_log[-3000:]
     assert took < 10, (took, s.stdout)
+
+
+STANDIN_LOADGEN = r'''
+import json, os, sys
+argv = sys.argv[1:]
+if argv[:1] == ["-c"]:
+    print("{}")
+    sys.exit(0)
+opt = lambda k: argv[argv.index(k) + 1]
+tok = opt("--tokenizer")
+assert os.path.isabs(tok) and os.path.isfile(os.path.join(tok, "tokenizer.json")), tok
+from transformers import AutoTokenizer
+assert AutoTokenizer.from_pretrained(tok).encode("w1 w2", add_special_tokens=False) == [1, 2]
+n = int(opt("--num-prompts"))
+res = {"completed": n, "output_throughput": 6100.0, "median_tpot_ms": 1.0, "median_ttft_ms": 5.0, "p99_ttft_ms": 9.0}
+open(opt("--output-file"), "w").write(json.dumps(res) + "\n")
+'''
+
+
+@pytest.mark.parametrize("standin", [True, False])
+def test_a_standin_rehearsal_says_so_and_needs_no_tokenizer_download(tmp_path, monkeypatch, capsys, standin):
+    """Against stand-ins (the servers say so in /server_info) the table, table.txt, the plot's title and
+    results.json say "stand-in"; with the default MODEL_PATH not downloadable (offline) measure writes a word-level
+    tokenizer of its own instead of refusing. Against real servers neither happens."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"standin": standin} if self.path in ("/server_info", "/get_server_info") else {})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    fake_py = tmp_path / "fakepython"
+    fake_py.write_text(f"#!{sys.executable}\n" + STANDIN_LOADGEN)
+    fake_py.chmod(0o755)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("MODEL_PATH", raising=False)
+    out = tmp_path / "out"
+    try:
+        rc = measure.main(["--router", f"http://127.0.0.1:{httpd.server_address[1]}", "--concurrency", "2",
+                           "--python", str(fake_py), "--out-dir", str(out), "--log-dir", str(tmp_path / "nologs")])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    cap = capsys.readouterr()
+    if not standin:
+        assert rc == 2 and "the load generator needs the tokenizer of deepseek-ai/DeepSeek-V4-Flash" in cap.err
+        assert "STAND-IN" not in cap.out + cap.err
+        return
+    assert rc == 0, cap.out + cap.err
+    res = json.loads((out / "results.json").read_text())
+    assert res["standin"] is True and res["model"] == str(out / "standin-tokenizer")
+    table = (out / "table.txt").read_text().splitlines()
+    assert table[0] == measure.STANDIN_TITLE and "6100.0" in table[-1]
+    printed = cap.out.splitlines()
+    assert printed.index(measure.STANDIN_TITLE) < printed.index(table[1])     # the printed table's title
+    assert "word-level stand-in tokenizer written to" in cap.out
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"

@@ -61,8 +61,9 @@ def plan_text(tmp_path, profile_dir, **kv):
     if not smi.exists():
         smi.parent.mkdir()
         make_smi(smi)
+    # config.json-only checkpoints (their shard headers are the model check's own tests)
     env = {"NVIDIA_SMI": str(smi), "DSV4_SM120_PROFILE_DIR": str(profile_dir), "FP8_GEMM_BACKEND": "cutlass", "NUMA_BIND": "0",
-           "DSV4_SM120_SERVE_SYSFS_ROOT": str(tmp_path / "nosysfs")}
+           "DSV4_SM120_SERVE_SYSFS_ROOT": str(tmp_path / "nosysfs"), "PREFLIGHT_SKIP": "patches,model"}
     env.update(kv)
     return dry_run("serve_dsv4_tp4.sh", env).stdout
 
@@ -179,7 +180,7 @@ def test_hub_id_format_comes_from_the_hugging_face_cache_or_gets_no_flag(tmp_pat
     save_profile(d, {1: "marlin", 4: "marlin"}, P.running_versions())
     hub = tmp_path / "hf" / "hub"
     repo = "someone/DeepSeek-V4-Flash-NVFP4"
-    kv = {"HF_HOME": str(tmp_path / "hf"), "MODEL_PATH": repo}
+    kv = {"HF_HOME": str(tmp_path / "hf"), "MODEL_PATH": repo, "PREFLIGHT_SKIP": "patches"}   # a Hub id: no shards read
 
     out = plan_text(tmp_path, d, **kv)                                   # not downloaded: format unknown
     assert moe_args(out) == {"prefill": [], "decode": []}, out

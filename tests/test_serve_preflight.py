@@ -263,8 +263,10 @@ def test_preflight_skip_and_standin_defaults():
     assert pf.skipped_checks(plan_for(DSV4_SM120_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl", "p2p", "ucx"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="p2p,ucx,numa")) == ["p2p", "ucx", "numa"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpu, nixl")) == ["gpu", "nixl"]
-    with pytest.raises(ValueError):
-        pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpus"))
+    from dsv4_sm120.serving.plan import ConfigError
+
+    with pytest.raises(ConfigError, match="PREFLIGHT_SKIP='gpus' is not valid: unknown check"):
+        plan_for(PREFLIGHT_SKIP="gpus")
 
 
 def test_run_preflight_collects_one_line_per_failure(tmp_path):
@@ -512,3 +514,55 @@ def test_numa_note_and_single_host_ucx_pinning_in_the_run(tmp_path):
     multi = plan_for(PREFILL_HOST="10.0.0.1", DECODE_HOST="10.0.0.2")
     assert all("UCX_NET_DEVICES" not in x.env for x in multi.procs)
     assert pc.server_env(p, {})["UCX_NET_DEVICES"] == "lo" and "CUDA_VISIBLE_DEVICES" not in pc.server_env(p, {})
+
+
+def test_checks_that_need_the_gpu_check_wait_for_it(tmp_path):
+    """A box with no NVIDIA driver: one cause, one failure. p2p, ucx and profile say they need the gpu check instead
+    of failing on their own (they used to report three failures for it)."""
+    p = plan_for(PREFLIGHT_SKIP="patches,nixl,model,ports,router")
+    said = []
+    out = pf.run_preflight(p, say=said.append)
+    assert out == ["nvidia-smi not found (/nonexistent/nvidia-smi): no NVIDIA driver on this host?"], out
+    for name in ("p2p", "ucx", "profile"):
+        assert f"preflight {name}: not run (needs the gpu check, which failed)" in said, said
+    # skipping the gpu check is the user's call: the checks that need it then run (here: profile, which warns)
+    said.clear()
+    p = plan_for(PREFLIGHT_SKIP="gpu,patches,nixl,model,ports,router,ucx,p2p")
+    assert pf.run_preflight(p, say=said.append) == [] and "preflight profile: ok" in said, said
+
+
+@pytest.mark.parametrize("model,want", [
+    ("deepseek-ai/DeepSeek-V4-Flsh", "did you mean deepseek-ai/DeepSeek-V4-Flash?"),
+    ("deepseek-ai/deepseek-v4-flash", "did you mean deepseek-ai/DeepSeek-V4-Flash?"),
+    ("deepseek-ai/DeepSeek-V4-Flash-0730", "did you mean deepseek-ai/DeepSeek-V4-Flash-0731?"),
+    ("deepseek-ai/DeepSek-V4-Flash-0731", "did you mean deepseek-ai/DeepSeek-V4-Flash-0731?"),
+    ("someorg/DeepSeek-V4-Flash-finetune", None),
+    ("deepseek-ai/DeepSeek-V4-Pro", None),
+])
+def test_a_hub_id_nothing_knows_is_named_and_a_typo_refused(model, want, tmp_path, monkeypatch):
+    """A Hub id that is neither cached nor published: within two edits (or a case change) of a published one it is
+    almost surely a typo and refused, naming the closest id; otherwise a download is plausible and the model check
+    warns (the start goes on)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.chdir(tmp_path)
+    p = plan_for(MODEL_PATH=model, PREFLIGHT_SKIP="ports,gpu,patches,nixl,numa,p2p,ucx,router,profile")
+    said = []
+    out = pf.run_preflight(p, say=said.append)
+    if want:
+        assert out == [f"MODEL_PATH={model} is not in the local Hugging Face cache nor a published checkpoint: {want}"]
+        assert "preflight model: FAILED" in said
+    else:
+        assert out == [] and "preflight model: ok" in said, (out, said)
+        (warning,) = [x for x in said if x.startswith("preflight model: WARNING: ")]
+        assert f"MODEL_PATH={model} is neither in the local Hugging Face cache nor a published checkpoint" in warning
+        assert "SGLang downloads it at start" in warning
+
+
+def test_a_missing_local_path_that_reads_as_a_hub_id_is_refused(tmp_path, monkeypatch):
+    """MODEL_PATH=out/nvfp4 run from a directory where out/ exists but out/nvfp4 does not: a local path, not a Hub id."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    out = pf.check_model(plan_for(MODEL_PATH="out/nvfp4"))
+    assert out == [f"MODEL_PATH=out/nvfp4 does not exist here ({tmp_path / 'out'} does: a local path?) and is not a "
+                   f"Hugging Face id in the local cache nor a published checkpoint"], out

@@ -75,9 +75,10 @@ def test_calibrate_in_the_plan_the_dry_run_and_before_the_checks(tmp_path):
     assert plan.calibrate_env == {"CUDA_VISIBLE_DEVICES": "5", "DECODE_GPUS": "5,6", "MODEL_PATH": "/models/v4"}
     assert plan_for().calibrate_argv == [] and plan_for(CALIBRATE="1", NODE_ROLE="router").calibrate_argv == []
     assert plan_for(CALIBRATE="1", NODE_ROLE="prefill").calibrate_env["DECODE_GPUS"] == "0,1,2,3"
-    # the serve script's dry run shows the command (its model check skipped: /models/v4 exists on no test machine)
+    # the serve script's dry run shows the command (its model check skipped: /models/v4 exists on no test machine;
+    # the test environment's SGLang is not patched)
     env = dict(os.environ, VENV=VENV, CALIBRATE="1", DECODE_GPUS="4,5,6,7", MODEL_PATH="/models/v4",
-               RUN_DIR=str(tmp_path / "run"), FP8_GEMM_BACKEND="cutlass", PREFLIGHT_SKIP="model")
+               RUN_DIR=str(tmp_path / "run"), FP8_GEMM_BACKEND="cutlass", PREFLIGHT_SKIP="model,patches,ports")
     out = subprocess.run([str(REPO / "serve" / "serve_dsv4_tp4.sh"), "--dry-run"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr

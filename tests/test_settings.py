@@ -80,7 +80,7 @@ def test_typed_values_and_defaults():
         S.get(S.PREFIX + "NO_SUCH")
 
 
-TYPED = [n for n, s in S._BY_NAME_OURS.items() if s.kind in ("choice", "bool", "int", "float")]
+TYPED = [n for n, s in S.registry().items() if s.kind in ("choice", "bool", "autobool", "int", "float")]
 
 
 @pytest.mark.parametrize("name", TYPED)
@@ -98,6 +98,47 @@ def test_bad_value_is_one_line_naming_variable_and_valid_values(name):
         low = s.minimum if s.above else s.minimum - 1
         with pytest.raises(S.SettingsError, match="out of range"):
             S.get(name, {name: str(int(low) if s.kind == "int" else low)})
+    if s.maximum is not None:
+        high = int(s.maximum) + 1 if s.kind == "int" else s.maximum + 0.005
+        with pytest.raises(S.SettingsError, match="out of range"):
+            S.get(name, {name: str(high)})
+        assert S.get(name, {name: str(int(s.maximum) if s.kind == "int" else s.maximum)}) == s.maximum
+
+
+def test_serve_variables_are_typed_with_the_ranges_the_plan_enforces():
+    """The serve parameters the plan reads as numbers, switches or lists are declared so, with their ranges (the table
+    shows them); the plan reads them through the registry and refuses what it refuses."""
+    from dsv4_sm120.serving.plan import ConfigError, build_plan
+
+    kinds = {n: S.setting(n).kind for n in VARIABLES}
+    for n in ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT", "ROUTER_PROMETHEUS_PORT"):
+        s = S.setting(n)
+        assert (s.kind, s.minimum, s.maximum) == ("int", 1, 65535) and s.describe_values() == "integer 1..65535", n
+    assert S.setting("CONTEXT_LEN").describe_values() == "integer 256..2097152"
+    assert S.setting("MEM_FRACTION").describe_values() == "number > 0, <= 0.99"
+    assert S.setting("MAX_RUNNING").describe_values() == "integer 1..4096"
+    for n in ("DETACH", "DRY_RUN", "CALIBRATE", "NUMA_BIND", "DSV4_SM120_SERVE_STANDIN"):
+        assert kinds[n] == "bool", n
+    assert kinds["WARMUP"] == "autobool" and kinds["FP8_GEMM_BACKEND"] == "choice"
+    base = {"VENV": sys.executable.rsplit("/bin/", 1)[0], "RUN_DIR": "/tmp/dsv4-settings-plan",
+            "NVIDIA_SMI": "/nonexistent/nvidia-smi"}
+    for name, bad in (("PREFILL_PORT", "0"), ("ROUTER_PORT", "65536"), ("CONTEXT_LEN", "255"), ("MEM_FRACTION", "0"),
+                      ("DECODE_MEM_FRACTION", "1.5"), ("MAX_RUNNING", "4097"), ("PREFILL_MAX_RUNNING", "0"),
+                      ("DETACH", "no thanks"), ("DRY_RUN", "2"), ("WARMUP", "sometimes"), ("NUMA_BIND", "yes please"),
+                      ("HEALTH_TIMEOUT_S", "0"), ("SUPERVISE_HEALTH_FAILS", "-1"), ("TRANSFER_BACKEND", "carrier-pigeon"),
+                      ("SPEC_NUM_STEPS", "17"), ("MODEL_PATH", "")):
+        with pytest.raises(ConfigError) as e:
+            build_plan(dict(base, **{name: bad}))
+        msg = str(e.value)
+        s = S.setting(name)
+        assert "\n" not in msg and msg.startswith(f"{name}"), msg
+        assert (s._range() if s.kind in ("int", "float") else "") in msg, msg
+    assert str(pytest.raises(ConfigError, build_plan, dict(base, MODEL_PATH="")).value).startswith(
+        "MODEL_PATH is set but empty")
+    p = build_plan(dict(base, PREFILL_PORT="65535", DECODE_MEM_FRACTION="0.99", WARMUP="yes", NUMA_BIND="off"))
+    assert p.value("WARMUP") is True and p.value("NUMA_BIND") is False and p.urls["prefill"].endswith(":65535")
+    dec = next(x for x in p.procs if x.role == "decode").argv
+    assert dec[dec.index("--mem-fraction-static") + 1] == "0.99"
 
 
 def test_free_form_values_are_checked():
@@ -205,10 +246,24 @@ def test_modules_read_registered_variables_only_through_the_registry():
     assert not bad, "\n".join(bad)
 
 
-def test_readme_table_is_the_registry_listing():
-    table = S.readme_table((REPO / "README.md").read_text())
-    assert table is not None, "README.md lost its settings markers"
-    assert table == S.markdown(), "README.md's settings table is stale: python -m dsv4_sm120.settings --write-readme"
+def test_generated_tables_are_the_registry_listing():
+    """README.md, docs/serving.md and docs/DEVELOPING.md each carry their generated table, and every setting is in
+    exactly one of them: what a user sets on the front page, the serve parameters (with kinds and ranges) beside
+    the serve scripts, internal and test hooks in the developer's guide."""
+    assert set(S.TABLES) == {"README.md", "docs/serving.md", "docs/DEVELOPING.md"}
+    listed = []
+    for rel, readers in S.TABLES.items():
+        table = S.readme_table((REPO / rel).read_text())
+        assert table is not None, f"{rel} lost its settings markers"
+        assert table == S.markdown(readers), \
+            f"{rel}'s settings table is stale: PYTHONPATH=overlay python3 -m dsv4_sm120.settings --write-readme"
+        listed += re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \|", table, re.M)
+    assert sorted(listed) == sorted(S.registry()), sorted(set(S.registry()) ^ set(listed))
+    readme = S.readme_table((REPO / "README.md").read_text())
+    assert "DSV4_SM120_TEST_" not in readme and "DSV4_SM120_STANDIN_" not in readme and "`MODEL_PATH`" not in readme
+    serving = S.readme_table((REPO / "docs" / "serving.md").read_text())
+    assert "| `PREFILL_PORT` | integer 1..65535 | `30100` |" in serving
+    assert "| `DETACH` | 0 \\| 1 | `0` |" in serving
 
 
 # ---- the command
@@ -236,6 +291,8 @@ def test_cli_lists_checks_and_writes(tmp_path):
     readme.write_text(f"# x\n{S.README_BEGIN}\n| stale |\n{S.README_END}\ntail\n")
     r = _cli("--write-readme", str(readme))
     assert r.returncode == 0 and S.readme_table(readme.read_text()) == S.markdown()
+    # a file of the checkout gets its own table (docs/serving.md: the serve parameters)
+    assert S.table_for(REPO / "docs" / "serving.md") == S.markdown(("serve",)) != S.markdown()
     assert readme.read_text().endswith("tail\n")
     (tmp_path / "plain.md").write_text("no markers\n")
     r = _cli("--write-readme", str(tmp_path / "plain.md"))

@@ -124,3 +124,52 @@ def test_readme_defaults_match_the_code():
     for k in ("MODEL_PATH", "PREFILL_GPUS", "DECODE_GPUS", "CONTEXT_LEN", "MEM_FRACTION", "MAX_RUNNING",
               "LOG_DIR", "NODE_ROLE", "DETACH", "DRY_RUN"):
         assert k in VARIABLES and f"`{k}" in README, k
+
+
+# ---- set-up times, stale names, commands that only work inside the environment
+
+DOCS = {"README.md": README, **{f"docs/{p.name}": p.read_text() for p in sorted((REPO / "docs").glob("*.md"))},
+        "configs/README.md": (REPO / "configs" / "README.md").read_text()}
+FIXED_TIME = re.compile(r"(?:\babout|~|\btook)\s*\d+(?:\.\d+)?\s*(?:s|seconds?|minutes?)\b", re.I)
+
+
+def test_set_up_times_are_a_range_and_measured():
+    """A single set-up time ("took 113 s", "about 100 s") is wrong on most boxes: the texts state a range and what it
+    depends on, and `make setup` ends with the time it measured."""
+    setup = (REPO / "scripts" / "setup_env.sh").read_text()
+    texts = {"scripts/setup_env.sh": setup, "docs/setup.md": DOCS["docs/setup.md"],
+             "README.md": "\n\n".join(p for p in README.split("\n\n") if re.search(r"make setup|\.pyc|set-up", p))}
+    for name, text in texts.items():
+        hits = FIXED_TIME.findall(text)
+        assert not hits, (name, hits)
+    assert 'say "environment $venv ready in $(elapsed)' in setup
+    for text in (texts["README.md"], DOCS["docs/setup.md"]):
+        assert "depends on the CPU" in text or "depending on the CPU" in text, text[:400]
+
+
+def test_docs_run_our_modules_the_way_that_works():
+    """`python -m dsv4_sm120...` fails outside the environment: docs write `.venv/bin/python -m ...` (or
+    `$VENV/bin/python`, or, for developers, `PYTHONPATH=overlay python3 -m ...`)."""
+    ok = re.compile(r"(?:\.venv/bin/python|\$VENV/bin/python|PYTHONPATH=overlay python3) -m dsv4_sm120")
+    for name, text in DOCS.items():
+        for m in re.finditer(r"[^\s`(]*\s?python3? -m dsv4_sm120", text):
+            line = text[:m.end()].rsplit("\n", 1)[-1]
+            assert ok.search(line[-60:]), (name, line)
+
+
+def test_developer_docs_and_scripts_name_files_that_exist():
+    dev = DOCS["docs/DEVELOPING.md"]
+    assert "`convert_nvfp4/`" in dev and "convert_nvfp4.py" not in dev
+    assert "declared in `serving/plan.py`" not in dev and "`serve_variables.py`" in dev
+    for name in re.findall(r"\b([a-z_]+\.py)\b", (REPO / "serve" / "lib.sh").read_text()):
+        assert (REPO / "overlay" / "dsv4_sm120" / "serving" / name).is_file(), f"serve/lib.sh names {name}"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+@pytest.mark.parametrize("target", ["patch-status", "apply-patches", "revert-patches"])
+def test_patch_targets_without_an_environment_name_the_make_variable(target, tmp_path):
+    r = subprocess.run(["make", "-s", "--no-print-directory", target, f"VENV={tmp_path}/none"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and f"no environment at {tmp_path}/none" in out and "make setup" in out, out
+    assert "--python" not in out and "Traceback" not in out, out

@@ -120,6 +120,15 @@ def csv_line(subject: str, row: Dict[str, str]) -> str:
     return _line([row.get(c, "") for c in columns(subject)]).rstrip("\n")
 
 
+def user_results(subject: str) -> Path:
+    """Where a bench driver appends its rows by default: ``DSV4_SM120_CACHE/bench/<subject>.csv``, outside the
+    tracked tree. The project's own recorded rows (``bench/results/<subject>.csv``) are written by passing them
+    (``--results bench/results/<subject>.csv``, ``make bench-<subject> BENCH_OUT=bench/results``)."""
+    from dsv4_sm120 import settings
+
+    return Path(settings.get("DSV4_SM120_CACHE")) / "bench" / f"{subject}.csv"
+
+
 def append_rows(path, subject: str, rows: Iterable[Dict[str, object]]) -> int:
     """Append ``rows`` (dicts of :func:`make_row` fields) to the results file ``path``, creating it (with its
     header) if needed; returns the number of rows written. A file whose header is not ``subject``'s raises

@@ -51,6 +51,17 @@ def is_hf_id(model_path: str) -> bool:
     return not model_path.startswith(("/", ".", "~")) and bool(HF_ID.match(model_path))
 
 
+def absolute_if_local(model_path: str) -> str:
+    """``model_path`` as a process that runs elsewhere must get it: a local path (one that exists here, or one written
+    as a path: starting with ``/``, ``.`` or ``~``) absolute against the current directory, ``~`` expanded; anything
+    else (a Hugging Face id) unchanged. The servers run in their run directory, where a relative ``out/nvfp4`` would
+    not exist and would read as a Hub id."""
+    expanded = os.path.expanduser(model_path)
+    if model_path and (model_path.startswith(("/", ".", "~")) or os.path.exists(expanded)):
+        return os.path.abspath(expanded)
+    return model_path
+
+
 def hub_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
     """The Hugging Face hub cache directory, resolved the way huggingface_hub resolves it."""
     env = os.environ if environ is None else environ
@@ -107,6 +118,14 @@ class ModelConfig:
                     f"expected deepseek_v4 (this deployment serves DeepSeek-V4 checkpoints)"]
         return []
 
+    def warnings(self) -> List[str]:
+        """What the model check says without refusing: a Hub id nothing here knows (a download is plausible)."""
+        if self.where != "hub" or self.problem:
+            return []
+        return [f"WARNING: MODEL_PATH={self.model_path} is neither in the local Hugging Face cache nor a published "
+                f"checkpoint this plan knows ({', '.join(PUBLISHED)}): SGLang downloads it at start, and nothing here "
+                f"checks that it is a DeepSeek-V4 checkpoint"]
+
     @property
     def moe_format(self) -> Optional[str]:
         """``nvfp4`` / ``mxfp4`` of the routed experts, or None when unknown here (config.json not read or unusable,
@@ -133,6 +152,35 @@ def _load(model_path: str, f: Path, label: str) -> tuple:
     return cfg, None
 
 
+def _distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+TYPO_DISTANCE = 2
+
+
+def unknown_hub_id_problem(model_path: str) -> Optional[str]:
+    """Why a Hub id that is neither cached nor published is almost surely a mistake (None: a download is plausible):
+    it differs from a published id only in case or by at most ``TYPO_DISTANCE`` characters (a typo), or its first
+    part is a local directory (a local path that does not exist, e.g. ``out/nvfp4`` run from the wrong place)."""
+    for known in PUBLISHED:
+        if model_path.lower() == known.lower() or _distance(model_path, known) <= TYPO_DISTANCE:
+            return (f"MODEL_PATH={model_path} is not in the local Hugging Face cache nor a published checkpoint: did "
+                    f"you mean {known}?")
+    first = model_path.split("/", 1)[0]
+    if os.path.isdir(first):
+        return (f"MODEL_PATH={model_path} does not exist here ({os.path.abspath(first)} does: a local path?) and is "
+                f"not a Hugging Face id in the local cache nor a published checkpoint")
+    return None
+
+
 def read(model_path: str, environ: Optional[Mapping[str, str]] = None) -> ModelConfig:
     """MODEL_PATH's config (module doc). Never raises for a bad checkpoint: ``problems()`` says what is wrong."""
     local = Path(os.path.expanduser(model_path))
@@ -155,4 +203,5 @@ def read(model_path: str, environ: Optional[Mapping[str, str]] = None) -> ModelC
     if model_path in PUBLISHED:
         return ModelConfig(model_path, "published", dict(PUBLISHED[model_path]),
                            "the published config.json of this Hub id, not in the local Hugging Face cache")
-    return ModelConfig(model_path, "hub", source="a Hub id not in the local Hugging Face cache")
+    return ModelConfig(model_path, "hub", source="a Hub id not in the local Hugging Face cache",
+                       problem=unknown_hub_id_problem(model_path))

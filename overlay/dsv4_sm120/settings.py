@@ -3,8 +3,8 @@
 Each setting is declared once here (name, type, valid values, default, meaning, who reads it) and read
 only through :func:`get` / :func:`raw`, which validate: a bad value is a :class:`SettingsError` whose one
 line names the variable and the valid values. Ours start with ``DSV4_SM120_``; the serve scripts'
-parameters (``MODEL_PATH``, ``PREFILL_GPUS``, ...) keep their short names and are declared in
-``dsv4_sm120.serve_variables.VARIABLES``, which this registry includes as the group ``serve``.
+parameters (``MODEL_PATH``, ``PREFILL_GPUS``, ...) keep their short names and are declared, typed, in
+``dsv4_sm120.serve_variables.SERVE``, which this registry includes as the group ``serve``.
 
 Who reads a setting (``reader``):
 
@@ -17,8 +17,12 @@ Who reads a setting (``reader``):
 :func:`validate` returns the problems of an environment (also unknown ``DSV4_SM120_*`` names, i.e.
 typos, and names with the retired ``SGLANG_DSV4_`` / ``DSV4_`` prefixes); the glue's startup in the
 patched SGLang and the serve preflight both refuse to start with problems.
+The serve scripts' short-named parameters are validated by the serve plan, which reads every one of them;
+:func:`validate` leaves them out (a server started some other way may inherit, say, a ``NODE_ROLE`` that
+means something else to another tool).
 ``python -m dsv4_sm120.settings`` lists them (``--markdown`` is the README's table, ``--json``,
-``--check`` validates the current environment). Importing this module imports nothing heavy.
+``--check`` validates the current environment; ``--write-readme`` regenerates the tables of ``TABLES``:
+README.md's, docs/serving.md's and docs/DEVELOPING.md's). Importing this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from dsv4_sm120 import moe_runner_names
-from dsv4_sm120.serve_variables import VARIABLES
+from dsv4_sm120.serve_variables import SERVE
 
 PREFIX = "DSV4_SM120_"
 READERS = ("runtime", "serve", "tools", "internal", "test")
-KINDS = ("choice", "bool", "int", "float", "path", "text")
+KINDS = ("choice", "bool", "autobool", "int", "float", "path", "text")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -58,6 +62,18 @@ class Setting:
     above: bool = False             # kinds "int" / "float": the value must be strictly above ``minimum``
     check: Optional[Callable[[str], Optional[str]]] = None  # extra check of a set value: a problem or None
     values: str = ""                # the valid values in words, for the listing (default: from the kind)
+    maximum: Optional[float] = None  # kinds "int" / "float": the largest valid value
+    required: bool = False          # set but empty is an error (instead of meaning the default)
+
+    def _range(self) -> str:
+        lo = None if self.minimum is None else f"{'>' if self.above else '>='} {_num(self.minimum)}"
+        if self.maximum is None:
+            return lo or ""
+        if lo is None:
+            return f"<= {_num(self.maximum)}"
+        if self.above:
+            return f"{lo}, <= {_num(self.maximum)}"
+        return f"{_num(self.minimum)}..{_num(self.maximum)}"
 
     def describe_values(self) -> str:
         if self.values:
@@ -66,15 +82,18 @@ class Setting:
             return " \\| ".join(c if c else '""' for c in self.choices)
         if self.kind == "bool":
             return "0 \\| 1"
+        if self.kind == "autobool":
+            return "auto \\| 0 \\| 1"
         if self.kind in ("int", "float"):
             word = "integer" if self.kind == "int" else "number"
-            if self.minimum is None:
-                return word
-            return f"{word} {'>' if self.above else '>='} {self.minimum:g}"
+            return f"{word} {self._range()}".strip()
         return "path" if self.kind == "path" else "text"
 
     def parse(self, text: Optional[str]):
         """The typed value of ``text`` (None or empty: the default's value); SettingsError when invalid."""
+        if text is not None and not text.strip() and self.required:
+            raise SettingsError(f"{self.name} is set but empty: unset it for the default ({self.default}) or set "
+                                f"it to {self.describe_values()}")
         if text is None or not text.strip():
             if self.default is None:
                 return None
@@ -88,22 +107,24 @@ class Setting:
                 raise SettingsError(f"{self.name}={text!r} is not valid: expected one of "
                                     f"{', '.join(c or repr(c) for c in self.choices)}")
             return v
-        if self.kind == "bool":
+        if self.kind in ("bool", "autobool"):
+            if self.kind == "autobool" and v.lower() == "auto":
+                return "auto"
             if v.lower() in _TRUE:
                 return True
             if v.lower() in _FALSE:
                 return False
-            raise SettingsError(f"{self.name}={text!r} is not valid: expected 0 or 1")
+            raise SettingsError(f"{self.name}={text!r} is not valid: expected {'auto, ' if self.kind == 'autobool' else ''}"
+                                f"0 or 1 ({BOOL_WORDS})")
         if self.kind in ("int", "float"):
             try:
                 num = int(v) if self.kind == "int" else float(v)
             except ValueError:
                 raise SettingsError(f"{self.name}={text!r} is not valid: expected "
                                     f"{'an integer' if self.kind == 'int' else 'a number'}") from None
-            if self.minimum is not None and (num <= self.minimum if self.above else num < self.minimum) \
-                    or num != num:
-                raise SettingsError(f"{self.name}={text!r} is out of range: expected "
-                                    f"{'>' if self.above else '>='} {self.minimum:g}")
+            low = self.minimum is not None and (num <= self.minimum if self.above else num < self.minimum)
+            if low or (self.maximum is not None and num > self.maximum) or num != num or num in (_INF, -_INF):
+                raise SettingsError(f"{self.name}={text!r} is out of range: expected {self._range()}")
             return num
         if self.check is not None:
             problem = self.check(v)
@@ -118,7 +139,14 @@ class Setting:
         return path
 
 
-_EMPTY = {"bool": False, "int": 0, "float": 0.0, "path": "", "text": "", "choice": ""}
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+_EMPTY = {"bool": False, "int": 0, "float": 0.0, "path": "", "text": "", "choice": "", "autobool": "auto"}
+_INF = float("inf")
+# what a yes/no switch takes besides 0 and 1 (said in the listings)
+BOOL_WORDS = "also " + ", ".join(f"{t}/{f}" for t, f in zip(_TRUE[1:], _FALSE[1:]))
 
 
 # ---- checks of free-form values
@@ -316,9 +344,10 @@ _OURS: Tuple[Setting, ...] = (
 
 
 def _serve_settings() -> Tuple[Setting, ...]:
-    # The serve scripts' parameters are declared once, in serve_variables.VARIABLES.
-    return tuple(Setting(name, "text", default or "", help_, "serve") for name, (default, help_) in VARIABLES.items()
-                 if name not in _BY_NAME_OURS)
+    # The serve scripts' parameters are declared once, typed, in serve_variables.SERVE.
+    return tuple(Setting(name, v.kind, v.default, v.meaning, "serve", choices=v.choices, minimum=v.minimum,
+                         above=v.above, check=v.check, values=v.values, maximum=v.maximum, required=v.required)
+                 for name, v in SERVE.items() if name not in _BY_NAME_OURS)
 
 
 _BY_NAME_OURS: Dict[str, Setting] = {s.name: s for s in _OURS}
@@ -414,6 +443,8 @@ def validate(environ: Optional[Mapping[str, str]] = None) -> List[str]:
     problems = []
     reg = registry()
     for name in sorted(env):
+        if name in reg and reg[name].reader == "serve" and not name.startswith(PREFIX):
+            continue  # the serve plan validates the serve scripts' own parameters (module doc)
         if name in reg:
             try:
                 reg[name].parse(env[name])
@@ -429,57 +460,82 @@ def validate(environ: Optional[Mapping[str, str]] = None) -> List[str]:
 # ---- listing
 
 
-def _rows(reader: Optional[str] = None) -> List[Setting]:
-    return [s for r in READERS for s in registry().values() if s.reader == r and reader in (None, r)]
+def _rows(reader: Optional[str] = None, readers: Optional[Tuple[str, ...]] = None) -> List[Setting]:
+    want = readers if readers is not None else READERS if reader is None else (reader,)
+    return [s for r in READERS if r in want for s in registry().values() if s.reader == r]
 
 
 def _default_text(s: Setting) -> str:
-    return "unset" if s.default is None else (f"`{s.default}`" if s.default else "empty")
+    if s.default is None:
+        return "empty" if s.reader == "serve" else "unset"
+    return f"`{s.default}`" if s.default else "empty"
 
 
-def markdown() -> str:
-    """The settings table (README.md carries exactly this between its settings markers)."""
-    lines = ["| variable | values | default | read by | meaning |", "| --- | --- | --- | --- | --- |"]
-    for s in _rows():
+# The generated settings tables: file (relative to the checkout) -> the readers whose settings it lists.
+# README.md: what a user sets for the patched SGLang and the tools; docs/serving.md: the serve scripts' parameters;
+# docs/DEVELOPING.md: what our launchers set for themselves and the test hooks.
+TABLES: Dict[str, Tuple[str, ...]] = {"README.md": ("runtime", "tools"), "docs/serving.md": ("serve",),
+                                      "docs/DEVELOPING.md": ("internal", "test")}
+_CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def markdown(readers: Tuple[str, ...] = TABLES["README.md"]) -> str:
+    """The settings table of ``readers`` (README.md carries exactly the default one between its settings markers;
+    ``TABLES`` says which file carries which). One reader: no "read by" column."""
+    by = len(readers) > 1
+    lines = ["| variable | values | default | " + ("read by | " if by else "") + "meaning |",
+             "| --- | --- | --- | " + ("--- | " if by else "") + "--- |"]
+    for s in _rows(readers=readers):
         meaning = s.meaning.replace("|", "\\|")
-        lines.append(f"| `{s.name}` | {s.describe_values()} | {_default_text(s)} | {s.reader} | {meaning} |")
+        lines.append(f"| `{s.name}` | {s.describe_values()} | {_default_text(s)} | "
+                     + (f"{s.reader} | " if by else "") + f"{meaning} |")
     return "\n".join(lines) + "\n"
 
 
 def as_json() -> str:
     return json.dumps([{"name": s.name, "kind": s.kind, "choices": list(s.choices), "default": s.default,
-                        "reader": s.reader, "meaning": s.meaning, "values": s.describe_values().replace("\\|", "|")}
+                        "minimum": s.minimum, "maximum": s.maximum, "reader": s.reader, "meaning": s.meaning,
+                        "values": s.describe_values().replace("\\|", "|")}
                        for s in _rows()], indent=2) + "\n"
 
 
 def text_listing(reader: Optional[str] = None) -> str:
     out = []
     for s in _rows(reader):
-        d = "unset" if s.default is None else (s.default or "empty")
+        d = "unset" if s.default is None and s.reader != "serve" else (s.default or "empty")
         out.append(f"{s.name}  [{s.reader}; {s.describe_values().replace(chr(92) + '|', '|')}; default {d}]\n"
                    f"    {s.meaning.replace('`', '')}")
     return "\n".join(out) + "\n"
 
 
-README_BEGIN = "<!-- settings: begin (python -m dsv4_sm120.settings --write-readme) -->"
+README_BEGIN = "<!-- settings: begin (generated: PYTHONPATH=overlay python3 -m dsv4_sm120.settings --write-readme) -->"
 README_END = "<!-- settings: end -->"
 
 
 def readme_table(text: str) -> Optional[str]:
-    """The table between the settings markers of a README's text (None without markers)."""
+    """The table between the settings markers of a document's text (None without markers)."""
     if README_BEGIN not in text or README_END not in text:
         return None
     return text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip("\n") + "\n"
 
 
+def table_for(path: Path) -> str:
+    """The table ``path`` carries: its ``TABLES`` entry (a file of this checkout), else README.md's."""
+    try:
+        rel = Path(path).resolve().relative_to(_CHECKOUT).as_posix()
+    except ValueError:
+        rel = ""
+    return markdown(TABLES.get(rel, TABLES["README.md"]))
+
+
 def write_readme(path: Path) -> bool:
-    """Replace the table between the markers with :func:`markdown`; True when the file changed."""
+    """Replace the table between the markers of ``path`` with :func:`table_for`; True when the file changed."""
     text = path.read_text()
     if readme_table(text) is None:
         raise SettingsError(f"{path} has no settings markers ({README_BEGIN} ... {README_END})")
     head, rest = text.split(README_BEGIN, 1)
     tail = rest.split(README_END, 1)[1]
-    new = f"{head}{README_BEGIN}\n{markdown()}{README_END}{tail}"
+    new = f"{head}{README_BEGIN}\n{table_for(path)}{README_END}{tail}"
     if new == text:
         return False
     path.write_text(new)
@@ -495,8 +551,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     g.add_argument("--json", action="store_true", help="JSON: one object per setting")
     g.add_argument("--check", action="store_true",
                    help="validate this environment: print each problem, exit 1 if there is any")
-    g.add_argument("--write-readme", nargs="?", const="README.md", metavar="PATH",
-                   help="rewrite the table between the settings markers of PATH (default README.md)")
+    g.add_argument("--write-readme", nargs="?", const="", metavar="PATH",
+                   help="rewrite the table between the settings markers of PATH (default: every generated table: "
+                        + ", ".join(TABLES) + ")")
     ap.add_argument("--reader", choices=READERS, help="only the settings read by this part (plain listing)")
     a = ap.parse_args(argv)
     if a.markdown:
@@ -510,14 +567,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not problems:
             print("settings: ok")
         return 1 if problems else 0
-    elif a.write_readme:
-        path = Path(a.write_readme)
-        try:
-            changed = write_readme(path)
-        except (OSError, SettingsError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(f"{path}: {'settings table updated' if changed else 'settings table up to date'}")
+    elif a.write_readme is not None:
+        for path in [Path(a.write_readme)] if a.write_readme else [_CHECKOUT / f for f in TABLES]:
+            try:
+                changed = write_readme(path)
+            except (OSError, SettingsError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            print(f"{path}: {'settings table updated' if changed else 'settings table up to date'}")
     else:
         sys.stdout.write(text_listing(a.reader))
     return 0

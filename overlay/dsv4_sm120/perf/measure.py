@@ -12,6 +12,11 @@ With speculative decoding (serve/serve_dsv4_mtp.sh) the table adds, per run, the
 tokens per verify step and the accept rate, from the decode server's own counters
 (``/metrics``, see dsv4_sm120.perf.spec_metrics), so one sees whether speculation pays.
 
+Against stand-in servers (``DSV4_SM120_SERVE_STANDIN=1``: the deployment's record, or the servers' own
+``/server_info``) every output says so in its title (printed table, ``table.txt``, the plot, ``results.json``'s
+``standin``): the numbers measure the harness, not the model. There, without ``--model`` and without a loadable
+tokenizer for the deployment's model, a small word-level tokenizer is written into the results directory (offline).
+
 It refuses to run without a healthy router (``/health`` and an end-to-end ``/health_generate``).
 Defaults come from the newest serving run (``LOG_DIR/latest``: router URL, model path for the
 tokenizer) when there is one. ``--dataset random`` samples ShareGPT text instead of random ids
@@ -35,7 +40,7 @@ from typing import List, Optional
 
 from .. import hints, settings
 from ..fileio import atomic_write_text
-from ..model_config import hub_cache_dir
+from ..model_config import absolute_if_local, hub_cache_dir
 from ..paths import CHECKOUT_DIR
 from ..serve_variables import DEFAULT_MODEL
 from . import spec_metrics
@@ -147,6 +152,47 @@ def tokenizer_problem(model: str, environ=None, timeout: float = 10.0) -> Option
         return f"{model} is {where} and {endpoint} cannot be reached ({getattr(e, 'reason', e)})"
 
 
+STANDIN_TITLE = ("STAND-IN servers (no model, no GPU): a rehearsal of the harness, not a measurement of "
+                 "DeepSeek-V4-Flash")
+
+
+def server_info(url: str) -> dict:
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            with urllib.request.urlopen(url + path, timeout=5) as r:
+                info = json.loads(r.read().decode())
+            if isinstance(info, dict):
+                return info
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+    return {}
+
+
+def is_standin(dep: dict, decode_url: Optional[str], router: str) -> bool:
+    """Whether the deployment measured is stand-in servers: its run record says so, else the servers do."""
+    if dep.get("standin") is not None and (dep.get("router_url") or "").rstrip("/") == router:
+        return bool(dep["standin"])
+    return bool(server_info(decode_url or router).get("standin"))
+
+
+def write_standin_tokenizer(d: Path) -> Path:
+    """A word-level tokenizer (2000 words, no download) the load generator can load, for stand-in servers."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as e:
+        raise MeasureError(f"cannot write a stand-in tokenizer here ({e}); name a tokenizer directory "
+                           f"({hints.args('--model DIR')})")
+    vocab = {f"w{i}": i for i in range(2000)}
+    vocab.update({"[UNK]": 2000, "<s>": 2001, "</s>": 2002})
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(str(d))
+    return d
+
+
 def log_tail(path: Path, n: int = 5) -> List[str]:
     """The last ``n`` non-empty lines of a log (empty when unreadable)."""
     try:
@@ -158,6 +204,8 @@ def log_tail(path: Path, n: int = 5) -> List[str]:
 
 def bench_cmd(python: str, router: str, model: str, c: int, input_len: int, output_len: int, num_prompts: int,
               out_file: str, dataset: str, seed: int, warmup: int) -> List[str]:
+    """The load generator's command; it runs in its output directory, so a local tokenizer path goes absolute."""
+    model = absolute_if_local(model)
     return [python, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", router,
             "--model", model, "--tokenizer", model, "--dataset-name", dataset,
             "--random-input-len", str(input_len), "--random-output-len", str(output_len),
@@ -362,21 +410,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         router = (a.router or dep.get("router_url")
                   or f"http://127.0.0.1:{settings.get('ROUTER_PORT') or '30000'}").rstrip("/")
         require_healthy_router(router)
+        decode_url = (a.decode_url or dep.get("decode_url") or "").rstrip("/") or None
+        standin = is_standin(dep, decode_url, router)
         model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or settings.get("MODEL_PATH") \
             or DEFAULT_MODEL
         problem = tokenizer_problem(model)
-        if problem:
+        if problem and not (standin and not a.model):
             raise MeasureError(f"the load generator needs the tokenizer of {model}: {problem}; name a directory "
                                f"that holds it ({hints.args('--model DIR')}) or make it reachable")
-    except MeasureError as e:
+        python = serving_python(a.python)
+        out_dir = a.out_dir or REPO / "bench" / "results" / time.strftime("measure-%Y%m%d-%H%M%S", time.gmtime())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if standin:
+            print(f"measure: {STANDIN_TITLE}", flush=True)
+        if problem:     # stand-ins: any tokenizer will do, and none needs the network
+            model = str(write_standin_tokenizer(out_dir / "standin-tokenizer"))
+            print(f"measure: stand-in servers and no tokenizer for the deployment's model ({problem}): using a "
+                  f"word-level stand-in tokenizer written to {model}", flush=True)
+    except (MeasureError, settings.SettingsError) as e:
         print(f"measure: {e}", file=sys.stderr)
         return 2
-    python = serving_python(a.python)
-    out_dir = a.out_dir or REPO / "bench" / "results" / time.strftime("measure-%Y%m%d-%H%M%S", time.gmtime())
-    out_dir.mkdir(parents=True, exist_ok=True)
     print(f"measure: router {router}, model/tokenizer {model}, input {a.input_len}, output {a.output_len}, "
           f"concurrency {cs}, results in {out_dir}", flush=True)
-    decode_url = (a.decode_url or dep.get("decode_url") or "").rstrip("/") or None
     spec_info = spec_metrics.server_spec(decode_url) if decode_url else {}
     if spec_info.get("algorithm"):
         print(f"measure: speculative decoding {spec_info['algorithm']}, {spec_info.get('num_draft_tokens')} tokens "
@@ -400,23 +455,25 @@ def main(argv: Optional[List[str]] = None) -> int:
             break
     result = {"schema": 1, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
               "router": router, "model": model, "input_len": a.input_len, "output_len": a.output_len,
-              "dataset": a.dataset, "label": a.label, "environment": environment(python), "deployment": dep,
+              "dataset": a.dataset, "label": a.label, "standin": standin, "environment": environment(python),
+              "deployment": dep,
               "speculative": spec_info or None, "runs": runs}
     atomic_write_text(out_dir / "results.json", json.dumps(result, indent=2) + "\n")
-    table = render_table(runs)
+    table = (STANDIN_TITLE + "\n" if standin else "") + render_table(runs)
     atomic_write_text(out_dir / "table.txt", table + "\n")
     print(table)
     rc = 0 if all(not r.get("error") for r in runs) else 1
     if any(not r.get("error") for r in runs):
-        title = (f"DeepSeek-V4-Flash {dep.get('variant') or ''} in={a.input_len} out={a.output_len} "
-                 f"{a.label}").strip()
+        title = (f"{'STAND-IN servers (no model, no GPU) ' if standin else 'DeepSeek-V4-Flash '}"
+                 f"{dep.get('variant') or ''} in={a.input_len} out={a.output_len} {a.label}").strip()
         try:
             plot(runs, out_dir / "throughput.png", title)
         except ImportError:
             print("measure: matplotlib is not installed in this python: no plot (pip install matplotlib)",
                   file=sys.stderr)
             rc = 1
-    print(f"measure: wrote {out_dir / 'results.json'}" + (" (with failures)" if rc else ""))
+    print(f"measure: wrote {out_dir / 'results.json'}" + (" (with failures)" if rc else "")
+          + (" (stand-in servers: a rehearsal, not a measurement)" if standin else ""))
     return rc
 
 

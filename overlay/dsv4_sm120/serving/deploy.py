@@ -39,9 +39,9 @@ def _log_dir(environ) -> Path:
 
 def _link_latest(plan: Plan) -> None:
     latest = _log_dir(os.environ) / "latest"
-    latest.parent.mkdir(parents=True, exist_ok=True)
     tmp = latest.with_name(f".latest.{os.getpid()}")
     try:
+        latest.parent.mkdir(parents=True, exist_ok=True)
         if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
         os.symlink(plan.run_dir, tmp)
@@ -92,9 +92,9 @@ def cmd_start(a) -> int:
     except ConfigError as e:
         print(f"[serve] configuration error: {e}", file=sys.stderr)
         return 2
-    if env.get("DRY_RUN", "0") not in ("", "0"):
+    if plan.value("DRY_RUN"):
         return dry_run(plan)
-    detach = a.detach or env.get("DETACH", "0") not in ("", "0")
+    detach = a.detach or plan.value("DETACH")
     print_header(plan)
     try:
         failures = run_preflight(plan, say=lambda m: _say(m))
@@ -113,8 +113,13 @@ def cmd_start(a) -> int:
             print(f"[serve] refused: a deployment is running in {run_dir} (stop it with serve/stop.sh {run_dir})",
                   file=sys.stderr)
             return 1
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "plan.json", plan.to_json())
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "plan.json", plan.to_json())
+    except OSError as e:     # the plan checked the directory; it changed since
+        print(f"[serve] configuration error: cannot write the run directory {run_dir} ({e.strerror or e})",
+              file=sys.stderr)
+        return 2
     _link_latest(plan)
     note = runs.record(Path(plan.run_dir))
     if note:
@@ -222,21 +227,20 @@ def cmd_stop(a) -> int:
             _say(f"no deployment recorded under {log_dir} (nothing to stop)")
             return 0
         run_dir = found
-    grace = settings.get("STOP_GRACE_S") or VARIABLES["STOP_GRACE_S"][0]
     try:
-        g = float(grace)
-    except ValueError:
-        print(f"[serve] configuration error: STOP_GRACE_S={grace!r} is not a number", file=sys.stderr)
+        grace = settings.get("STOP_GRACE_S")
+    except settings.SettingsError as e:
+        print(f"[serve] configuration error: {e}", file=sys.stderr)
         return 2
-    return sv.stop_run(run_dir, g)
+    return sv.stop_run(run_dir, float(grace))
 
 
 def cmd_vars(_a) -> int:
-    w = max(len(k) for k in VARIABLES)
-    wd = max(len(repr(d)) for d, _ in VARIABLES.values())
-    print("Set these in the environment, e.g. MAX_RUNNING=8 serve/serve_dsv4_tp4.sh (docs/serving.md).")
-    for k, (d, h) in VARIABLES.items():
-        print(f"{k:<{w}}  default {d!r:<{wd}}  {h}")
+    print("Set these in the environment, e.g. MAX_RUNNING=8 serve/serve_dsv4_tp4.sh (docs/serving.md, \"Variables\").")
+    print(f"Each line: NAME  [valid values; default]. Yes/no switches take 0 or 1 ({settings.BOOL_WORDS}); an empty "
+          f"value means the default.")
+    for line in settings.text_listing("serve").splitlines():
+        print(line.replace("[serve; ", "[", 1))
     return 0
 
 

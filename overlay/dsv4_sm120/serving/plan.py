@@ -1,7 +1,9 @@
 """Environment variables -> the deployment plan (what runs where, with which flags and environment).
 
-Every knob is an environment variable with a default (table in ``docs/serving.md``); the
-plan is pure data, so ``DRY_RUN=1`` prints exactly what a real start would run.
+Every knob is an environment variable with a default, declared typed in ``dsv4_sm120.serve_variables`` and read
+here through the settings registry (``settings.get``: kind, valid values, range; table in ``docs/serving.md``);
+a bad value is one line naming the variable. The plan is pure data, so ``DRY_RUN=1`` prints exactly what a real
+start would run.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,14 +21,11 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from .. import model_config, settings
 from ..moe_runner import MOE_FLAG, mxfp4_runner
 from ..paths import checkout_root
-from ..serve_variables import VARIABLES
+from ..serve_variables import FP8_BACKENDS, ROLES, SERVE, VARIABLES, gpu_list, node_roles
+from . import extra_args
 from .envfiles import EnvFileError, load_env_dir
 
-ROLES = ("prefill", "decode", "router")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-# SGLang 0.5.23 FP8_GEMM_RUNNER_BACKEND_CHOICES (srt/arg_groups/choices.py)
-FP8_BACKENDS = ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_deepgemm",
-                "flashinfer_cutedsl", "cutlass", "triton", "aiter")
 
 # Proc.binds' names -> the variable that sets each port.
 PORT_VARIABLES = {"prefill HTTP": "PREFILL_PORT", "prefill bootstrap": "BOOTSTRAP_PORT", "decode HTTP": "DECODE_PORT",
@@ -76,6 +76,10 @@ class Plan:
     calibrate_argv: List[str] = field(default_factory=list)   # CALIBRATE=1: run before the preflight's checks
     calibrate_env: Dict[str, str] = field(default_factory=dict)
 
+    def value(self, name: str):
+        """The typed value of serve variable ``name`` in this plan (``settings.get`` of ``self.settings``)."""
+        return settings.get(name, self.settings)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
@@ -90,38 +94,27 @@ class Plan:
 
 
 def settings_from_env(environ: Mapping[str, str]) -> Dict[str, str]:
-    return {k: environ.get(k, d or "") for k, (d, _) in VARIABLES.items()}
+    """The serve variables as text: the caller's value, or the default's text where unset or empty."""
+    return {k: environ.get(k) or ("" if k == "MODEL_PATH" and k in environ else d) for k, (d, _) in VARIABLES.items()}
 
 
-def _int(s: Dict[str, str], key: str, lo: int = 0, hi: int = 1 << 30) -> int:
-    try:
-        v = int(s[key])
-    except ValueError:
-        raise ConfigError(f"{key}={s[key]!r} is not an integer")
-    if not lo <= v <= hi:
-        raise ConfigError(f"{key}={v} is out of range [{lo}, {hi}]")
-    return v
-
-
-def _float(s: Dict[str, str], key: str, lo: float, hi: float) -> float:
-    try:
-        v = float(s[key])
-    except ValueError:
-        raise ConfigError(f"{key}={s[key]!r} is not a number")
-    if not lo < v <= hi:
-        raise ConfigError(f"{key}={v} is out of range ({lo}, {hi}]")
-    return v
+def typed_settings(s: Mapping[str, str]) -> Dict[str, object]:
+    """Every serve variable's typed value through the settings registry; ConfigError (the registry's one line)
+    for the first invalid one."""
+    out = {}
+    for k in SERVE:
+        try:
+            out[k] = settings.get(k, s)
+        except settings.SettingsError as e:
+            raise ConfigError(str(e)) from None
+    return out
 
 
 def parse_gpus(key: str, text: str) -> List[int]:
-    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text or ""):
-        raise ConfigError(f"{key}={text!r}: expected a comma list of GPU indices, e.g. 0,1,2,3")
-    gpus = [int(x) for x in text.split(",")]
-    if len(set(gpus)) != len(gpus):
-        raise ConfigError(f"{key}={text!r} lists a GPU twice")
-    if len(gpus) not in (1, 2, 4, 8):
-        raise ConfigError(f"{key}={text!r}: TP size {len(gpus)} does not divide DeepSeek-V4's 64 heads evenly in SGLang (use 1, 2, 4 or 8 GPUs)")
-    return gpus
+    try:
+        return gpu_list(text)
+    except ValueError as e:
+        raise ConfigError(f"{key}={text!r} is not valid: {e}") from None
 
 
 def _split(key: str, text: str) -> List[str]:
@@ -158,7 +151,7 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
     :func:`dsv4_sm120.fp8_configs.recommended_fp8_gemm_backend`, which also honours
     ``DSV4_SM120_FP8_GEMM_BACKEND``) decides; without a GPU name or a summary SGLang's default stays.
     """
-    setting = (setting or "auto").strip()
+    setting = (setting or "auto").strip().lower()
     if setting != "auto":
         if setting not in FP8_BACKENDS:
             raise ConfigError(f"FP8_GEMM_BACKEND={setting!r}: expected one of {', '.join(FP8_BACKENDS)}")
@@ -167,10 +160,18 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
 
     if device_name is None and not (settings.raw(ENV_BACKEND) or "").strip():
         return None, "SGLang default (no GPU name from nvidia-smi, so no tuning summary applies)"
+    import logging
+
+    # the profile lookup logs why no profile applies; the preflight's profile check says it, under its own name
+    log = logging.getLogger("dsv4_sm120.calibrate.machine_profile")
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         choice, why = recommended_fp8_gemm_backend(device_name or "unknown", repo / "configs" / "fp8")
     except ValueError as e:
         raise ConfigError(str(e))
+    finally:
+        log.setLevel(level)
     if choice is not None and choice not in FP8_BACKENDS:
         raise ConfigError(f"FP8 backend {choice!r} ({why}) is not one of {', '.join(FP8_BACKENDS)}")
     return choice, (f"{choice}: {why}" if choice else f"SGLang default: {why}")
@@ -190,12 +191,10 @@ def user_moe_flag(s: Dict[str, str]) -> Optional[str]:
 
 
 def _roles(s: Dict[str, str]) -> List[str]:
-    roles_txt = s["NODE_ROLE"].strip()
-    roles = list(ROLES) if roles_txt in ("all", "") else [r.strip() for r in roles_txt.split(",") if r.strip()]
-    for r in roles:
-        if r not in ROLES:
-            raise ConfigError(f"NODE_ROLE={roles_txt!r}: unknown role {r!r} (use all, or a comma list of {', '.join(ROLES)})")
-    return [r for r in ROLES if r in roles]
+    try:
+        return node_roles(s["NODE_ROLE"])
+    except ValueError as e:
+        raise ConfigError(f"NODE_ROLE={s['NODE_ROLE']!r} is not valid: {e}") from None
 
 
 def _gpus(s: Dict[str, str], roles: List[str]) -> Tuple[List[int], List[int]]:
@@ -207,17 +206,11 @@ def _gpus(s: Dict[str, str], roles: List[str]) -> Tuple[List[int], List[int]]:
     return pg, dg
 
 
-def _numbers(s: Dict[str, str]) -> Tuple[Dict[str, int], int, Dict[str, float], int]:
-    """(ports, context length, memory fraction per server, MAX_RUNNING), validated with the time limits."""
-    ports = {k: _int(s, k, 1, 65535) for k in ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT",
-                                               "ROUTER_PROMETHEUS_PORT")}
-    ctx = _int(s, "CONTEXT_LEN", 256, 1 << 21)
-    mem = {r: _float(s, f"{r.upper()}_MEM_FRACTION" if s[f"{r.upper()}_MEM_FRACTION"] else "MEM_FRACTION", 0.0, 0.99)
-           for r in ("prefill", "decode")}
-    max_running = _int(s, "MAX_RUNNING", 1, 4096)
-    for k in ("HEALTH_TIMEOUT_S", "STOP_GRACE_S", "SUPERVISE_HEALTH_FAILS", "SUPERVISE_HEALTH_EVERY_S"):
-        _int(s, k, 0 if k == "SUPERVISE_HEALTH_FAILS" else 1)
-    return ports, ctx, mem, max_running
+def _numbers(v: Dict[str, object]) -> Tuple[Dict[str, int], Dict[str, float]]:
+    """(ports, memory fraction per server) from the typed settings."""
+    ports = {k: v[k] for k in ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT", "ROUTER_PROMETHEUS_PORT")}
+    mem = {r: v[f"{r.upper()}_MEM_FRACTION"] or v["MEM_FRACTION"] for r in ("prefill", "decode")}
+    return ports, mem
 
 
 def _speculative(variant: str, s: Dict[str, str], environ: Mapping[str, str]) -> Tuple[Optional[List[str]], str]:
@@ -241,7 +234,7 @@ def _runners(s: Dict[str, str], environ: Mapping[str, str], roles: List[str], pg
     user_moe = user_moe_flag(s)
     model = model_config.read(s["MODEL_PATH"], environ) if servers else None
     want_moe = servers and user_moe is None and model.moe_format == "mxfp4"
-    if servers and (s["FP8_GEMM_BACKEND"].strip() in ("auto", "") or want_moe):
+    if servers and (s["FP8_GEMM_BACKEND"].strip().lower() in ("auto", "") or want_moe):
         dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0])
     fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo, dev)
     moe, moe_reason = (mxfp4_runner(s["MODEL_PATH"], dev, user_moe, model) if servers
@@ -249,15 +242,41 @@ def _runners(s: Dict[str, str], environ: Mapping[str, str], roles: List[str], pg
     return fp8, fp8_reason, moe, moe_reason
 
 
+def directory_problem(path: Path) -> Optional[str]:
+    """Why a directory cannot be made and written at ``path`` (None: it can). Nothing stays behind: a probe
+    directory is made and removed in the nearest existing ancestor (the only sure test: permissions say
+    nothing for root, nor on /proc or a read-only mount)."""
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a directory" if p == path else f"{p} is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dsv4-sm120-probe-", dir=p))
+    except OSError as e:
+        return f"cannot create a directory in {p} ({e.strerror})"
+    return None
+
+
 def _run_dir(s: Dict[str, str], repo: Path, variant: str, now: Optional[float]) -> Path:
-    """The run directory (not created here)."""
+    """The run directory (not created here); ConfigError when it or LOG_DIR (where LOG_DIR/latest goes) cannot be
+    made or written."""
     log_dir = Path(os.path.expanduser(s["LOG_DIR"]))
     log_dir = log_dir if log_dir.is_absolute() else repo / log_dir
+    checks = [("LOG_DIR", log_dir)]
     if s["RUN_DIR"]:
         run_dir = Path(os.path.expanduser(s["RUN_DIR"]))
-        return run_dir if run_dir.is_absolute() else repo / run_dir
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
-    return log_dir / f"serve-{variant}-{stamp}-{os.getpid()}"
+        run_dir = run_dir if run_dir.is_absolute() else repo / run_dir
+        checks.append(("RUN_DIR", run_dir))
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
+        run_dir = log_dir / f"serve-{variant}-{stamp}-{os.getpid()}"
+    for var, d in checks:
+        problem = directory_problem(d)
+        if problem:
+            raise ConfigError(f"{var}={s[var]}: the run directory cannot go there ({problem}); set {var} to a "
+                              f"writable directory")
+    return run_dir
 
 
 def _common_env(repo: Path, environ: Mapping[str, str]) -> List[Tuple[str, str, str]]:
@@ -293,7 +312,7 @@ def _server_common(s: Dict[str, str], python: str, standin: bool, ctx: int, fp8:
 
 
 def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], spec: Optional[List[str]],
-           gpus: Dict[str, List[int]], ports: Dict[str, int], mem: Dict[str, float], max_running: int,
+           gpus: Dict[str, List[int]], ports: Dict[str, int], mem: Dict[str, float], v: Dict[str, object],
            urls: Dict[str, str], multi_node: bool, prof_dir: str) -> List[Proc]:
     """The processes of ``roles`` on this host (logs and NUMA binding not yet set)."""
     ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
@@ -313,17 +332,17 @@ def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], 
         argv = [*common, "--tp", str(len(pg)), "--host", ph, "--port", str(ports["PREFILL_PORT"]),
                 "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["BOOTSTRAP_PORT"]),
                 "--mem-fraction-static", f"{mem['prefill']:g}"]
-        if s["PREFILL_MAX_RUNNING"]:
-            argv += ["--max-running-requests", str(_int(s, "PREFILL_MAX_RUNNING", 1))]
-        if s["CHUNKED_PREFILL_SIZE"]:
-            argv += ["--chunked-prefill-size", str(_int(s, "CHUNKED_PREFILL_SIZE", 1))]
+        if v["PREFILL_MAX_RUNNING"] is not None:
+            argv += ["--max-running-requests", str(v["PREFILL_MAX_RUNNING"])]
+        if v["CHUNKED_PREFILL_SIZE"] is not None:
+            argv += ["--chunked-prefill-size", str(v["CHUNKED_PREFILL_SIZE"])]
         procs.append(server(
             "prefill", argv, ph, pg,
             [(ph, ports["PREFILL_PORT"], "prefill HTTP"), (ph, ports["BOOTSTRAP_PORT"], "prefill bootstrap")]))
     if "decode" in roles:
         argv = [*common, "--tp", str(len(dg)), "--host", dh, "--port", str(ports["DECODE_PORT"]),
                 "--disaggregation-mode", "decode", "--mem-fraction-static", f"{mem['decode']:g}",
-                "--max-running-requests", str(max_running), "--cuda-graph-max-bs-decode", str(max_running)]
+                "--max-running-requests", str(v["MAX_RUNNING"]), "--cuda-graph-max-bs-decode", str(v["MAX_RUNNING"])]
         procs.append(server("decode", argv, dh, dg, [(dh, ports["DECODE_PORT"], "decode HTTP")]))
     if "router" in roles:
         argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -356,16 +375,22 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     if variant not in ("base", "mtp"):
         raise ConfigError(f"unknown variant {variant!r}")
     s = settings_from_env(environ)
+    v = typed_settings(s)
+    # a local checkpoint, absolute: servers, draft detection, calibration, verify and measure get this path
+    s["MODEL_PATH"] = model_config.absolute_if_local(s["MODEL_PATH"])
     repo = checkout_root()
-    standin = s["DSV4_SM120_SERVE_STANDIN"] not in ("", "0")
+    standin = v["DSV4_SM120_SERVE_STANDIN"]
 
-    venv = Path(os.path.expanduser(s["VENV"]))
+    venv = Path(v["VENV"])
     venv = venv if venv.is_absolute() else repo / venv
     python = str(venv / "bin" / "python")
 
     roles = _roles(s)
+    problem = extra_args.check(s, roles, variant)
+    if problem:
+        raise ConfigError(problem)
     pg, dg = _gpus(s, roles)
-    ports, ctx, mem, max_running = _numbers(s)
+    ports, mem = _numbers(v)
     spec, spec_reason = _speculative(variant, s, environ)
     fp8, fp8_reason, moe, moe_reason = _runners(s, environ, roles, pg, dg, repo)
     cal_argv, cal_env = calibrate_command(s, python, roles, pg, dg)
@@ -378,8 +403,8 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
             "router": f"http://{_url_host(rh)}:{ports['ROUTER_PORT']}"}
     multi_node = not (ph in LOOPBACK and dh in LOOPBACK)
     prof_dir = environ.get("SGLANG_TORCH_PROFILER_DIR") or str(run_dir / "profile")
-    procs = _procs(s, roles, python, _server_common(s, python, standin, ctx, fp8, moe), spec,
-                   {"prefill": pg, "decode": dg}, ports, mem, max_running, urls, multi_node, prof_dir)
+    procs = _procs(s, roles, python, _server_common(s, python, standin, v["CONTEXT_LEN"], fp8, moe), spec,
+                   {"prefill": pg, "decode": dg}, ports, mem, v, urls, multi_node, prof_dir)
     for p in procs:
         p.log = str(run_dir / f"{p.role}.log")
     _bind_numa(procs, s, environ)
@@ -390,9 +415,6 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
         for p in procs:
             if p.role in ("prefill", "decode"):
                 p.env["UCX_NET_DEVICES"] = "lo"
-    if s["WARMUP"].strip() not in ("auto", "0", "1"):
-        raise ConfigError(f"WARMUP={s['WARMUP']!r}: expected auto, 1 or 0")
-    _int(s, "WARMUP_TIMEOUT_S", 1)
     _check_ports(procs)
 
     remote = {}
@@ -413,11 +435,8 @@ def calibrate_command(s: Dict[str, str], python: str, roles: List[str], pg: List
     profile check: the serving python on the first GPU of the decode server (of the prefill server when this
     host runs no decode), with that server's GPUs as ``DECODE_GPUS`` (the TP the shapes follow) and
     ``MODEL_PATH``. ``([], {})`` when ``CALIBRATE`` is 0 or this host runs no server."""
-    v = s.get("CALIBRATE", "0").strip()
-    if v not in ("0", "1", ""):
-        raise ConfigError(f"CALIBRATE={v!r}: expected 1 (measure this box first) or 0")
     gpus = dg if "decode" in roles else (pg if "prefill" in roles else [])
-    if v != "1" or not gpus:
+    if not settings.get("CALIBRATE", s) or not gpus:
         return [], {}
     env = {"CUDA_VISIBLE_DEVICES": str(gpus[0]), "DECODE_GPUS": ",".join(map(str, gpus)),
            "MODEL_PATH": s["MODEL_PATH"]}
@@ -433,9 +452,7 @@ def _bind_numa(procs: List[Proc], s: Dict[str, str], environ: Mapping[str, str])
     servers = [p for p in procs if p.role in ("prefill", "decode")]
     if not servers:
         return
-    if s["NUMA_BIND"].strip() not in ("0", "1"):
-        raise ConfigError(f"NUMA_BIND={s['NUMA_BIND']!r}: expected 1 (bind to the GPUs' NUMA node) or 0")
-    enabled = s["NUMA_BIND"].strip() == "1"
+    enabled = settings.get("NUMA_BIND", s)
     sysfs = Path(settings.get("DSV4_SM120_SERVE_SYSFS_ROOT", environ) or "/sys")
     binds = numa_bindings({p.role: p.gpus for p in servers}, s["NVIDIA_SMI"] or "nvidia-smi", sysfs, enabled)
     for p in servers:
@@ -459,8 +476,8 @@ def render_dry_run(plan: Plan) -> str:
     then the environment the servers get on top of the inherited one, the settings that differ from
     their defaults, and where health checks, logs and the router are."""
     out = [f"# dsv4_sm120 serve plan: variant={plan.variant} roles={','.join(plan.roles)}"
-           f"{' STANDIN' if plan.standin else ''} (dry run: nothing started; the checks that need no GPU follow "
-           f"the plan)"]
+           f"{' STANDIN' if plan.standin else ''} (dry run: nothing started; the preflight's checks that need no GPU, "
+           f"NIXL or running server follow the plan)"]
     if plan.calibrate_argv:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.calibrate_env.items())
         out.append(f"cmd calibrate: {prefix} {shlex.join(plan.calibrate_argv)}")   # CALIBRATE=1: before preflight

@@ -28,13 +28,16 @@ Checks (names usable in ``PREFLIGHT_SKIP``):
            run the default choices. With ``CALIBRATE=1`` the calibration runs first (``calibrate_first``);
            its failure stops the start
 
-A check may also print notes (``preflight NAME: ...``) that do not stop the start. A dry run runs the checks
-that need no GPU, NIXL, serving environment or port (``run_dry_checks``: env, model without the shard headers,
-numa) and lists the others as not run.
+A check may also print notes (``preflight NAME: ...``) that do not stop the start. ``p2p``, ``ucx`` and
+``profile`` need the ``gpu`` check: when it fails they are listed as not run, naming it (``NEEDS``). A dry run
+(``run_dry_checks``) runs every check whose inputs it has: all but ``nixl``, ``p2p`` and ``ucx`` (they move data
+through NIXL or between GPUs), and ``gpu`` / ``profile`` only where nvidia-smi answers; those it lists as not run,
+saying why.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -44,11 +47,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import model_config
+from ..serve_variables import PREFLIGHT_CHECKS, skipped
 from ..safetensors_index import INDEX_FILE, scan_checkpoint
 from .plan import Plan, port_variable
 from .pcie_checks import check_numa, check_p2p, check_ucx
 
-CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router", "profile")
+CHECKS = PREFLIGHT_CHECKS
 STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx")
 MODEL_PROBLEMS_SHOWN = 5
 
@@ -56,11 +60,10 @@ MODEL_PROBLEMS_SHOWN = 5
 def skipped_checks(plan: Plan) -> List[str]:
     txt = plan.settings.get("PREFLIGHT_SKIP", "")
     if txt.strip():
-        names = [x.strip() for x in txt.split(",") if x.strip()]
-        bad = [n for n in names if n not in CHECKS]
-        if bad:
-            raise ValueError(f"PREFLIGHT_SKIP: unknown check(s) {', '.join(bad)} (known: {', '.join(CHECKS)})")
-        return names
+        try:
+            return skipped(txt)
+        except ValueError as e:   # the plan refuses it first; a plan.json edited by hand gets here
+            raise ValueError(f"PREFLIGHT_SKIP={txt!r} is not valid: {e}") from None
     return list(STANDIN_DEFAULT_SKIP) if plan.standin else []
 
 
@@ -75,6 +78,11 @@ def overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, 
 # ---------------------------------------------------------------------------- ports
 
 def port_in_use(host: str, port: int) -> bool:
+    return bind_problem(host, port) is not None
+
+
+def bind_problem(host: str, port: int) -> Optional[int]:
+    """The errno a server binding ``host:port`` would get (None: the bind works)."""
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(fam, socket.SOCK_STREAM) as s:
         # SO_REUSEADDR as the servers use it (uvicorn, the router): only a live listener or
@@ -82,16 +90,23 @@ def port_in_use(host: str, port: int) -> bool:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return True
-    return False
+        except OSError as e:
+            return e.errno or -1
+    return None
+
+
+HOST_VARIABLES = {"prefill": "PREFILL_HOST", "decode": "DECODE_HOST", "router": "ROUTER_HOST"}
 
 
 def check_ports(plan: Plan) -> List[str]:
     out = []
     for p in plan.procs:
         for host, port, what in p.binds:
-            if port_in_use(host, port):
+            err = bind_problem(host, port)
+            if err == errno.EADDRNOTAVAIL:
+                out.append(f"{host} is not an address of this host ({what} binds {host}:{port}): run this part on "
+                           f"the host that has it, or set {HOST_VARIABLES[p.role]} to one of this host's addresses")
+            elif err is not None:
                 out.append(f"port {port} on {host} ({what}) is already in use: stop what holds it "
                            f"(serve/stop.sh for an earlier deployment) or set {port_variable(what)} to a free port")
     return out
@@ -402,26 +417,49 @@ def calibrate_first(plan: Plan, say: Callable[[str], None] = print) -> List[str]
     return []
 
 
+def check_model_notes(plan: Plan) -> Tuple[List[str], List[str]]:
+    """The model check as the runners call it: its failures (``check_model``) and its warnings (a Hub id nothing here
+    knows: ``model_config.ModelConfig.warnings``)."""
+    failures = check_model(plan)
+    if failures or not any(p.role in ("prefill", "decode") for p in plan.procs):
+        return failures, []
+    return failures, model_config.read(plan.settings["MODEL_PATH"]).warnings()
+
+
 RUNNERS: Dict[str, Callable] = {
-    "ports": check_ports, "gpu": check_gpu, "model": check_model,
+    "ports": check_ports, "gpu": check_gpu, "model": check_model_notes,
     "patches": check_patches, "nixl": check_nixl, "router": check_router,
     "numa": check_numa, "p2p": check_p2p, "ucx": check_ucx, "profile": check_profile,
 }
 
-
-# The checks a dry run leaves to the start, and why: each needs the serving environment, the GPUs, NIXL or the
-# ports themselves. The dry run runs the rest: env, model (config.json, not the shard headers) and numa.
+# A check that only means something once another one passed: when that one fails, it is not run and says why
+# (a box with no NVIDIA driver fails `gpu`, not `gpu`, `p2p` and `ucx`).
+NEEDS = {"p2p": "gpu", "ucx": "gpu", "profile": "gpu"}
+# Checks that run the serving environment's python (none can run without it).
+NEEDS_PYTHON = ("patches", "nixl", "router", "p2p", "ucx", "profile")
+# The checks a dry run leaves to the start, and why: each needs the GPUs, NIXL or processes running. A dry run runs
+# every other check; `gpu` and `profile` when nvidia-smi answers.
 NOT_IN_DRY_RUN = {
-    "python": "needs the serving environment",
-    "ports": "binds each port to see that it is free; that none is configured twice is checked with the plan",
-    "gpu": "needs nvidia-smi and the GPUs",
-    "patches": "asks the serving environment's SGLang",
     "nixl": "moves KV pages through NIXL",
     "p2p": "copies between the GPUs",
     "ucx": "moves KV pages between the GPUs through NIXL/UCX",
-    "router": "needs the serving environment",
-    "profile": "needs nvidia-smi and the serving environment",
 }
+NEEDS_SMI = ("gpu", "profile")
+
+
+def smi_problem(plan: Plan) -> Optional[str]:
+    """Why nvidia-smi does not answer here (None: it lists GPUs)."""
+    smi = plan.settings.get("NVIDIA_SMI") or "nvidia-smi"
+    try:
+        r = subprocess.run([smi, "--query-gpu=index,name,compute_cap,memory.total,memory.free",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        return f"{smi} not found"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{smi} did not run ({type(e).__name__})"
+    if r.returncode != 0 or not r.stdout.strip():
+        return f"{smi} failed (exit {r.returncode})"
+    return None
 
 
 def _model_note(plan: Plan) -> str:
@@ -430,61 +468,81 @@ def _model_note(plan: Plan) -> str:
         return "no server on this host"
     mc = model_config.read(plan.settings["MODEL_PATH"])
     if mc.where == "local":
-        return f"{mc.source}; the shard headers are read at start"
+        return f"{mc.source}, shard headers read"
     if mc.where == "hub":
         return "a Hugging Face id not in the local Hugging Face cache: SGLang downloads it at start"
     return mc.source
 
 
-def run_dry_checks(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
-    """The dry run's part of the preflight (the same check functions and failure lines as ``run_preflight``):
-    the servers' settings and allocator (env), MODEL_PATH's config.json (model) and the NUMA placement (numa);
-    every other check is listed as not run. Returns the failure lines (empty = a start would get past these)."""
-    skip = skipped_checks(plan)
-    say("# preflight, the checks that need no GPU (a start runs them again, with the rest):")
-    failures = check_overlay_env(plan)
-    _verdict("env", failures, say)
-    say(f"preflight python: not run (dry run: {NOT_IN_DRY_RUN['python']})")
-    for name in CHECKS:
-        if name in skip:
-            say(f"preflight {name}: skipped")
-        elif name == "model":
-            res = check_model(plan, weights=False)
-            _verdict("model", res, say, ok=f"ok ({_model_note(plan)})")
-            failures += res
-        elif name == "numa":
-            say("preflight numa: ok (the numa lines above)" if any(p.numa for p in plan.procs)
-                else "preflight numa: ok")
-        else:
-            say(f"preflight {name}: not run (dry run: {NOT_IN_DRY_RUN[name]})")
-    return failures
+def _not_run(plan: Plan, name: str, failed: set, dry: bool, smi: Optional[str]) -> Optional[str]:
+    """Why check ``name`` does not run (None: it runs)."""
+    if name in NEEDS_PYTHON and "python" in failed:
+        return "needs the python check, which failed"
+    if NEEDS.get(name) in failed:
+        return f"needs the {NEEDS[name]} check, which failed"
+    if dry and name in NOT_IN_DRY_RUN:
+        return f"dry run: {NOT_IN_DRY_RUN[name]}"
+    if dry and name in NEEDS_SMI and smi:
+        return f"dry run: needs nvidia-smi, which does not answer here: {smi}"
+    return None
 
 
-def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
-    """Run every check not skipped; return the failure lines (empty = go)."""
+def _run_checks(plan: Plan, say: Callable[[str], None], dry: bool) -> List[str]:
+    """Every check not skipped, in order, with its status line; the failure lines. A start stops at a missing
+    serving python (nothing else can run) and runs ``CALIBRATE=1``'s calibration before the checks."""
     skip = skipped_checks(plan)
-    failures = check_python(plan)
-    if failures:
-        return failures  # nothing else can run without the environment
-    failures = check_overlay_env(plan)
-    _verdict("env", failures, say)
-    if not failures:
-        failures = calibrate_first(plan, say)
-        if failures:
-            return failures
+    failures, failed = [], set()
+    if dry:
+        say("# preflight: every check a start runs that needs no GPU, NIXL or running server (a start runs them "
+            "again, with the rest):")
+    env = check_overlay_env(plan)
+    python = check_python(plan)
+    if python and not dry:
+        return python
+    _verdict("env", env, say)
+    failures += env
+    if dry:
+        _verdict("python", python, say)
+        failures += python
+        failed |= {"python"} if python else set()
+    elif not env:
+        calibration = calibrate_first(plan, say)
+        if calibration:
+            return calibration
+    smi = smi_problem(plan) if dry else None
     for name in CHECKS:
         if name in skip:
             say(f"preflight {name}: skipped")
             continue
+        why = _not_run(plan, name, failed, dry, smi)
+        if why:
+            say(f"preflight {name}: not run ({why})")
+            continue
         res = RUNNERS[name](plan)
-        notes: List[str] = []
-        if isinstance(res, tuple):
-            res, notes = res
-        _verdict(name, res, say)
+        res, notes = res if isinstance(res, tuple) else (res, [])
+        ok = "ok"
+        if dry and name == "model":
+            ok = f"ok ({_model_note(plan)})"
+        elif dry and name == "numa":
+            ok, notes = ("ok (the numa lines above)" if any(p.numa for p in plan.procs) else "ok"), []
+        _verdict(name, res, say, ok=ok)
         for n in notes:
             say(f"preflight {name}: {n}")
         failures += res
+        failed |= {name} if res else set()
     return failures
+
+
+def run_dry_checks(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
+    """The dry run's preflight: the same check functions and failure lines as ``run_preflight``, every check whose
+    inputs a dry run has (all but nixl, p2p and ucx; gpu and profile when nvidia-smi answers); the others are listed
+    as not run. Returns the failure lines (empty = a start would get past these)."""
+    return _run_checks(plan, say, dry=True)
+
+
+def run_preflight(plan: Plan, say: Callable[[str], None] = print) -> List[str]:
+    """Run every check not skipped; return the failure lines (empty = go)."""
+    return _run_checks(plan, say, dry=False)
 
 
 def _verdict(name: str, failures: List[str], say: Callable[[str], None], ok: str = "ok") -> None:

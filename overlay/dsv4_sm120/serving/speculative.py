@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .. import model_config
+from .. import settings as registry
 
 DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
 ALGORITHMS = {"auto": "auto", "eagle": "EAGLE", "nextn": "EAGLE", "mtp": "EAGLE", "dspark": "DSPARK"}
@@ -79,17 +80,12 @@ def detect_draft(model: str, environ: Optional[Mapping[str, str]] = None) -> Dra
                      dspark_block_size=block, nextn_layers=nextn, has_dspark=has_dspark, has_mtp=nextn > 0)
 
 
-def _int(settings: Dict[str, str], key: str, lo: int, hi: int) -> Optional[int]:
-    text = (settings.get(key) or "").strip()
-    if text in ("", "auto"):
-        return None
+def _int(settings: Mapping[str, str], key: str) -> Optional[int]:
+    """The serve variable ``key`` through the settings registry (its range is declared there); None when empty."""
     try:
-        v = int(text)
-    except ValueError:
-        raise SpecError(f"{key}={text!r} is not an integer")
-    if not lo <= v <= hi:
-        raise SpecError(f"{key}={v} is out of range [{lo}, {hi}]")
-    return v
+        return registry.get(key, settings)
+    except registry.SettingsError as e:
+        raise SpecError(str(e)) from None
 
 
 def spec_flags(settings: Dict[str, str], environ: Optional[Mapping[str, str]] = None) -> Tuple[List[str], str]:
@@ -128,10 +124,10 @@ def spec_flags(settings: Dict[str, str], environ: Optional[Mapping[str, str]] = 
             raise SpecError(f"SPEC_ALGORITHM={want_txt}: MODEL_PATH={model} has no MTP layer "
                             f"(num_nextn_predict_layers is 0 or missing in {info.source})")
 
-    steps = _int(settings, "SPEC_NUM_STEPS", 1, 16)
-    draft = _int(settings, "SPEC_NUM_DRAFT_TOKENS", 2, 64)
-    topk = _int(settings, "SPEC_EAGLE_TOPK", 1, 64)
-    block = _int(settings, "SPEC_DSPARK_BLOCK_SIZE", 1, 63)
+    steps = _int(settings, "SPEC_NUM_STEPS")
+    draft = _int(settings, "SPEC_NUM_DRAFT_TOKENS")
+    topk = _int(settings, "SPEC_EAGLE_TOPK")
+    block = _int(settings, "SPEC_DSPARK_BLOCK_SIZE")
     if topk not in (None, 1):
         raise SpecError(f"SPEC_EAGLE_TOPK={topk}: DeepSeek-V4 speculation in SGLang 0.5.23 supports topk 1 only")
 
@@ -157,7 +153,7 @@ def spec_flags(settings: Dict[str, str], environ: Optional[Mapping[str, str]] = 
     if block is not None and draft is not None and draft != block + 1:
         raise SpecError(f"SPEC_NUM_DRAFT_TOKENS={draft} with SPEC_DSPARK_BLOCK_SIZE={block}: DSpark verifies "
                         f"block + 1 = {block + 1} tokens per step")
-    block_src = "SPEC_DSPARK_BLOCK_SIZE" if settings.get("SPEC_DSPARK_BLOCK_SIZE", "").strip() not in ("", "auto") \
+    block_src = "SPEC_DSPARK_BLOCK_SIZE" if (settings.get("SPEC_DSPARK_BLOCK_SIZE") or "").strip() \
         else "SPEC_NUM_DRAFT_TOKENS - 1" if block is not None else None
     if block is None and info.dspark_block_size is not None:
         block, block_src = info.dspark_block_size, "the checkpoint's dspark_block_size"

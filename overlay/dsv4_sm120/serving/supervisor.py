@@ -407,8 +407,8 @@ class Supervisor:
         """One real prefill-to-decode request through the router before READY (``WARMUP``), so no user
         request pays the KV transport's cold start (UCX endpoint and memory-handle setup). Its time goes
         to the log and to state.json (``warmup_s``). None = done or off; else the failure line."""
-        setting = (self.plan.settings.get("WARMUP") or "auto").strip()
-        if setting == "0" or (setting == "auto" and self.plan.standin):
+        setting = self.plan.value("WARMUP")           # "auto", True or False
+        if setting is False or (setting == "auto" and self.plan.standin):
             return None
         timeout = float(self.plan.settings.get("WARMUP_TIMEOUT_S") or 600)
         self.message = "warm-up request in flight"
