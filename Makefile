@@ -24,7 +24,7 @@ endif
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe bench-fp8 bench-kv bench-tables launch-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze
+        bench-attention bench-moe bench-fp8 bench-kv bench-allreduce bench-tables launch-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze
 
 # `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
 # them in two sections, each in file order.
@@ -76,10 +76,10 @@ test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 
 # The make target a command runs under (DSV4_SM120_MAKE_TARGET): its hints then name the make command
 # (`make calibrate ARGS=--dry-run`) rather than a bare option that make would read as its own.
-HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv tune-fp8 calibrate convert-nvfp4 measure profile verify
+HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv bench-allreduce tune-fp8 calibrate convert-nvfp4 measure profile verify
 $(HINTED_TARGETS): export DSV4_SM120_MAKE_TARGET = $@
 
-# Every bench run appends rows to $(BENCH_OUT)/<subject>.csv (attention, moe, fp8, kv); `make bench-tables` regenerates
+# Every bench run appends rows to $(BENCH_OUT)/<subject>.csv (attention, moe, fp8, kv, allreduce); `make bench-tables` regenerates
 # the committed tables from them (bench/results/README.md).
 BENCH_OUT ?= bench/results
 # launch variants timed next to the default at the tp4_decode case (H=16 SWA128+c4, the TP4 decode shape;
@@ -105,8 +105,11 @@ bench-fp8: ## tune SGLang's FP8 block GEMM (quick) and append what it measured t
 bench-kv: ## PD KV transfer: NIXL/UCX moving one TP4 rank's DSv4 KV pages between two GPUs vs a peer copy (1k-128k prompts); appends to BENCH_OUT/kv.csv
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_kv.py --results $(BENCH_OUT)/kv.csv $(ARGS)
 
+bench-allreduce: ## TP all-reduce per server group: FlashInfer PCIe-IPC vs NCCL LL/LL128/Simple at decode and prefill sizes, verified (2+ GPUs); appends to BENCH_OUT/allreduce.csv
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_allreduce.py --results $(BENCH_OUT)/allreduce.csv $(ARGS)
+
 bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the results files (GPU=name; default: the only one)
-	@for s in attention moe fp8 kv; do \
+	@for s in attention moe fp8 kv allreduce; do \
 	  if [ -f $(BENCH_OUT)/$$s.csv ]; then python3 bench/results_table.py table $$s --results $(BENCH_OUT)/$$s.csv \
 	    $(if $(GPU),--gpu '$(GPU)',) $(if $(filter-out bench/results,$(BENCH_OUT)),--out $(BENCH_OUT)/$$s.md,) || exit $$?; fi; done
 
