@@ -351,16 +351,17 @@ def collect(server: Server, m: dict, events: List[List[dict]], timed_out: bool, 
     got = {e["rows"]: {k: v for k, v in e.items() if k not in ("event", "rows") and v is not None}
            for e in ev0 if e.get("event") == "size"}
     started = [e["rows"] for e in ev0 if e.get("event") == "start"]
+    done = any(e.get("event") == "done" for e in ev0)
+    last = started[-1] if started else None
     sizes = {}
     for r in server.rows:
         if r in got:
             sizes[r] = got[r]
-        elif started and r == started[-1]:
+        elif r == last and not done:
             sizes[r] = {"status": "failed", "reason": f"{stop} at rows {r}"}
         else:
-            last = started[-1] if started else None
-            sizes[r] = {"status": "failed", "reason": f"not measured: the run stopped at rows {last} ({stop})"}
-    done = any(e.get("event") == "done" for e in ev0)
+            why = f"it failed at rows {last}" if done else stop
+            sizes[r] = {"status": "failed", "reason": f"not measured: the run stopped at rows {last} ({why})"}
     info = next((e.get("info") for e in reversed(ev0) if e.get("event") == "done"), head.get("info", {})) or {}
     return {"status": "ok" if done else "failed", "reason": "" if done else stop, "info": dict(info),
             "sizes": sizes}
