@@ -72,9 +72,9 @@ def test_an_explicit_setting_wins():
     # the user's own bound is kept; the rest from the profile
     d = server_env("decode", 4, {MAX_NUMEL: "8192"}, pr, SRC)
     assert d.env == {ENABLE: "1", PROTO: "LL"} and MAX_NUMEL not in d.unset
-    # an empty value is a setting too (left as the user put it)
-    d = server_env("prefill", 4, {ALGO: ""}, None, "")
-    assert ALGO not in d.unset and d.source.startswith("env NCCL_ALGO= (yours)")
+    # an empty value asks for the variable not to be set (NCCL would read an empty list): the decode default yields
+    d = server_env("decode", 4, {ALGO: ""}, None, "")
+    assert d.env == {PROTO: "LL"} and ALGO in d.unset and d.source.startswith("env NCCL_ALGO unset (yours)")
     # IPC on by hand without a profile: kept, SGLang sizes its workspace; the default protocol stays
     d = server_env("decode", 4, {ENABLE: "1"}, None, "")
     assert d.env == {PROTO: "LL", ALGO: "Ring"} and ENABLE not in d.unset

@@ -5,7 +5,6 @@ that dies (fake workers, no torch), and two real gloo processes running the work
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -183,7 +182,8 @@ def test_collect_reports_setup_failures_for_every_size():
           {"event": "size", "rows": 1, "status": "failed", "reason": "eager call: RuntimeError: x"}, {"event": "done"}]
     r = A.collect(s, ipc, [ev, []], False, [0, 0], ["", ""], 600)
     assert r["sizes"][1]["reason"] == "eager call: RuntimeError: x"
-    assert r["sizes"][2] == {"status": "failed", "reason": "not measured: the run stopped at rows 1 (it failed at rows 1)"}
+    assert r["sizes"][2] == {"status": "failed",
+                             "reason": "not measured: the run stopped at rows 1 (it failed at rows 1)"}
 
 
 def fake_launcher(table):

@@ -49,7 +49,8 @@ RATIO = {"attention": (("ours-bf16", "flashmla", "ours-bf16 / flashmla"),
          "moe": (("nvfp4-bf16", "fp8-baseline", "nvfp4-bf16 / fp8-baseline"),),
          "fp8": (("triton-sglang-default-cfg", "triton-tuned", "speedup (default cfg / tuned)"),),
          "kv": (("nixl-ucx", "memcpy-peer", "nixl-ucx / memcpy-peer"),),
-         "allreduce": (("pcie_ipc", "nccl", "pcie_ipc / nccl"), ("pcie_ipc", "nccl_LL_Ring", "pcie_ipc / nccl_LL_Ring"))}
+         "allreduce": (("pcie_ipc", "nccl", "pcie_ipc / nccl"),
+                       ("pcie_ipc", "nccl_LL_Ring", "pcie_ipc / nccl_LL_Ring"))}
 # impls listed first (in this order) in a table; others follow by name
 IMPL_ORDER = {"attention": ("ours-bf16", "ours-fp8", "flashmla", "flashinfer", "upstream-triton", "torch-eager"),
               "moe": ("nvfp4-bf16", "nvfp4-fp4", "fp8-baseline", "bf16-baseline"),

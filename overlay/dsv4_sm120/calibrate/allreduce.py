@@ -385,7 +385,8 @@ def method_unavailable(method: str, server: Server, plan: Plan) -> Optional[str]
         return f"{method} needs CUDA GPUs"
     if kind == IPC:
         if server.world not in IPC_WORLD_SIZES:
-            return f"FlashInfer's PCIe-IPC all-reduce runs at {', '.join(map(str, IPC_WORLD_SIZES))} ranks, not TP{server.world}"
+            return (f"FlashInfer's PCIe-IPC all-reduce runs at {', '.join(map(str, IPC_WORLD_SIZES))} ranks, "
+                    f"not TP{server.world}")
         missing = [p for p in ("sglang", "flashinfer") if importlib.util.find_spec(p) is None]
         if missing:
             return f"{' and '.join(missing)} not installed in this environment"

@@ -2,9 +2,10 @@
 
 :func:`server_env` is what the serve plan calls per server (prefill, decode). It returns the variables to set for
 that server, the ones it must not inherit from ``serve/env/*.env``, and one line saying where the choice came
-from. Precedence, per variable: the user's explicit setting (present in the caller's environment, even empty)
-wins and is left as it is; else the profile's measured choice for that server (``allreduce`` decision, the
-server's role, measured at the same TP size); else the defaults:
+from. Precedence, per variable: the user's explicit setting wins (a value is left as it is; an empty value means
+"not set" and the name goes to ``unset``: NCCL reads an empty list as no override, SGLang's integer reader warns
+on it); else the profile's measured choice for that server (``allreduce`` decision, the server's role, measured at
+the same TP size); else the defaults:
 
 * decode: ``NCCL_PROTO=LL NCCL_ALGO=Ring`` (what ``serve/env/10-nccl.env`` sets today: decode all-reduces are a
   few KiB to a few hundred KiB, latency-bound, where LL is NCCL's low-latency protocol and Ring works on a
@@ -109,14 +110,14 @@ def server_env(role: str, gpus: int, environ: Mapping[str, str], profile: Option
         if ipc_blocked:
             text += f"; {IPC} could not run here anyway: {ipc_blocked}"
     env = {k: v for k, v in want.items() if v is not None and k not in user}
-    unset = tuple(k for k, v in want.items() if v is None and k not in user)
+    unset = tuple(k for k, v in want.items() if (v is None and k not in user) or user.get(k, None) == "")
     if ENABLE in user and env_true(user[ENABLE]) and ipc_blocked:
         text += f"; WARNING: {ENABLE}={user[ENABLE]} is yours but {ipc_blocked}"
     return ServerEnv(role, env, unset, (_user_text(user) + "; " if user else "") + text)
 
 
 def _user_text(user: Mapping[str, str]) -> str:
-    return "env " + " ".join(f"{k}={v}" for k, v in user.items()) + " (yours)" if user else ""
+    return "env " + " ".join(f"{k}={v}" if v else f"{k} unset" for k, v in user.items()) + " (yours)" if user else ""
 
 
 def _profile_text(meas: Mapping, c: Mapping, uses_bound: bool, ipc_blocked: Optional[str], source: str) -> str:

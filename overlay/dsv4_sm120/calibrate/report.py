@@ -26,7 +26,8 @@ def _cell(o: dict, win: bool) -> str:
     return {"unavailable": "n/a", "failed": "fail", "rejected": "wrong"}.get(o.get("status"), "?")
 
 
-def markdown(profile: dict, png_name: Optional[str] = None, png_note: str = "", extra_png: Optional[dict] = None) -> str:
+def markdown(profile: dict, png_name: Optional[str] = None, png_note: str = "",
+             extra_png: Optional[dict] = None) -> str:
     v = profile.get("versions", {})
     dep = profile.get("deployment", {})
     out = [f"# Machine profile: {profile.get('gpu')}", "",
