@@ -252,3 +252,57 @@ def test_two_gloo_processes_run_the_worker_and_catch_one_wrong_element():
     assert o3["status"] == "rejected" and o3["reason"].startswith(
         "after timing: rank 1 has 1 of 192 elements off the float64 sum, max |diff| 1 (first at element 77")
     assert o3["us"] > 0   # it was timed before the last check caught it
+
+
+def test_ipc_method_builds_one_workspace_per_tier_through_sglangs_adapter(monkeypatch):
+    """The worker's pcie_ipc method against a stand-in for SGLang's adapter module: the workspace tier each size
+    gets (SGLANG_PCIE_IPC_MAX_NUMEL as the adapter reads it at prepare), the old workspace destroyed, the
+    adapter's own warning as the reason when it stays off, a size it would not route reported as such."""
+    import logging
+    import types
+
+    import torch.distributed as dist
+
+    built = []
+
+    class FakeComm:
+        def __init__(self, group, device, cpu_group):
+            self.max = int(os.environ["SGLANG_PCIE_IPC_MAX_NUMEL"])
+            self.disabled = self.max > 10 ** 6
+            self._workspace, self.destroyed = None, False
+            if self.disabled:
+                logging.getLogger(mod.__name__).warning("FlashInfer build has no pcie_ipc_comm")
+            built.append(self)
+
+        def prepare(self, hidden):
+            self._workspace = object()
+            logging.getLogger(mod.__name__).info("autotuned 3 shape(s) (hidden=%d)", hidden)
+
+        def should_pcie_ipc_ar(self, x):
+            return x.numel() <= self.max and x.shape[0] != 3
+
+        def destroy(self):
+            self.destroyed = True
+
+    mod = types.ModuleType("sglang.srt.distributed.device_communicators.pcie_ipc_ar")
+    mod.PcieIpcCommunicator = FakeComm
+    pkg = types.ModuleType("sglang.srt.distributed.device_communicators")
+    pkg.pcie_ipc_ar = mod
+    for name, m in (("sglang", types.ModuleType("sglang")), ("sglang.srt", types.ModuleType("sglang.srt")),
+                    ("sglang.srt.distributed", types.ModuleType("sglang.srt.distributed")),
+                    ("sglang.srt.distributed.device_communicators", pkg), (mod.__name__, mod)):
+        monkeypatch.setitem(sys.modules, name, m)
+    monkeypatch.setattr(dist, "new_group", lambda backend=None: "nccl-group")
+    monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL", raising=False)
+    job = {"hidden": 64, "ipc_tiers": [4 * 64, 64 * 64, 2 * 10 ** 6]}
+    m = W.make_method(dict(job, kind="pcie_ipc"), 0, 4, torch.device("cpu"))
+    assert m.setup() is None and m.inplace is False
+    assert m.begin_size(1 * 64) is None and m.begin_size(4 * 64) is None and len(built) == 1
+    assert built[0].max == 256 and m.info["tuning_256"] == ["autotuned 3 shape(s) (hidden=64)"]
+    assert m.admits(torch.empty(4, 64)) is None
+    assert "would not route a (3, 64) tensor" in m.admits(torch.empty(3, 64))
+    assert m.begin_size(16 * 64) is None and len(built) == 2 and built[0].destroyed and built[1].max == 4096
+    assert m.begin_size(10 ** 6) == "FlashInfer build has no pcie_ipc_comm" and built[1].destroyed
+    assert m.begin_size(3 * 10 ** 6).startswith("beyond the largest workspace tier")
+    m.close()
+    assert built[-1].destroyed

@@ -145,12 +145,17 @@ def cuda_timer(run, n: int) -> float:
 # ----------------------------------------------------------------------------- methods
 
 class _Logs(logging.Handler):
+    """SGLang's IPC adapter says why it stays off, and what its autotune covered, only in its log."""
+
     def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: List[str] = []
+        super().__init__(logging.INFO)
+        self.records: List[tuple] = []
 
     def emit(self, record):
-        self.lines.append(record.getMessage())
+        self.records.append((record.levelno, record.getMessage()))
+
+    def warnings(self) -> str:
+        return "; ".join(m for lv, m in self.records if lv >= logging.WARNING)
 
 
 class Method:
@@ -230,7 +235,9 @@ class PcieIpc(Method):
             return f"SGLang's pcie_ipc_ar does not import: {first_line(e)}"
         self.mod, self.comm, self.tier = pcie_ipc_ar, None, 0
         self.logs = _Logs()
-        logging.getLogger(pcie_ipc_ar.__name__).addHandler(self.logs)
+        log = logging.getLogger(pcie_ipc_ar.__name__)
+        log.setLevel(logging.INFO)
+        log.addHandler(self.logs)
         self.group = dist.new_group(backend="nccl")   # the IPC handshake runs on the device group, as in SGLang
         try:
             from importlib.metadata import version
@@ -250,16 +257,16 @@ class PcieIpc(Method):
             if self.comm is not None:
                 self.comm.destroy()
             os.environ["SGLANG_PCIE_IPC_MAX_NUMEL"] = str(tier)
-            self.logs.lines.clear()
+            self.logs.records.clear()
             self.comm = self.mod.PcieIpcCommunicator(group=self.group, device=self.device,
                                                      cpu_group=dist.group.WORLD)
             self.tier = tier
             if self.comm.disabled:
-                return "; ".join(self.logs.lines) or f"SGLang left it off (world size {self.world})"
+                return self.logs.warnings() or f"SGLang left it off (world size {self.world})"
             self.comm.prepare(hidden=self.job["hidden"])
             if self.comm._workspace is None:
-                return "workspace not built: " + ("; ".join(self.logs.lines) or "no reason logged")
-            self.info["tuning"] = [x for x in self.logs.lines if "autotun" in x.lower()][-1:]
+                return "workspace not built: " + (self.logs.warnings() or "no reason logged")
+            self.info[f"tuning_{tier}"] = [m for _, m in self.logs.records if "autotun" in m.lower()][-1:]
         return None
 
     def admits(self, x) -> Optional[str]:
