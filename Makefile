@@ -24,7 +24,7 @@ endif
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe bench-fp8 bench-kv bench-tables launch-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze
+        bench-attention bench-moe bench-fp8 bench-kv bench-allreduce bench-tables launch-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze
 
 # `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
 # them in two sections, each in file order.
@@ -79,10 +79,10 @@ test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 
 # The make target a command runs under (DSV4_SM120_MAKE_TARGET): its hints then name the make command
 # (`make calibrate ARGS=--dry-run`) rather than a bare option that make would read as its own.
-HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv tune-fp8 calibrate convert-nvfp4 measure profile verify
+HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv bench-allreduce tune-fp8 calibrate convert-nvfp4 measure profile verify
 $(HINTED_TARGETS): export DSV4_SM120_MAKE_TARGET = $@
 
-# Every bench run (attention, moe, fp8, kv) appends its rows to $(BENCH_OUT)/<subject>.csv: by default outside the
+# Every bench run (attention, moe, fp8, kv, allreduce) appends its rows to $(BENCH_OUT)/<subject>.csv: by default outside the
 # tracked tree, in $(DSV4_SM120_CACHE)/bench. The project's own recorded rows are bench/results/<subject>.csv
 # (maintainers: BENCH_OUT=bench/results). `make bench-tables` and `make launch-tables` read bench/results unless
 # BENCH_OUT is given (bench/results/README.md).
@@ -111,8 +111,11 @@ bench-fp8: ## tune SGLang's FP8 block GEMM (quick) and append what it measured t
 bench-kv: ## PD KV transfer: NIXL/UCX moving one TP4 rank's DSv4 KV pages between two GPUs vs a peer copy (1k-128k prompts); appends to BENCH_OUT/kv.csv
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_kv.py --results $(BENCH_OUT)/kv.csv $(ARGS)
 
+bench-allreduce: ## TP all-reduce per server group: FlashInfer PCIe-IPC vs NCCL LL/LL128/Simple at decode and prefill sizes, verified (2+ GPUs); appends to BENCH_OUT/allreduce.csv
+	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_allreduce.py --results $(BENCH_OUT)/allreduce.csv $(ARGS)
+
 bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the committed rows (BENCH_OUT=dir: tables of your rows, in dir; GPU=name)
-	@for s in attention moe fp8 kv; do \
+	@for s in attention moe fp8 kv allreduce; do \
 	  if [ -f $(BENCH_ROWS)/$$s.csv ]; then python3 bench/results_table.py table $$s --results $(BENCH_ROWS)/$$s.csv \
 	    $(if $(GPU),--gpu '$(GPU)',) $(if $(filter-out bench/results,$(BENCH_ROWS)),--out $(BENCH_ROWS)/$$s.md,) || exit $$?; fi; done
 

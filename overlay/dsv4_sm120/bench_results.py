@@ -1,4 +1,5 @@
-"""Benchmark results files: one CSV per subject (``bench/results/attention.csv``, ``moe.csv``, ``fp8.csv``, ``kv.csv``).
+"""Benchmark results files: one CSV per subject (``bench/results/attention.csv``, ``moe.csv``, ``fp8.csv``, ``kv.csv``,
+``allreduce.csv``).
 
 Every benchmark run appends one row per measured point; nothing is ever rewritten. The committed tables
 (``bench/results/<subject>_<gpu>.md``) are generated from these files: :func:`latest_rows` keeps the newest row
@@ -38,23 +39,27 @@ NUMERIC = ("us", "gbps", "rel_err")
 # the shape field that becomes the table's columns
 # shape fields that follow from the others (the kv bytes and descriptors of a prompt length): recorded, not
 # a table of their own
-DERIVED = {"kv": ("bytes", "descs")}
-X_FIELD = {"attention": "batch", "moe": "tokens", "fp8": "m", "kv": "prompt"}
-X_LABEL = {"attention": "B", "moe": "M", "fp8": "M", "kv": "N"}
+DERIVED = {"kv": ("bytes", "descs"), "allreduce": ("bytes",)}
+X_FIELD = {"attention": "batch", "moe": "tokens", "fp8": "m", "kv": "prompt", "allreduce": "rows"}
+X_LABEL = {"attention": "B", "moe": "M", "fp8": "M", "kv": "N", "allreduce": "rows"}
 # (numerator impl, denominator impl, label) of each ratio row printed under a table where both are measured: the
 # attention baseline is FlashMLA on sm_90 / sm_100 and FlashInfer on sm_120 (neither runs on the other's GPUs)
 RATIO = {"attention": (("ours-bf16", "flashmla", "ours-bf16 / flashmla"),
                        ("ours-bf16", "flashinfer", "ours-bf16 / flashinfer")),
          "moe": (("nvfp4-bf16", "fp8-baseline", "nvfp4-bf16 / fp8-baseline"),),
          "fp8": (("triton-sglang-default-cfg", "triton-tuned", "speedup (default cfg / tuned)"),),
-         "kv": (("nixl-ucx", "memcpy-peer", "nixl-ucx / memcpy-peer"),)}
+         "kv": (("nixl-ucx", "memcpy-peer", "nixl-ucx / memcpy-peer"),),
+         "allreduce": (("pcie_ipc", "nccl", "pcie_ipc / nccl"),
+                       ("pcie_ipc", "nccl_LL_Ring", "pcie_ipc / nccl_LL_Ring"))}
 # impls listed first (in this order) in a table; others follow by name
 IMPL_ORDER = {"attention": ("ours-bf16", "ours-fp8", "flashmla", "flashinfer", "upstream-triton", "torch-eager"),
               "moe": ("nvfp4-bf16", "nvfp4-fp4", "fp8-baseline", "bf16-baseline"),
               "fp8": ("triton-tuned", "triton-sglang-default-cfg", "triton-sglang-shipped-cfg"),
-              "kv": ("nixl-ucx", "memcpy-peer")}
+              "kv": ("nixl-ucx", "memcpy-peer"),
+              "allreduce": ("pcie_ipc", "nccl", "nccl_LL", "nccl_LL128", "nccl_Simple", "nccl_LL_Ring")}
 TITLE = {"attention": "Sparse MLA decode", "moe": "NVFP4 fused MoE", "fp8": "FP8 block GEMM (SGLang's Triton kernel)",
-         "kv": "PD KV transfer (one TP4 rank's DSv4 pages, NIXL/UCX vs a plain peer copy)"}
+         "kv": "PD KV transfer (one TP4 rank's DSv4 pages, NIXL/UCX vs a plain peer copy)",
+         "allreduce": "TP all-reduce per server (FlashInfer PCIe-IPC vs NCCL protocols), bf16 rows x hidden"}
 DEFAULT_VARIANT = "default"
 
 

@@ -14,6 +14,8 @@ SHAPE_FIELDS = {
     "fp8": ("n", "k", "m"),
     # prompt tokens, bytes one TP rank's KV pages of that prompt take, descriptors (pages) moved, GPU pair
     "kv": ("prompt", "bytes", "descs", "src", "dst"),
+    # TP size, the group's GPUs, hidden size, dtype, rows reduced, bytes per rank (rows x hidden x element size)
+    "allreduce": ("tp", "gpus", "hidden", "dtype", "rows", "bytes"),
 }
 
 

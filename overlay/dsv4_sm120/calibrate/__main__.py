@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-DECISIONS = ("attention", "moe", "fp8")
+DECISIONS = ("attention", "moe", "fp8", "allreduce")
 EXIT_USAGE = 2
 
 
@@ -24,9 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m dsv4_sm120.calibrate",
         description="Time every candidate implementation of each decision the patches make (sparse-MLA decode, "
-                    "MoE runner, FP8 GEMM backend) on this GPU at the deployment's shapes (serve settings: "
-                    "DECODE_GPUS = TP, SPEC_NUM_DRAFT_TOKENS, CONTEXT_LEN, MODEL_PATH), gate each against a "
-                    "float64 reference, and write the machine profile (JSON) + a report (markdown, PNG).",
+                    "MoE runner, FP8 GEMM backend; the TP all-reduce of each server on its GPU group) on this box "
+                    "at the deployment's shapes (serve settings: DECODE_GPUS = TP, SPEC_NUM_DRAFT_TOKENS, "
+                    "CONTEXT_LEN, MODEL_PATH; PREFILL_GPUS, MAX_RUNNING, CHUNKED_PREFILL_SIZE for the all-reduce), "
+                    "gate each against a float64 reference, and write the machine profile (JSON) + a report "
+                    "(markdown, PNG).",
         epilog="Exit codes: 0 written, 2 bad usage / no GPU / bad settings, 130 interrupted (nothing written).")
     ap.add_argument("--decisions", default=",".join(DECISIONS),
                     help="comma list of %s (default: all)" % ", ".join(DECISIONS))
@@ -104,6 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  f"({hints.args('--dry-run')} shows the plan; {hints.args('--device cpu')} "
                                  "tests the harness)")
             device, gpu = "cuda", torch.cuda.get_device_name(0)
+            ds = _allreduce_gpus(a, ds)
         return run(a, dep, ds, Path(out_dir), device, gpu)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -111,6 +114,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: no profile written", file=sys.stderr)
         return 130
+
+
+def _allreduce_gpus(a, ds: List[str]) -> List[str]:
+    """``ds`` without ``allreduce`` on a box of one GPU (a line says so); asked for by name there, a usage error."""
+    if "allreduce" not in ds:
+        return ds
+    from .allreduce import visible_gpus
+
+    n = visible_gpus()
+    if n >= 2:
+        return ds
+    if a.decisions != ",".join(DECISIONS):
+        raise UsageError(f"the allreduce decision needs a box with 2 or more GPUs (this one has {n})")
+    print(f"allreduce: skipped: {n} GPU on this box, nothing to all-reduce", file=sys.stderr)
+    return [d for d in ds if d != "allreduce"]
+
+
+def _allreduce_plan(a, dep, device):
+    from . import allreduce
+
+    try:
+        return allreduce.build_plan(os.environ, dep.hidden, dep.draft_tokens, device, a.quick)
+    except allreduce.AllreduceError as e:
+        raise UsageError(str(e)) from None
 
 
 def dry_run(a, dep, ds, out_dir) -> int:
@@ -126,17 +153,22 @@ def dry_run(a, dep, ds, out_dir) -> int:
     for name, kind, buckets, cands, _ in _plan(a, dep, ds, device):
         names = ", ".join(c.name for c in cands) if cands else "triton (tuned), default (SGLang's backend) via tune_fp8"
         print(f"{name}: {kind} {','.join(map(str, buckets))}; candidates: {names}")
+    if "allreduce" in ds:
+        from .allreduce import dry_run_lines
+
+        print("\n".join(dry_run_lines(_allreduce_plan(a, dep, device))))
     print(f"profile -> {Path(out_dir) / (file_stem(gpu) if gpu != '<GPU name>' else gpu + '.json')} (+ .md, .png)")
     return 0
 
 
 def run(a, dep, ds, out_dir: Path, device: str, gpu: str) -> int:
-    from . import fp8, report
+    from . import allreduce, fp8, report
     from . import machine_profile as P
     from .candidates import Progress, run_decision
 
     plan = _plan(a, dep, ds, device)
-    total = sum(len(b) * max(1, len(c)) for _, _, b, c, _ in plan)
+    ar_plan = _allreduce_plan(a, dep, device) if "allreduce" in ds else None
+    total = sum(len(b) * max(1, len(c)) for _, _, b, c, _ in plan) + (allreduce.units(ar_plan) if ar_plan else 0)
     prog = Progress(total, quiet=a.quiet)
     t0 = time.monotonic()
     prog.step(f"{gpu}: TP {dep.tp}, {dep.heads} heads/rank, {dep.draft_tokens} draft tokens, "
@@ -153,6 +185,13 @@ def run(a, dep, ds, out_dir: Path, device: str, gpu: str) -> int:
             entry = run_decision(name, cands, buckets, make_case, prog)
         entry.update(bucket_kind=kind, default=P.DEFAULTS.get(name))
         decisions[name] = entry
+    if ar_plan is not None:
+        try:
+            env = allreduce.base_env(os.environ)
+        except allreduce.AllreduceError as e:
+            raise UsageError(str(e)) from None
+        decisions["allreduce"] = allreduce.calibrate(ar_plan, env, allreduce.visible_gpus() if device == "cuda"
+                                                     else 0, prog)
     path = P.profile_path(gpu, out_dir)
     versions = P.running_versions()
     old_note = ""
@@ -172,6 +211,9 @@ def run(a, dep, ds, out_dir: Path, device: str, gpu: str) -> int:
     P.save(prof, path)
     md, png, note = report.write(prof, path.with_suffix(".md"))
     for name, d in decisions.items():
+        if name == "allreduce":
+            print("\n".join(allreduce.summary_lines(d)))
+            continue
         wins = {b: r.get("winner") for b, r in d["buckets"].items()}
         print(f"{name}: " + ", ".join(f"{b}:{w or '-'}" for b, w in sorted(wins.items(), key=lambda x: int(x[0]))))
     print(f"profile: {path}{old_note}\nreport: {md}" + (f"\nplot: {png}" if png else f"\nplot: none ({note})"))

@@ -16,6 +16,9 @@ Schema (``schema`` = :data:`SCHEMA`)::
                                                      "unavailable"|"rejected", "us": float|null,
                                                      "err": float|null, "tol": float|null, "reason": str}}}}}}}
 
+The ``allreduce`` decision has per-server fields instead of buckets (``servers``: ``prefill`` / ``decode`` -> the GPU
+group, the measured sizes and the choice; docs/pcie.md), validated by ``allreduce_choice.validate_entry``.
+
 Version keying (:func:`match`): a profile is used only when the GPU name is exactly the running one and
 :data:`MUST_MATCH` versions are equal: ``sglang``, ``flashinfer``, ``triton``, ``torch`` -- they build or run the
 candidates, so a change can reorder the winners. :data:`WARN_ONLY` (``cuda``, ``driver``, ``dsv4_sm120``) only
@@ -102,6 +105,13 @@ def validate(p: object, source: str = "profile") -> dict:
     if not isinstance(decs, dict):
         bad("no decisions object")
     for name, d in decs.items():
+        if name == "allreduce":   # per-server fields instead of buckets (calibrate/allreduce_choice.py)
+            from .allreduce_choice import validate_entry
+
+            why = validate_entry(d)
+            if why:
+                bad(f"decision 'allreduce': {why}")
+            continue
         if not isinstance(d, dict) or not isinstance(d.get("buckets"), dict):
             bad(f"decision {name!r} has no buckets")
         for b, row in d["buckets"].items():

@@ -26,7 +26,8 @@ def _cell(o: dict, win: bool) -> str:
     return {"unavailable": "n/a", "failed": "fail", "rejected": "wrong"}.get(o.get("status"), "?")
 
 
-def markdown(profile: dict, png_name: Optional[str] = None, png_note: str = "") -> str:
+def markdown(profile: dict, png_name: Optional[str] = None, png_note: str = "",
+             extra_png: Optional[dict] = None) -> str:
     v = profile.get("versions", {})
     dep = profile.get("deployment", {})
     out = [f"# Machine profile: {profile.get('gpu')}", "",
@@ -45,6 +46,11 @@ def markdown(profile: dict, png_name: Optional[str] = None, png_note: str = "") 
     out += ["Cells: µs per call (CUDA-graph replay where capturable), **winner** in bold; `n/a` unavailable, "
             "`fail` did not build/run, `wrong` failed the float64 correctness gate (never a winner).", ""]
     for name, d in profile.get("decisions", {}).items():
+        if name == "allreduce":   # per-server fields, not buckets
+            from .allreduce_report import markdown_lines
+
+            out += markdown_lines(d, (extra_png or {}).get(name))
+            continue
         buckets = sorted(d.get("buckets", {}), key=int)
         cands = []
         for b in buckets:
@@ -132,5 +138,12 @@ def write(profile: dict, md_path: Path) -> tuple:
     """Write ``<stem>.md`` and ``<stem>.png`` next to each other; returns (md path, png path or None, note)."""
     png = md_path.with_suffix(".png")
     note = plot(profile, png)
-    md_path.write_text(markdown(profile, None if note else png.name, note or ""))
+    extra = {}
+    if "allreduce" in profile.get("decisions", {}):
+        from .allreduce_report import plot as allreduce_plot
+
+        ar_png = md_path.with_name(md_path.stem + "-allreduce.png")
+        if allreduce_plot(profile["decisions"]["allreduce"], ar_png, f"{profile.get('gpu')}: TP all-reduce") is None:
+            extra["allreduce"] = ar_png.name
+    md_path.write_text(markdown(profile, None if note else png.name, note or "", extra))
     return md_path, (None if note else png), note
