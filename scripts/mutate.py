@@ -131,16 +131,23 @@ def base_env(work: Path) -> dict:
     return env
 
 
+NO_TEST_REACHED = "could not find any test case for any mutant"
+
+
 def run_mutmut(run: L.Run, work: Path, python: Path, tool: Path, jobs: int, timeout: float) -> Dict[str, list]:
+    if not any(L.has_functions((ROOT / f).read_text()) for f in run.files):
+        return {}                                      # nothing for mutmut (module-level constants only)
     tree = work / "tree"
     copy_tree(tree, package_at_top=True)
     top = sorted(p.name for p in tree.iterdir() if p.name not in ("dsv4_sm120", "mutants", "setup.cfg"))
     (tree / "setup.cfg").write_text(mutmut_config(run, top))
-    # the tests import the package from <repo>/overlay (their own sys.path, or a child's PYTHONPATH): there it is
-    # the mutated copy, and mutmut (which the mutated files import) sits beside it
+    # mutmut writes the mutated package to mutants/dsv4_sm120; that is a link to mutants/overlay/dsv4_sm120, so the
+    # package's own idea of its checkout (dsv4_sm120.paths: the resolved file's ../..) is mutants/, the copy the
+    # tests run in, and a child given <repo>/overlay as PYTHONPATH imports the mutated copy too; mutmut (which the
+    # mutated files import) sits beside it for such children
     ov = tree / "mutants" / "overlay"
-    ov.mkdir(parents=True)
-    (ov / "dsv4_sm120").symlink_to(Path("..") / "dsv4_sm120")
+    (ov / "dsv4_sm120").mkdir(parents=True)
+    (tree / "mutants" / "dsv4_sm120").symlink_to(Path("overlay") / "dsv4_sm120")
     for p in tool.iterdir():
         if p.name == "mutmut" or (p.name.startswith("mutmut-") and p.name.endswith(".dist-info")):
             (ov / p.name).symlink_to(p)
@@ -148,17 +155,40 @@ def run_mutmut(run: L.Run, work: Path, python: Path, tool: Path, jobs: int, time
     env["PYTHONPATH"] = os.pathsep.join([str(ov), str(tool)])
     log = work / "mutmut.log"
     rc = run_bounded([str(python), "-c", MUTMUT_MAIN, "run", "--max-children", str(jobs)], tree, env, log, timeout)
+    # mutmut stops before testing anything when no selected test reaches a mutated function: all "no tests"
+    unreached = rc == 1 and NO_TEST_REACHED in log.read_text(errors="replace")
     results = {}
     for f in run.files:
         mutated = tree / "mutants" / f[len("overlay/"):]
         if not Path(str(mutated) + ".meta").is_file():
-            continue                                   # no function to mutate (constants only), or mutmut failed
-        results[f] = L.read_mutmut_results(mutated, (ROOT / f).read_text(), f)
-    if rc != 0:
+            continue                                   # no function in this file
+        results[f] = L.read_mutmut_results(mutated, (ROOT / f).read_text(), f, unchecked=L.NO_TESTS if unreached
+                                           else L.OTHER)
+    if rc != 0 and not unreached:
         tail = log.read_text(errors="replace")[-2500:].replace("\r", "\n")
         raise L.MutateError(f"mutmut exited with {rc} on {run.name} ({'time limit' if rc == 124 else 'see below'}); "
                             f"log: {log}\n{tail}")
     return results
+
+
+def read_results(run: L.Run, work: Path, previous: Path) -> Dict[str, list]:
+    """An item's last results again (--report-only): mutmut's files in its scratch tree, the constant mutants from
+    its last JSON report."""
+    res: Dict[str, list] = {}
+    for f in run.files:
+        mutated = work / "tree" / "mutants" / f[len("overlay/"):]
+        if Path(str(mutated) + ".meta").is_file():
+            res[f] = L.read_mutmut_results(mutated, (ROOT / f).read_text(), f)
+    old = json.loads(previous.read_text()) if previous.is_file() else {}
+    for f, entry in old.items():
+        consts = [L.Mutant(**m) for m in entry.get("mutants", []) if m["name"].startswith("const:")]
+        for m in consts:
+            m.status = L.SURVIVED if m.status == L.EQUIVALENT else m.status   # decided again below
+        if consts:
+            res[f] = res.get(f, []) + consts
+    if not res:
+        raise L.MutateError(f"no results of {run.name} in {work} (run it first)")
+    return res
 
 
 def run_constants(run: L.Run, work: Path, python: Path, timeout: float) -> Dict[str, list]:
@@ -198,9 +228,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(CACHE / "mutate"), help="where the reports and scratch trees go")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one item may take (default 1800)")
     ap.add_argument("--dry-run", action="store_true", help="list each item's files and test files; run nothing")
+    ap.add_argument("--report-only", action="store_true",
+                    help="report the last run's results again (after editing scripts/mutate_equivalent.txt)")
     a = ap.parse_args(argv)
     try:
         targets = L.parse_targets((ROOT / L.TARGETS_FILE).read_text())
+        eq_file = ROOT / L.EQUIVALENT_FILE
+        equivalents = L.parse_equivalents(eq_file.read_text()) if eq_file.is_file() else []
         runs = L.select(L.split_modules(a.modules), targets, ROOT)
         if a.dry_run:
             for r in runs:
@@ -208,28 +242,36 @@ def main(argv=None) -> int:
                       + (f"\n  constants: {' '.join(r.constants)}" if r.constants else ""))
             return 0
         out = Path(a.out)
-        python = test_venv() / "bin" / "python"
-        tool = tool_dir(python)
+        if not a.report_only:
+            python = test_venv() / "bin" / "python"
+            tool = tool_dir(python)
         everything: Dict[str, list] = {}
+        all_stale: list = []
         timing = []
         for r in runs:
-            say(f"{r.name}: {len(r.files)} file(s), tests: {' '.join(r.tests)}")
             work = out / "work" / r.slug
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
             t0 = time.time()
-            res = run_mutmut(r, work, python, tool, a.jobs, a.timeout)
-            for f, ms in run_constants(r, work, python, a.timeout).items():
-                res[f] = res.get(f, []) + ms
+            if a.report_only:
+                res = read_results(r, work, out / f"{r.slug}.json")
+            else:
+                say(f"{r.name}: {len(r.files)} file(s), tests: {' '.join(r.tests)}")
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir(parents=True)
+                res = run_mutmut(r, work, python, tool, a.jobs, a.timeout)
+                for f, ms in run_constants(r, work, python, a.timeout).items():
+                    res[f] = res.get(f, []) + ms
             secs = time.time() - t0
-            timing.append(f"{r.name}: {secs:.0f} s")
-            text = L.report(res, [f"# make mutate MODULES={r.name}  ({secs:.0f} s, {a.jobs} jobs; tests: "
-                                  f"{' '.join(r.tests)})"])
+            took = "reported again from the last run" if a.report_only else f"{secs:.0f} s"
+            timing.append(f"{r.name}: {took}")
+            stale = L.apply_equivalents(res, equivalents)
+            all_stale += stale
+            text = L.report(res, [f"# make mutate MODULES={r.name}  ({took}, {a.jobs} jobs; tests: "
+                                  f"{' '.join(r.tests)})"], stale)
             (out / f"{r.slug}.txt").write_text(text)
             (out / f"{r.slug}.json").write_text(json.dumps(L.to_json(res), indent=1))
-            say(f"{r.name}: done in {secs:.0f} s; report {out / (r.slug + '.txt')}")
+            say(f"{r.name}: {took}; report {out / (r.slug + '.txt')}")
             everything.update(res)
-        text = L.report(everything, ["# make mutate: " + "; ".join(timing)])
+        text = L.report(everything, ["# make mutate: " + "; ".join(timing)], all_stale)
         (out / "report.txt").write_text(text)
         print(text, end="")
         say(f"report: {out / 'report.txt'}")

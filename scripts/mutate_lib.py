@@ -209,6 +209,19 @@ def constant_mutants(source: str) -> List[ConstantMutant]:
 # ---------------------------------------------------------------------------------------------------------------
 
 KILLED, SURVIVED, TIMEOUT, NO_TESTS, OTHER = "killed", "survived", "timeout", "no tests", "other"
+EQUIVALENT = "equivalent"
+EQUIVALENT_FILE = "scripts/mutate_equivalent.txt"
+
+
+def has_functions(source: str) -> bool:
+    """Whether mutmut has anything to mutate: a function, or a method of a top-level class."""
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return True
+        if isinstance(node, ast.ClassDef) and any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                                  for s in node.body):
+            return True
+    return False
 
 
 def status_of(exit_code: Optional[int]) -> str:
@@ -255,9 +268,10 @@ def _shown(lines: Sequence[str]) -> str:
     return s if len(s) <= 160 else s[:157] + "..."
 
 
-def read_mutmut_results(mutated_file: Path, original_source: str, rel: str) -> List[Mutant]:
+def read_mutmut_results(mutated_file: Path, original_source: str, rel: str, unchecked: str = OTHER) -> List[Mutant]:
     """The mutants of one file from mutmut's `.meta` / `.spans` next to the mutated copy; each with the source line
-    and the change (a diff of the mutant's function against the original copy, both in the mutated file)."""
+    and the change (a diff of the mutant's function against the original copy, both in the mutated file). A mutant
+    mutmut did not get to (exit code null) counts as ``unchecked``."""
     meta = json.loads(Path(str(mutated_file) + ".meta").read_text())
     spans_path = Path(str(mutated_file) + ".spans")
     spans = json.loads(spans_path.read_text()).get("spans", {}) if spans_path.is_file() else {}
@@ -279,11 +293,57 @@ def read_mutmut_results(mutated_file: Path, original_source: str, rel: str) -> L
                     continue
                 if key not in def_lines:
                     def_lines[key] = _function_line(original_source, key)
-                line = def_lines[key] + i1 if def_lines[key] else 0
+                # the span may start with blank lines: count from the copy's own def line
+                d = next((k for k, x in enumerate(a) if x.lstrip().startswith(("def ", "async def "))), 0)
+                line = def_lines[key] + i1 - d if def_lines[key] else 0
                 old, new = _shown(a[i1:i2]), _shown(b[j1:j2])
                 break
-        out.append(Mutant(rel, line, name, status_of(code), old, new))
+        out.append(Mutant(rel, line, name, unchecked if code is None else status_of(code), old, new))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Equivalent mutants (scripts/mutate_equivalent.txt): `FILE: OLD  ->  NEW  ||  REASON`, OLD and NEW as the report
+# prints them; a surviving mutant of FILE with that change counts as equivalent, not as a survivor
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Equivalent:
+    file: str
+    old: str
+    new: str
+    reason: str
+    line: int
+
+
+def parse_equivalents(text: str, where: str = EQUIVALENT_FILE) -> List[Equivalent]:
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        s = raw.strip()
+        if not s or s.startswith("#"):
+            continue
+        change, sep, reason = s.partition("  ||  ")
+        f, colon, change = change.partition(": ")
+        old, arrow, new = change.partition("  ->  ")
+        if not (sep and colon and arrow and reason.strip() and f.startswith(PACKAGE_DIR)):
+            raise MutateError(f"{where}:{n}: expected `FILE: OLD  ->  NEW  ||  WHY IT IS EQUIVALENT`, got {s[:80]!r}")
+        out.append(Equivalent(f.strip(), old.strip(), new.strip(), reason.strip(), n))
+    return out
+
+
+def apply_equivalents(results: Dict[str, List[Mutant]], entries: Sequence[Equivalent]) -> List[Equivalent]:
+    """Marks the surviving mutants an entry describes as equivalent; returns the entries of these files that
+    matched no survivor (stale: the code changed, or the tests now kill the mutant)."""
+    used = set()
+    for f, ms in results.items():
+        for m in ms:
+            if m.status not in (SURVIVED, NO_TESTS):
+                continue
+            for i, e in enumerate(entries):
+                if e.file == f and e.old == m.old and e.new == m.new:
+                    m.status = EQUIVALENT
+                    used.add(i)
+    return [e for i, e in enumerate(entries) if e.file in results and i not in used]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -291,29 +351,33 @@ def read_mutmut_results(mutated_file: Path, original_source: str, rel: str) -> L
 # ---------------------------------------------------------------------------------------------------------------
 
 def tally(mutants: Sequence[Mutant]) -> Dict[str, float]:
-    c = {k: sum(m.status == k for m in mutants) for k in (KILLED, SURVIVED, TIMEOUT, NO_TESTS, OTHER)}
+    c = {k: sum(m.status == k for m in mutants) for k in (KILLED, SURVIVED, TIMEOUT, NO_TESTS, OTHER, EQUIVALENT)}
     n = len(mutants)
     c["mutants"] = n
-    c["score"] = (c[KILLED] + c[TIMEOUT]) / n if n else 1.0
+    real = n - c[EQUIVALENT]
+    c["score"] = (c[KILLED] + c[TIMEOUT]) / real if real else 1.0
     return c
 
 
-def report(results: Dict[str, List[Mutant]], header: Sequence[str] = ()) -> str:
-    """Per file: mutants, killed, survived, timeout, no tests, score ((killed + timeout) / mutants); then every
-    mutant that was not killed, as `file:line  status  old -> new  (name)`."""
+def report(results: Dict[str, List[Mutant]], header: Sequence[str] = (), stale: Sequence[Equivalent] = ()) -> str:
+    """Per file: mutants, killed, survived, timeout, no tests, other, equivalent, and the score (killed + timeout)
+    / (mutants - equivalent); then every mutant neither killed nor equivalent, as `file:line  status  OLD  ->  NEW
+    (name)`; then the entries of the equivalents file that matched nothing."""
     lines = list(header)
     w = max([len(f) for f in results] + [6])
-    lines.append(f"{'module':<{w}}  mutants  killed  survived  timeout  no-tests  other   score")
+    lines.append(f"{'module':<{w}}  mutants  killed  survived  timeout  no-tests  other  equiv   score")
     for f, ms in results.items():
         c = tally(ms)
         lines.append(f"{f:<{w}}  {c['mutants']:7d}  {c[KILLED]:6d}  {c[SURVIVED]:8d}  {c[TIMEOUT]:7d}  "
-                     f"{c[NO_TESTS]:8d}  {c[OTHER]:5d}  {100 * c['score']:5.1f}%")
-    left = [m for ms in results.values() for m in ms if m.status not in (KILLED, TIMEOUT)]
+                     f"{c[NO_TESTS]:8d}  {c[OTHER]:5d}  {c[EQUIVALENT]:5d}  {100 * c['score']:5.1f}%")
+    left = [m for ms in results.values() for m in ms if m.status not in (KILLED, TIMEOUT, EQUIVALENT)]
     lines.append("")
     lines.append(f"not killed: {len(left)}" + (" (none)" if not left else ""))
     for m in sorted(left, key=lambda m: (m.file, m.line, m.name)):
         change = f"{m.old}  ->  {m.new}" if (m.old or m.new) else "(change not located)"
         lines.append(f"  {m.file}:{m.line}  {m.status}  {change}  ({m.name})")
+    for e in stale:
+        lines.append(f"stale: {EQUIVALENT_FILE}:{e.line} matches no surviving mutant of {e.file} (remove it)")
     return "\n".join(lines) + "\n"
 
 
