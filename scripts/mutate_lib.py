@@ -184,7 +184,7 @@ def constant_mutants(source: str) -> List[ConstantMutant]:
     for ln in lines:
         offsets.append(offsets[-1] + len(ln.encode()))
     data = source.encode()
-    out: List[ConstantMutant] = []
+    out: List[Tuple[int, int, ConstantMutant]] = []
     for st in _module_level_assignments(tree.body):
         value = st.value
         if value is None:
@@ -197,10 +197,10 @@ def constant_mutants(source: str) -> List[ConstantMutant]:
             a = offsets[node.lineno - 1] + node.col_offset
             b = offsets[node.end_lineno - 1] + node.end_col_offset
             old = data[a:b].decode()
-            for new in _replacements(node.value):
-                out.append(ConstantMutant(node.lineno, " ".join(old.split()), new,
-                                          (data[:a] + new.encode() + data[b:]).decode()))
-    return sorted(out, key=lambda m: m.line)
+            for k, new in enumerate(_replacements(node.value)):
+                out.append((a, k, ConstantMutant(node.lineno, " ".join(old.split()), new,
+                                                 (data[:a] + new.encode() + data[b:]).decode())))
+    return [m for _, _, m in sorted(out, key=lambda x: x[:2])]
 
 
 # ---------------------------------------------------------------------------------------------------------------
