@@ -76,7 +76,7 @@ test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 
 # The make target a command runs under (DSV4_SM120_MAKE_TARGET): its hints then name the make command
 # (`make calibrate ARGS=--dry-run`) rather than a bare option that make would read as its own.
-HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv tune-fp8 calibrate convert-nvfp4 measure profile verify
+HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv tune-fp8 calibrate convert-nvfp4 measure profile verify mutate
 $(HINTED_TARGETS): export DSV4_SM120_MAKE_TARGET = $@
 
 # Every bench run appends rows to $(BENCH_OUT)/<subject>.csv (attention, moe, fp8, kv); `make bench-tables` regenerates
