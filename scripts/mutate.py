@@ -131,26 +131,42 @@ def base_env(work: Path) -> dict:
     return env
 
 
+def prepare_tree(run: L.Run, work: Path, tool: Path) -> Path:
+    """The scratch tree mutmut runs in: the checkout with the package at the top (mutmut names a mutant by its path,
+    which must be the import name), and mutants/, where the tests run, laid out beforehand as the checkout itself
+    (mutmut copies only what is missing there, then mutates the package's files in place)."""
+    tree = work / "tree"
+    copy_tree(tree, package_at_top=True)
+    top = sorted(p.name for p in tree.iterdir() if p.name not in ("dsv4_sm120", "mutants", "setup.cfg"))
+    (tree / "setup.cfg").write_text(mutmut_config(run, top))
+    # mutants/dsv4_sm120 (what mutmut mutates) is a link to mutants/overlay/dsv4_sm120: the package's idea of its
+    # checkout (dsv4_sm120.paths: the resolved file's ../..) is mutants/, the copy the tests run in, and a child
+    # given <repo>/overlay as PYTHONPATH imports the mutated copy too; mutmut (which the mutated files import)
+    # sits beside it for such children
+    mutants = tree / "mutants"
+    copy_tree(mutants, package_at_top=False)
+    (mutants / "dsv4_sm120").symlink_to(Path("overlay") / "dsv4_sm120")
+    ov = mutants / "overlay"
+    for p in tool.iterdir():
+        if p.name == "mutmut" or (p.name.startswith("mutmut-") and p.name.endswith(".dist-info")):
+            (ov / p.name).symlink_to(p)
+    # a git work tree, for the tests that list the checkout's files (git ls-files -co); mutmut's own files unlisted
+    if subprocess.run(["git", "init", "-q", str(mutants)], stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL).returncode == 0:
+        excl = mutants / ".git" / "info" / "exclude"
+        excl.parent.mkdir(parents=True, exist_ok=True)
+        excl.write_text("*.meta\n*.spans\nmutmut-*.json\nmutmut-*.log\n/dsv4_sm120\n/overlay/mutmut*\n")
+    return tree
+
+
 NO_TEST_REACHED = "could not find any test case for any mutant"
 
 
 def run_mutmut(run: L.Run, work: Path, python: Path, tool: Path, jobs: int, timeout: float) -> Dict[str, list]:
     if not any(L.has_functions((ROOT / f).read_text()) for f in run.files):
         return {}                                      # nothing for mutmut (module-level constants only)
-    tree = work / "tree"
-    copy_tree(tree, package_at_top=True)
-    top = sorted(p.name for p in tree.iterdir() if p.name not in ("dsv4_sm120", "mutants", "setup.cfg"))
-    (tree / "setup.cfg").write_text(mutmut_config(run, top))
-    # mutmut writes the mutated package to mutants/dsv4_sm120; that is a link to mutants/overlay/dsv4_sm120, so the
-    # package's own idea of its checkout (dsv4_sm120.paths: the resolved file's ../..) is mutants/, the copy the
-    # tests run in, and a child given <repo>/overlay as PYTHONPATH imports the mutated copy too; mutmut (which the
-    # mutated files import) sits beside it for such children
+    tree = prepare_tree(run, work, tool)
     ov = tree / "mutants" / "overlay"
-    (ov / "dsv4_sm120").mkdir(parents=True)
-    (tree / "mutants" / "dsv4_sm120").symlink_to(Path("overlay") / "dsv4_sm120")
-    for p in tool.iterdir():
-        if p.name == "mutmut" or (p.name.startswith("mutmut-") and p.name.endswith(".dist-info")):
-            (ov / p.name).symlink_to(p)
     env = base_env(work)
     env["PYTHONPATH"] = os.pathsep.join([str(ov), str(tool)])
     log = work / "mutmut.log"

@@ -82,9 +82,9 @@ def test_an_environment_without_home_falls_back_to_this_users_home(tmp_path, mon
 
 def test_variables_with_user_and_environment_references_are_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("DSV4_TEST_CACHE_ROOT", str(tmp_path / "r"))
+    monkeypatch.setenv("MC_TEST_CACHE_ROOT", str(tmp_path / "r"))
     assert M.hub_cache_dir({"HF_HUB_CACHE": "~/hubdir"}) == tmp_path / "hubdir"
-    assert M.hub_cache_dir({"HF_HOME": "$DSV4_TEST_CACHE_ROOT/hf"}) == tmp_path / "r" / "hf" / "hub"
+    assert M.hub_cache_dir({"HF_HOME": "$MC_TEST_CACHE_ROOT/hf"}) == tmp_path / "r" / "hf" / "hub"
 
 
 @pytest.mark.parametrize("ref, make", [
