@@ -24,7 +24,7 @@ endif
 
 .DEFAULT_GOAL := help
 .PHONY: help setup apply-patches revert-patches check-patches patch-status lock-patches test test-gpu \
-        bench-attention bench-moe bench-fp8 bench-kv bench-allreduce bench-tables launch-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze
+        bench-attention bench-moe bench-fp8 bench-kv bench-allreduce bench-tables launch-tables tune-fp8 calibrate convert-nvfp4 serve serve-mtp stop measure profile profile-summary verify settings freeze mutate
 
 # `## text` after a target describes a user target, `##m text` a maintainer target; `make help` lists
 # them in two sections, each in file order.
@@ -79,7 +79,7 @@ test-gpu: ## GPU tests (any CUDA GPU; needs torch + triton only)
 
 # The make target a command runs under (DSV4_SM120_MAKE_TARGET): its hints then name the make command
 # (`make calibrate ARGS=--dry-run`) rather than a bare option that make would read as its own.
-HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv bench-allreduce tune-fp8 calibrate convert-nvfp4 measure profile verify
+HINTED_TARGETS := bench-attention bench-moe bench-fp8 bench-kv bench-allreduce tune-fp8 calibrate convert-nvfp4 measure profile verify mutate
 $(HINTED_TARGETS): export DSV4_SM120_MAKE_TARGET = $@
 
 # Every bench run (attention, moe, fp8, kv, allreduce) appends its rows to $(BENCH_OUT)/<subject>.csv: by default outside the
@@ -158,6 +158,12 @@ verify: ## the whole deployment, ours vs stock SGLang (+ MTP when the checkpoint
 
 settings: ## list every environment variable the product reads (name, values, default, who reads it, meaning)
 	@PYTHONPATH=$(CURDIR)/overlay $(PATCH_PY) -m dsv4_sm120.settings
+
+# mutmut on the serve-time safety code with the tests that cover it (scripts/mutate_targets.txt); minutes per module
+# on two cores, not part of `make test`. docs/DEVELOPING.md, "Mutation testing".
+MODULES ?=
+mutate: ##m mutation testing (mutmut): make mutate [MODULES='overlay/dsv4_sm120/x.py ...'] [ARGS=--dry-run]; report in DSV4_SM120_CACHE/mutate/report.txt
+	@python3 scripts/mutate.py $(if $(strip $(MODULES)),--modules '$(strip $(MODULES))',) $(ARGS)
 
 freeze: ##m regenerate requirements/constraints.txt from VENV
 	@{ echo "# pip freeze of the pinned environment (sglang==0.5.23 + requirements/runtime.txt), made by make freeze on $$(date -u +%F)."; \

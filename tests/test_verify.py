@@ -14,6 +14,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,9 +83,35 @@ def model_dir(tmp_path, mtp=False):
     return tok
 
 
+PORT_VARS = ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT", "ROUTER_PROMETHEUS_PORT")
+
+
 @pytest.fixture
-def venv(env, tmp_path):
+def held_ports():
+    """Ports for one deployment, held until the test ends: each by a socket bound with SO_REUSEADDR and never
+    listening. The stand-ins and the router bind with SO_REUSEADDR too, so they can take a held port, and the
+    preflight's port check (which binds the same way) passes; but no other process gets it in between (bind(0)
+    and outgoing connections skip a bound port). Ports that were found free and then released (free_ports) can be
+    taken by anything on the box before the deployment binds them (another test's servers, UCX listeners): the
+    start then failed ("the deployment did not start": the preflight's port check, or a stand-in exiting with
+    code 1 on EADDRINUSE)."""
+    socks = []
+    try:
+        for _ in PORT_VARS:
+            s = socket.socket()
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", 0))
+        yield {k: str(s.getsockname()[1]) for k, s in zip(PORT_VARS, socks)}
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def venv(env, tmp_path, held_ports):
     e = dict(env, DSV4_SM120_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    e.update(held_ports)
     e["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "overlay") + os.pathsep + e.get("PYTHONPATH", "")
     return e
 
