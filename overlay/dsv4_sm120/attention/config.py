@@ -43,8 +43,8 @@ from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
 from .keys import (BF16_ONLY_IMPLS, FIXED_LAUNCHES, GPU_ONLY_IMPLS, IMPL_ARCHS, IMPLS, KEYS, REG_TABLE_IMPLS,
-                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_fixed_keys, check_wgmma_t_keys,
-                   parse_config, runs_on)
+                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, WSPEC_SHAPES, DecodeInputError, arch_names, check_fixed_keys,
+                   check_wgmma_t_keys, parse_config, runs_on)
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -189,6 +189,21 @@ def _auto_prefetch(rows: int, num_sms: int) -> int:
     return 2 if 3 * rows >= num_sms else 0
 
 
+def _wspec_launch(cfg: Dict[str, object], user: Mapping[str, object], source_impl: Optional[str],
+                  device: Device) -> None:
+    """The warp-specialized body's launch keys in ``cfg``: its heads per program (the user's ``BLOCK_H``, else a
+    table entry's that names this body, else 16), the block size and warps that go with them
+    (``keys.WSPEC_SHAPES``), its register cap (at 16 heads ``WSPEC_MAXNREG`` by architecture) and, above 16 heads,
+    one program slot per SM (``waves``; one CTA per SM), each unless the user set it."""
+    bh = int(user.get("BLOCK_H", cfg.get("BLOCK_H", 16) if source_impl == "wspec" else 16))
+    shape = WSPEC_SHAPES[bh]
+    cfg.update(BLOCK_H=bh, BLOCK_N=shape["BLOCK_N"], num_warps=shape["num_warps"])
+    if "maxnreg" not in user:
+        cfg["maxnreg"] = shape.get("maxnreg", WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0))
+    if bh > 16 and "waves" not in user and source_impl != "wspec":
+        cfg["waves"] = 1.0
+
+
 def resolve(H: int, T: int, K1: int, K2: int, device: Device, *, qk: str = "bf16",
             overrides: Optional[Mapping[str, object]] = None, interpret: bool = False, call_rows: Optional[int] = None,
             root=None) -> Launch:
@@ -238,6 +253,8 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     if impl in FIXED_LAUNCHES:
         check_fixed_keys(dict(user, impl=impl), "launch")
         cfg.update(FIXED_LAUNCHES[impl])
+    if impl == "wspec":
+        _wspec_launch(cfg, user, source_impl, device)
     if impl == "wgmma_t" and "BLOCK_H" not in user and (source_impl != "wgmma_t"
                                                           or cfg.get("BLOCK_H") not in WGMMA_T_BLOCK_H):
         # the heads are the MMA's N: all of them up to 32 in one program, unless the user or an entry naming this
@@ -245,8 +262,6 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         cfg["BLOCK_H"] = wgmma_t_block_h(H)
     if impl == "wgmma_t" and int(user.get("balanced", 0)):
         cfg["BLOCK_H"] = 16   # the balanced launch's heads per program (keys.check_wgmma_t_keys)
-    if impl == "wspec" and "maxnreg" not in user:
-        cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
     if impl in WGMMA_IMPLS and "waves" not in user:
         cfg["waves"] = 1.0   # one CTA per SM
     rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)
