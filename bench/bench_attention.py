@@ -383,7 +383,7 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
 
                 forced = launch.DEVICE_OVERRIDE
                 calls[(f"ours-{mode}", v or "default")] = (
-                    f, True, f"device_table={args.device_table} ({forced.num_sms} SMs)" if forced else "")
+                    f, True, f"device_table={args.device_table}; device_sms={forced.num_sms}" if forced else "")
     pad = max(64, H)
     q64 = [torch.zeros(B, 1, pad, 512, device=dev, dtype=torch.bfloat16) for _ in layers]
     for i in range(len(layers)):

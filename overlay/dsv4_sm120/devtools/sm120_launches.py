@@ -166,8 +166,10 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
             cst[CONSTEXPR.get(k, k)] = bool(cfg.get(k, 0)) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
-    if impl in ("wspec", "wgmma"):   # as attention.launch passes it
-        cst["PRODUCER_REGS"] = producer_regs(impl, cfg["maxnreg"])
+    if impl in ("wspec", "wgmma"):   # as attention.launch passes them
+        cst["PRODUCER_REGS"] = producer_regs(impl, cfg["maxnreg"], cfg["BLOCK_H"])
+    if impl == "wspec":
+        cst["CWARPS"] = cfg["num_warps"]
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg["maxnreg"]:
         opts["maxnreg"] = cfg["maxnreg"]
