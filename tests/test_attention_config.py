@@ -127,7 +127,7 @@ def test_every_level_holds_every_shape_with_complete_entries():
     for name in files:
         for size, cfg in lt.read_table(lt.TABLE_DIR / "attention" / name).items():
             impl = cfg["impl"]
-            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg", "wgmma", "wgmma_t"), (name, size)
+            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg", "wspec", "wgmma", "wgmma_t"), (name, size)
             if impl in config.FIXED_LAUNCHES:
                 config.check_fixed_keys(cfg, name)  # a table entry of a fixed-launch body keeps its launch
             if impl in config.IMPL_ARCHS:
@@ -246,6 +246,32 @@ def test_the_warp_specialized_body_launch_rules():
         config.resolve(16, 6, 128, 512, config.Device("cpu", None, 4), overrides={"impl": "wspec"}, interpret=True)
     with pytest.raises(DecodeInputError, match="no fp8 QK path"):
         config.resolve(16, 6, 128, 512, HOPPER_132, qk="fp8", overrides={"impl": "wspec"})
+
+
+@pytest.mark.parametrize("dev", [RTX_PRO_6000, HOPPER_132])
+def test_the_warp_specialized_body_at_32_and_64_heads_per_program(dev):
+    """impl=wspec,BLOCK_H=32 / 64: 8 consumer warps, 32- / 16-candidate blocks, a register cap of 168 (12 warps fill
+    the register file: one CTA per SM, so one program slot per SM unless the user says otherwise) on every
+    architecture, spanning splits over ceil(H / BLOCK_H) programs a row; other head counts per program, and a block
+    size or warp count of another BLOCK_H, refused when the text is parsed."""
+    for H, bh, bn, hg in ((32, 32, 32, 1), (64, 32, 32, 2), (24, 32, 32, 1), (64, 64, 16, 1), (128, 64, 16, 2)):
+        L = config.resolve(H, 96, 128, 512, dev, overrides={"impl": "wspec", "BLOCK_H": bh})
+        c = L.config
+        assert (c["impl"], c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["maxnreg"], c["waves"],
+                c["spanning_splits"]) == ("wspec", bh, bn, 8, 168, 1.0, 1), (H, bh, c)
+        S, chunk = plan_span(96, hg, 128, 512, bn, dev.num_sms, 1.0)
+        assert L.plan == (S, chunk, 0, bn), (H, bh, L.plan)
+    kept = config.resolve(32, 96, 128, 512, dev, overrides={"impl": "wspec", "BLOCK_H": 32, "waves": 2, "maxnreg": 0})
+    assert (kept.config["waves"], kept.config["maxnreg"]) == (2.0, 0)
+    assert config.resolve(32, 96, 128, 512, dev, overrides={"impl": "wspec"}).config["BLOCK_H"] == 16  # as before
+    for bad in ("impl=wspec,BLOCK_H=128", "impl=wspec,BLOCK_H=8", "impl=wspec,BLOCK_H=64,BLOCK_N=32",
+                "impl=wspec,BLOCK_H=32,num_warps=4", "impl=wspec,BLOCK_H=32,BLOCK_N=16"):
+        with pytest.raises(DecodeInputError, match="impl=wspec runs"):
+            config.parse_config(bad, "DSV4_SM120_ATTN_CONFIG")
+    assert config.parse_config("impl=wspec,BLOCK_H=64,BLOCK_N=16,num_warps=8")["BLOCK_N"] == 16
+    from dsv4_sm120.attention.keys import producer_regs
+    assert [producer_regs("wspec", 168, bh) for bh in (16, 32, 64)] == [128, 104, 88]
+    assert producer_regs("wspec", 128, 16) == 96
 
 
 def test_the_warpgroup_mma_body_launch_rules():
