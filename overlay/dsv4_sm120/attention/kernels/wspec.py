@@ -1,17 +1,28 @@
 """Split kernel, warp-specialized body (``impl=wspec``, bf16 QK only; Gluon, GPU only): four producer warps gather
-and decode the candidate blocks into a two-slot shared-memory ring while the four consumer warps (the launch's
+and decode the candidate blocks into a two-slot shared-memory ring while the consumer warps (the launch's
 ``num_warps``) run QK, the online softmax and PV on the block before; two mbarriers per slot hand it back and forth.
+Only ``mma.sync``-class MMAs (Gluon's ``mma_v2``) and mbarriers: it runs on sm_120 as on Hopper.
 
 Why: the register body is bound by the latency of its per-block chain (gather -> decode -> shared memory -> MMA ->
 softmax -> PV) at two CTAs of four warps per SM. Here the gathers and the decode (~45% of that body's
-instructions) run in other warps, concurrently with the MMAs. With ``maxnreg=128`` (the default) two CTAs of eight
-warps fit a Hopper SM; the producers then give registers up (``PRODUCER_REGS`` 96, set by the launch) and the
-consumers take them. The ring
-and Q take 83 KB of shared memory (one CTA per SM on sm_120).
+instructions) run in other warps, concurrently with the MMAs.
 
-Same contract as ``split_kernel_reg`` with ``SPAN`` (chunks of main ++ extra); 16 heads per program, 32-candidate
-blocks. Triton's CPU interpreter does not run Gluon: the tests compile it for sm_120 and the H200 runs it.
-The e4m3 decode is ``common.E4M3_BF16_ASM``'s, on 32-bit words.
+Heads per program (``BLOCK_H``): every block is gathered and decoded once for all of them, so at 32 / 64 heads a
+block is read once instead of two / four times (16-head programs each read it).
+
+* 16: 4 consumer warps, each 8 of the 32 candidates' columns of QK and 16 of each 64-column PV tile. With
+  ``maxnreg=128`` (Hopper) two CTAs of eight warps fit an SM; the producers give registers up (``PRODUCER_REGS`` 96)
+  and the consumers take them. Ring and Q: 83 KB (one CTA per sm_120 SM).
+* 32: 8 consumer warps as 2 x 4 (MMA rows x columns): the [32, 512] fp32 accumulator is 64 registers each; Q (32
+  KB) and the ring (2 x 32 candidates, 64 KB) take 100388 B of sm_120's 99 KB per block; 12 warps at
+  ``maxnreg=168`` fill the register file, consumers at 200, producers at 104.
+* 64: 8 consumer warps as 4 x 2: the [64, 512] accumulator is 128 registers each (consumers at 208, producers 88);
+  Q is 64 KB, so the ring holds two 16-candidate blocks (32 KB; producer loads of 8 bytes, a candidate's 64-byte
+  tile row by one warp).
+
+Same contract as ``split_kernel_reg`` with ``SPAN`` (chunks of main ++ extra). Triton's CPU interpreter does not run
+Gluon: the tests compile it for sm_90 and sm_120 and the H200 runs it. The e4m3 decode is
+``common.E4M3_BF16_ASM``'s, on 32-bit words.
 """
 
 from __future__ import annotations
