@@ -189,6 +189,23 @@ def _auto_prefetch(rows: int, num_sms: int) -> int:
     return 2 if 3 * rows >= num_sms else 0
 
 
+# body keys by the bodies that read them (the register body's flags among them)
+_ANY_BODY_KEYS = frozenset(k for keys in BODY_KEYS.values() for k in keys)
+
+
+def _register_body_keys(user: Mapping[str, object], named: Optional[str], entry: Mapping[str, object]) -> bool:
+    """Whether launch keys given without ``impl`` are the register body's rather than those of the fixed-launch body
+    ``named`` of a table entry (``keys.FIXED_LAUNCHES``: wspec, wgmma, wgmma_t): a body key it does not read (e.g.
+    ``late_decode=0``), or a key its fixed launch sets (the block shape, warps, stages, spanning splits, register
+    cap; e.g. ``BLOCK_N=16``, ``spanning_splits=0``, ``maxnreg=0``), to a value other than ``auto``. Such keys
+    meant the register body where it was the table's, and still do."""
+    if named not in FIXED_LAUNCHES:
+        return False
+    fixed = set(FIXED_LAUNCHES[named]) | {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg"}
+    return any((k in _ANY_BODY_KEYS and k not in BODY_KEYS[named]) or (k in fixed and v != "auto")
+               for k, v in user.items())
+
+
 def _wspec_launch(cfg: Dict[str, object], user: Mapping[str, object], source_impl: Optional[str],
                   device: Device) -> None:
     """The warp-specialized body's launch keys in ``cfg``: its heads per program (the user's ``BLOCK_H``, else a
@@ -198,10 +215,10 @@ def _wspec_launch(cfg: Dict[str, object], user: Mapping[str, object], source_imp
     bh = int(user.get("BLOCK_H", cfg.get("BLOCK_H", 16) if source_impl == "wspec" else 16))
     shape = WSPEC_SHAPES[bh]
     cfg.update(BLOCK_H=bh, BLOCK_N=shape["BLOCK_N"], num_warps=shape["num_warps"])
-    if "maxnreg" not in user:
+    if user.get("maxnreg", "auto") == "auto":
         cfg["maxnreg"] = shape.get("maxnreg", WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0))
-    if bh > 16 and "waves" not in user and source_impl != "wspec":
-        cfg["waves"] = 1.0
+    if user.get("waves", "auto") == "auto" and (bh > 16 and source_impl != "wspec" or cfg.get("waves") == "auto"):
+        cfg["waves"] = 1.0 if bh > 16 else 2.0
 
 
 def resolve(H: int, T: int, K1: int, K2: int, device: Device, *, qk: str = "bf16",
@@ -244,6 +261,11 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
             # too little work for a warpgroup-MMA body's fixed cost (plan.few_blocks): the register body
             cfg, source = table_entry(H, call_rows, qk, device, "reg", root)
             source += f" (few blocks for impl={named})"
+        elif impl is None and _register_body_keys(user, named, cfg):
+            # keys given without a body that the entry's fixed-launch body does not take: they are the register
+            # body's (as they were where that body was the table's), so its launch takes them
+            cfg, source = table_entry(H, call_rows, qk, device, "reg", root)
+            source += f" (register-body keys over impl={named})"
     source_impl = None if impl is not None else cfg.get("impl")   # the body the table entry itself names
     entry_balanced = "balanced" in cfg and source_impl == "wgmma_t"   # a table entry of that body that sets it
     cfg.update(user)
@@ -251,7 +273,9 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     if impl not in IMPLS:
         raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl in FIXED_LAUNCHES:
-        check_fixed_keys(dict(user, impl=impl), "launch")
+        # (wspec's fixed keys follow its heads per program: the user's, else those of an entry naming it)
+        entry_bh = {"BLOCK_H": cfg["BLOCK_H"]} if impl == "wspec" and source_impl == "wspec" else {}
+        check_fixed_keys(dict(entry_bh, **dict(user, impl=impl)), "launch")
         cfg.update(FIXED_LAUNCHES[impl])
     if impl == "wspec":
         _wspec_launch(cfg, user, source_impl, device)

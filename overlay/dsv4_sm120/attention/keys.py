@@ -89,7 +89,7 @@ def check_fixed_keys(keys: Dict[str, object], source: str) -> None:
         if keys.get("BLOCK_H", 16) not in WSPEC_SHAPES:
             raise DecodeInputError(f"{source}: impl=wspec runs BLOCK_H {' or '.join(map(str, WSPEC_SHAPES))} only, "
                                    f"got BLOCK_H={keys['BLOCK_H']}")
-        fixed = dict(fixed, **{k: v for k, v in WSPEC_SHAPES[keys.get("BLOCK_H", 16)].items() if k != "maxnreg"})
+        fixed = dict(fixed, **WSPEC_SHAPES[keys.get("BLOCK_H", 16)])   # (at 16 heads the cap is free)
     clash = {k: v for k, v in keys.items() if k in fixed and v not in (fixed[k], "auto")}
     if impl == "wgmma_t" and keys.get("BLOCK_H", 16) not in WGMMA_T_BLOCK_H:
         clash["BLOCK_H"] = keys["BLOCK_H"]
