@@ -169,10 +169,15 @@ def test_launch_rules_read_as_behaviour():
         for H, T in ((16, 1), (16, 4 * n), (16, 4 * n + 1), (16, 40 * n), (8, 3)):
             got = config.resolve(H, T, 128, 8192, dev).config
             assert (got["impl"], got["BLOCK_H"], got["spanning_splits"]) == ("reg", 16, 1), (dev.name, H, T)
-        for H, T, bh in ((32, 1, 32), (32, 2 * n + 1, 32), (24, 5, 32), (64, 1, 64), (64, n + 1, 64), (64, 20 * n, 64),
-                         (40, 7, 64), (128, 3, 64)):
+        # (64 heads: 32 per program up to 3 grid rows per SM, 64 from 4; four grid rows per row)
+        for H, T, bh in ((32, 1, 32), (32, 2 * n + 1, 32), (24, 5, 32), (64, 1, 32), (64, 3 * n // 4, 32),
+                         (64, 3 * n // 4 + 1, 64), (64, 20 * n, 64), (40, 7, 32), (128, 3, 32)):
             got = config.resolve(H, T, 128, 8192, dev).config
             assert (got["impl"], got["BLOCK_H"], got["num_warps"], got["maxnreg"]) == ("wspec", bh, 8, 168), (H, T)
+        # too few blocks for the warp-specialized body's fixed cost: the register body (plan.few_blocks)
+        for H, T, K, impl in ((32, 24, 128, "reg"), (32, 48, 128, "wspec"), (64, 8, 128, "reg"), (64, 24, 128, "wspec"),
+                              (32, 8, 640, "wspec")):
+            assert config.resolve(H, T, K, 0, dev).config["impl"] == impl, (H, T, K)
         # fp8 QK (no register body): one-stage tiled at every size, head blocks <= 32 rows
         past = config.resolve(16, 4 * n + 1, 128, 8192, dev, qk="fp8").config
         assert (past["impl"], past["num_stages"], past["BLOCK_H"]) == ("tiled", 1, 16)
@@ -288,7 +293,7 @@ def test_register_body_keys_over_a_warp_specialized_entry_keep_their_meaning():
     body with them, while keys wspec takes apply to it."""
     for H in (32, 64):
         default = config.resolve(H, 96, 128, 512, RTX_PRO_6000).config
-        assert (default["impl"], default["BLOCK_H"]) == ("wspec", H)
+        assert (default["impl"], default["BLOCK_H"]) == ("wspec", 32)
         for keys in ({"BLOCK_N": 16}, {"late_decode": 0}, {"spanning_splits": 0}, {"BLOCK_H": 16}, {"maxnreg": 0},
                      {"BLOCK_N": 64, "num_warps": 8, "waves": 1}, {"e4m3_int_decode": 0}):
             L = config.resolve(H, 96, 128, 512, RTX_PRO_6000, overrides=keys)
