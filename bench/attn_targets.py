@@ -51,6 +51,11 @@ def _share(ours: Dict[str, str], impls: Dict[str, Dict[str, str]]) -> Optional[f
     return _num(note_value(ours["notes"], "floor_share"))
 
 
+def _is_default(r: Dict[str, str]) -> bool:
+    # the default launch's row: variant "default", or "default @arch_sm_XY" for another architecture's launch
+    return r["variant"] == "default" or r["variant"] == f"default @{forced_table(r)}"
+
+
 def forced_table(r: Dict[str, str]) -> str:
     """The architecture table a row of ours was timed with (``--device-table``), or "" for this GPU's own."""
     return note_value(r.get("notes", ""), "device_table") or ""
@@ -106,14 +111,14 @@ def judge(rows: List[Dict[str, str]], reference: Optional[List[Dict[str, str]]] 
     run (same GPU), the latest of each case and row count taken, for the small-row target."""
     by_point: Dict[Tuple[str, str, str, int], Dict[str, Dict[str, str]]] = {}
     for r in rows:
-        if r["case"].startswith("spec_h") and r["variant"] == "default":
+        if r["case"].startswith("spec_h") and _is_default(r):
             key = (r.get("gpu", ""), r.get("date", ""), r["case"], int(r["batch"]))
             by_point.setdefault(key, {})[r["impl"]] = r
     forced = sorted((k, v) for k, v in by_point.items() if OURS in v and forced_table(v[OURS]))
     table = forced_table(forced[0][1][OURS]) if forced else ""
     then = {}   # the reference run's time of ours per (case, rows), the latest row of each, timed with the same table
     for r in sorted(reference or [], key=lambda r: (r.get("date", ""), r.get("_line", 0))):
-        if r["case"].startswith("spec_h") and r["variant"] == "default" and r["impl"] == OURS and _num(r["us"]) \
+        if r["case"].startswith("spec_h") and _is_default(r) and r["impl"] == OURS and _num(r["us"]) \
                 and forced_table(r) == table:
             then[(r["case"], int(r["batch"]))] = float(r["us"])
     out = judge_forced(forced, then, reference_name) if forced else []

@@ -155,7 +155,8 @@ def parse_args(argv=None):
                    "same GPU in --results (within 5%%; bench/attn_targets.py)")
     p.add_argument("--device-table", default="", metavar="arch_sm_XY",
                    help="resolve ours' launches as a GPU of that architecture table with this GPU's SM count "
-                   "(e.g. arch_sm_120: the launches an sm_120 GPU runs, timed here); the rows' notes say so")
+                   "(e.g. arch_sm_120: the launches an sm_120 GPU runs, timed here); ours' rows are labelled "
+                   "'<variant> @arch_sm_XY' and their notes say so")
     p.add_argument("--dry-run", action="store_true", help="list the cases and the rows it would write; no GPU")
     return p.parse_args(argv)
 
@@ -382,7 +383,10 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
                         launch.CONFIG_OVERRIDE.clear()
 
                 forced = launch.DEVICE_OVERRIDE
-                calls[(f"ours-{mode}", v or "default")] = (
+                # another architecture's launch: its rows carry the table in the variant label (never taken for
+                # this GPU's own default rows) and in the notes
+                label = (v or "default") + (f" @{args.device_table}" if forced else "")
+                calls[(f"ours-{mode}", label)] = (
                     f, True, f"device_table={args.device_table}; device_sms={forced.num_sms}" if forced else "")
     pad = max(64, H)
     q64 = [torch.zeros(B, 1, pad, 512, device=dev, dtype=torch.bfloat16) for _ in layers]

@@ -128,6 +128,7 @@ def forced(case, impl, rows, us, date="2026-12-05T10:00:00+00:00", table="arch_s
     r = row(case, impl, rows, us, date=date)
     if impl == "ours-bf16" and table:
         r["notes"] += f"; device_table={table}; device_sms=132"
+        r["variant"] = f"default @{table}"
     return r
 
 
@@ -156,4 +157,8 @@ def test_a_run_with_the_sm120_launch_is_judged_by_its_own_targets():
     assert same[1:] == (1, 2, "highest ours / ours then 1.040: spec_h16_c4 at 1 rows"), same
     rows[2]["us"] = ""
     assert T.judge(rows)[0][1:] == (1, 2, "ours failed: spec_h32_c4 at 384 rows")
+    # a variant of the forced run is not its default
+    rows.append(dict(forced("spec_h32_c4", "ours-bf16", 24, 99.0), variant="impl=reg @arch_sm_120"))
+    rows.append(forced("spec_h32_c4", "flashmla", 24, 10.0))
+    assert T.judge(rows)[0][1:3] == (1, 2)
     assert "NOT met at 1 of 2 points" in T.report(rows)
