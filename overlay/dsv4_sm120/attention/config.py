@@ -194,12 +194,13 @@ _ANY_BODY_KEYS = frozenset(k for keys in BODY_KEYS.values() for k in keys)
 
 
 def _register_body_keys(user: Mapping[str, object], named: Optional[str], entry: Mapping[str, object]) -> bool:
-    """Whether launch keys given without ``impl`` are the register body's rather than those of the fixed-launch body
-    ``named`` of a table entry (``keys.FIXED_LAUNCHES``: wspec, wgmma, wgmma_t): a body key it does not read (e.g.
-    ``late_decode=0``), or a key its fixed launch sets (the block shape, warps, stages, spanning splits, register
-    cap; e.g. ``BLOCK_N=16``, ``spanning_splits=0``, ``maxnreg=0``), to a value other than ``auto``. Such keys
-    meant the register body where it was the table's, and still do."""
-    if named not in FIXED_LAUNCHES:
+    """Whether launch keys given without ``impl`` are the register body's rather than those of the warp-specialized
+    body a table entry names (``named``; sm_120's tables above 16 heads): a body key it does not read (e.g.
+    ``late_decode=0``), or a key its fixed launch sets (heads per program, block shape, warps, stages, spanning
+    splits, register cap; e.g. ``BLOCK_N=16``, ``spanning_splits=0``, ``maxnreg=0``), to a value other than
+    ``auto``. Such keys meant the register body where it was those tables' body, and still do. (The H200's
+    warpgroup-MMA entries keep their own rules: a clashing key is refused there.)"""
+    if named != "wspec":
         return False
     fixed = set(FIXED_LAUNCHES[named]) | {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg"}
     return any((k in _ANY_BODY_KEYS and k not in BODY_KEYS[named]) or (k in fixed and v != "auto")
