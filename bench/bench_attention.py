@@ -154,8 +154,27 @@ def parse_args(argv=None):
     p.add_argument("--targets-reference", default="", metavar="COMMIT",
                    help="judge the spec_rows run's 1-8-row points against ours at this earlier commit's rows of the "
                    "same GPU in --results (within 5%%; bench/attn_targets.py)")
+    p.add_argument("--device-table", default="", metavar="arch_sm_XY",
+                   help="resolve ours' launches as a GPU of that architecture table with this GPU's SM count "
+                   "(e.g. arch_sm_120: the launches an sm_120 GPU runs, timed here); ours' rows are labelled "
+                   "'<variant> @arch_sm_XY' and their notes say so")
     p.add_argument("--dry-run", action="store_true", help="list the cases and the rows it would write; no GPU")
     return p.parse_args(argv)
+
+
+def forced_device(name: str, num_sms: int):
+    """``--device-table arch_sm_XY`` -> the device facts the launches are resolved with: no table of its own
+    (``default``), capability (X, Y), this GPU's SM count; empty name -> None."""
+    import re
+
+    from dsv4_sm120.attention.config import Device
+
+    if not name:
+        return None
+    m = re.fullmatch(r"arch_sm_(\d+)(\d)", name)
+    if not m:
+        raise UsageError(f"--device-table must name an architecture table such as arch_sm_120, got {name!r}")
+    return Device("default", (int(m.group(1)), int(m.group(2))), int(num_sms))
 
 
 class UsageError(Exception):
@@ -267,6 +286,7 @@ def main(argv=None):
     try:
         cases, variants, modes = plan(args)
         check_variants(variants)
+        forced_device(args.device_table, 1)
     except UsageError as exc:
         print(f"bench_attention: error: {exc}", file=sys.stderr)
         return 2
@@ -281,6 +301,9 @@ def main(argv=None):
         return 2
     import torch
 
+    from dsv4_sm120.attention import launch
+
+    launch.DEVICE_OVERRIDE = forced_device(args.device_table, torch.cuda.get_device_properties(0).multi_processor_count)
     env = R.environment(REPO, command)
     bl = Baselines(args, torch)
     for k, v in bl.notes.items():
@@ -347,7 +370,8 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
                 ov = config.parse_config(v, f"--variants item {v!r}")
                 if mode == "fp8" and ov.get("impl") in config.BF16_ONLY_IMPLS:
                     continue  # bf16-only bodies refuse fp8 QK
-                if not runs_on(ov.get("impl"), torch.cuda.get_device_capability()[0]):
+                cap = (launch.DEVICE_OVERRIDE or launch.device_facts(dev)).capability
+                if not runs_on(ov.get("impl"), cap[0]):
                     continue  # a body this architecture does not run (refused by the launch)
 
                 def f(i, mode=mode, ov=ov):
@@ -359,7 +383,12 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
                     finally:
                         launch.CONFIG_OVERRIDE.clear()
 
-                calls[(f"ours-{mode}", v or "default")] = (f, True, "")
+                forced = launch.DEVICE_OVERRIDE
+                # another architecture's launch: its rows carry the table in the variant label (never taken for
+                # this GPU's own default rows) and in the notes
+                label = (v or "default") + (f" @{args.device_table}" if forced else "")
+                calls[(f"ours-{mode}", label)] = (
+                    f, True, f"device_table={args.device_table}; device_sms={forced.num_sms}" if forced else "")
     pad = max(64, H)
     q64 = [torch.zeros(B, 1, pad, 512, device=dev, dtype=torch.bfloat16) for _ in layers]
     for i in range(len(layers)):

@@ -127,7 +127,7 @@ def test_every_level_holds_every_shape_with_complete_entries():
     for name in files:
         for size, cfg in lt.read_table(lt.TABLE_DIR / "attention" / name).items():
             impl = cfg["impl"]
-            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg", "wgmma", "wgmma_t"), (name, size)
+            assert impl in config.IMPLS and impl in ("tiled", "flat", "reg", "wspec", "wgmma", "wgmma_t"), (name, size)
             if impl in config.FIXED_LAUNCHES:
                 config.check_fixed_keys(cfg, name)  # a table entry of a fixed-launch body keeps its launch
             if impl in config.IMPL_ARCHS:
@@ -145,8 +145,9 @@ def test_launch_rules_read_as_behaviour():
     up to 4 grid rows per SM (its split count fills 2 x SMs program slots in one round), past it the tiled body
     (Hopper: one wave, scale prefetch, two stages when a program owns >= 2 blocks, no register cap then); fp8 QK
     never runs the register body; H > 16 on Hopper takes the flat body with 64-row head blocks past 2 (fp8) or
-    4 (bf16) grid rows per SM; sm_120 runs the register body at every size with bf16 QK, and with fp8 QK never
-    pipelines and keeps head blocks at <= 32 rows."""
+    4 (bf16) grid rows per SM; sm_120 runs the register body at every size with bf16 QK up to 16 heads, and with fp8 QK never
+    pipelines and keeps head blocks at <= 32 rows; bf16 QK above 16 heads the warp-specialized body with 32 / 64
+    heads per program."""
     for T in (1, 4, 16, 64, 128, 528):
         L = config.resolve(16, T, 128, 512, HOPPER_132)
         assert (L.config["impl"], L.config["BLOCK_N"], L.config["num_warps"], L.config["spanning_splits"]) == ("reg", 32, 4, 1)
@@ -163,10 +164,20 @@ def test_launch_rules_read_as_behaviour():
     assert config.resolve(128, 67, 128, 512, HOPPER_132).config["impl"] == "flat"
     for dev in (RTX_PRO_6000, config.Device("NVIDIA GeForce RTX 5090", (12, 0), 170)):
         n = dev.num_sms
-        # bf16 QK: the register body at every size and head count (16-row head groups)
-        for H, T in ((16, 1), (16, 4 * n), (16, 4 * n + 1), (16, 40 * n), (32, 2 * n + 1), (64, n + 1), (64, 20 * n)):
+        # bf16 QK: the register body at every size up to 16 heads (16-row head groups), the warp-specialized body
+        # with 32 / 64 heads per program above (every block gathered once per program)
+        for H, T in ((16, 1), (16, 4 * n), (16, 4 * n + 1), (16, 40 * n), (8, 3)):
             got = config.resolve(H, T, 128, 8192, dev).config
             assert (got["impl"], got["BLOCK_H"], got["spanning_splits"]) == ("reg", 16, 1), (dev.name, H, T)
+        # (64 heads: 32 per program up to 3 grid rows per SM, 64 from 4; four grid rows per row)
+        for H, T, bh in ((32, 1, 32), (32, 2 * n + 1, 32), (24, 5, 32), (64, 1, 32), (64, 3 * n // 4, 32),
+                         (64, 3 * n // 4 + 1, 64), (64, 20 * n, 64), (40, 7, 32), (128, 3, 32)):
+            got = config.resolve(H, T, 128, 8192, dev).config
+            assert (got["impl"], got["BLOCK_H"], got["num_warps"], got["maxnreg"]) == ("wspec", bh, 8, 168), (H, T)
+        # too few blocks for the warp-specialized body's fixed cost: the register body (plan.few_blocks)
+        for H, T, K, impl in ((32, 24, 128, "reg"), (32, 48, 128, "wspec"), (64, 8, 128, "reg"), (64, 24, 128, "wspec"),
+                              (32, 8, 640, "wspec")):
+            assert config.resolve(H, T, K, 0, dev).config["impl"] == impl, (H, T, K)
         # fp8 QK (no register body): one-stage tiled at every size, head blocks <= 32 rows
         past = config.resolve(16, 4 * n + 1, 128, 8192, dev, qk="fp8").config
         assert (past["impl"], past["num_stages"], past["BLOCK_H"]) == ("tiled", 1, 16)
@@ -246,6 +257,51 @@ def test_the_warp_specialized_body_launch_rules():
         config.resolve(16, 6, 128, 512, config.Device("cpu", None, 4), overrides={"impl": "wspec"}, interpret=True)
     with pytest.raises(DecodeInputError, match="no fp8 QK path"):
         config.resolve(16, 6, 128, 512, HOPPER_132, qk="fp8", overrides={"impl": "wspec"})
+
+
+@pytest.mark.parametrize("dev", [RTX_PRO_6000, HOPPER_132])
+def test_the_warp_specialized_body_at_32_and_64_heads_per_program(dev):
+    """impl=wspec,BLOCK_H=32 / 64: 8 consumer warps, 32- / 16-candidate blocks, a register cap of 168 (12 warps fill
+    the register file: one CTA per SM, so one program slot per SM unless the user says otherwise) on every
+    architecture, spanning splits over ceil(H / BLOCK_H) programs a row; other head counts per program, and a block
+    size or warp count of another BLOCK_H, refused when the text is parsed."""
+    for H, bh, bn, hg in ((32, 32, 32, 1), (64, 32, 32, 2), (24, 32, 32, 1), (64, 64, 16, 1), (128, 64, 16, 2)):
+        L = config.resolve(H, 96, 128, 512, dev, overrides={"impl": "wspec", "BLOCK_H": bh})
+        c = L.config
+        assert (c["impl"], c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["maxnreg"], c["waves"],
+                c["spanning_splits"]) == ("wspec", bh, bn, 8, 168, 1.0, 1), (H, bh, c)
+        S, chunk = plan_span(96, hg, 128, 512, bn, dev.num_sms, 1.0)
+        assert L.plan == (S, chunk, 0, bn), (H, bh, L.plan)
+    kept = config.resolve(32, 96, 128, 512, dev, overrides={"impl": "wspec", "BLOCK_H": 32, "waves": 2})
+    assert (kept.config["waves"], kept.config["maxnreg"]) == (2.0, 168)
+    with pytest.raises(DecodeInputError, match="impl=wspec runs"):   # 12 warps past 168 registers: no launch
+        config.resolve(32, 96, 128, 512, dev, overrides={"impl": "wspec", "BLOCK_H": 32, "maxnreg": 0})
+    assert config.resolve(32, 96, 128, 512, dev, overrides={"impl": "wspec"}).config["BLOCK_H"] == 16  # as before
+    for bad in ("impl=wspec,BLOCK_H=128", "impl=wspec,BLOCK_H=8", "impl=wspec,BLOCK_H=64,BLOCK_N=32",
+                "impl=wspec,BLOCK_H=32,num_warps=4", "impl=wspec,BLOCK_H=32,BLOCK_N=16"):
+        with pytest.raises(DecodeInputError, match="impl=wspec runs"):
+            config.parse_config(bad, "DSV4_SM120_ATTN_CONFIG")
+    assert config.parse_config("impl=wspec,BLOCK_H=64,BLOCK_N=16,num_warps=8")["BLOCK_N"] == 16
+    from dsv4_sm120.attention.keys import producer_regs
+    assert [producer_regs("wspec", 168, bh) for bh in (16, 32, 64)] == [128, 104, 88]
+    assert producer_regs("wspec", 128, 16) == 96
+
+
+def test_register_body_keys_over_a_warp_specialized_entry_keep_their_meaning():
+    """sm_120's 32- / 64-head tables name wspec; launch keys given without impl that wspec's fixed launch sets or does
+    not read (the calibration variants of the register body, what those tables held before) still run the register
+    body with them, while keys wspec takes apply to it."""
+    for H in (32, 64):
+        default = config.resolve(H, 96, 128, 512, RTX_PRO_6000).config
+        assert (default["impl"], default["BLOCK_H"]) == ("wspec", 32)
+        for keys in ({"BLOCK_N": 16}, {"late_decode": 0}, {"spanning_splits": 0}, {"BLOCK_H": 16}, {"maxnreg": 0},
+                     {"BLOCK_N": 64, "num_warps": 8, "waves": 1}, {"e4m3_int_decode": 0}):
+            L = config.resolve(H, 96, 128, 512, RTX_PRO_6000, overrides=keys)
+            assert L.config["impl"] == "reg" and "register-body keys over impl=wspec" in L.source, (H, keys)
+            assert all(L.config[k] == v for k, v in keys.items()), (H, keys, L.config)
+        took = config.resolve(H, 96, 128, 512, RTX_PRO_6000, overrides={"waves": 3, "PART_BF16": 0, "maxnreg": "auto"})
+        assert (took.config["impl"], took.config["waves"], took.config["PART_BF16"], took.config["maxnreg"]) == \
+            ("wspec", 3.0, 0, 168)
 
 
 def test_the_warpgroup_mma_body_launch_rules():

@@ -66,6 +66,50 @@ def test_the_warp_specialized_body_compiles_for_hopper_and_sm120():
     assert out["sm120"].get("stack", 0) == 0, out["sm120"]
 
 
+_WIDE_COMPILE = r"""
+import json, re
+from dsv4_sm120.attention import config
+from dsv4_sm120.attention.keys import producer_regs
+from dsv4_sm120.attention.kernels import SPLIT_KERNELS
+from dsv4_sm120.devtools.sass import compile_inspect, hot_loop_ops, split_kernel_source
+out = {}
+for cap in (90, 120):
+    for bh in (32, 64):
+        c = config.resolve(bh, 96, 128, 512, config.Device("x", (cap // 10, 0), 132),
+                           overrides={"impl": "wspec", "BLOCK_H": bh}).config
+        cst = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=bh, BLOCK_N=c["BLOCK_N"],
+                   FP8_QK=False, INTERP=False, SPAN=True, PRODUCER_REGS=producer_regs("wspec", c["maxnreg"], bh),
+                   CWARPS=c["num_warps"])
+        k, sass, res = compile_inspect(split_kernel_source(SPLIT_KERNELS["wspec"], cst), cap,
+                                       {"num_warps": c["num_warps"], "num_stages": 1, "maxnreg": c["maxnreg"]})
+        ptx = k.asm["ptx"]
+        out[f"sm{cap}-{bh}"] = dict(res, shared=k.metadata.shared, sass=len(sass),
+                                    threads=int(re.search(r"\.reqntid (\d+)", ptx).group(1)),
+                                    setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                                    ldl=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+                                    hmma=len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_the_wide_warp_specialized_body_compiles_for_hopper_and_sm120():
+    """impl=wspec at 32 / 64 heads per program, compiled as the launch resolves it for sm_90 and sm_120: 12 warps
+    (8 consumers + 4 producers) at 168 registers (one CTA per SM), the consumers at 200 / 208 and the producers at
+    104 / 88 registers (setmaxnreg), no spills, shared memory within sm_120's 99 KB per block (Q and the ring), bf16
+    tensor-core MMAs."""
+    out = gpu_compile_result(_WIDE_COMPILE, timeout=900)
+    for cap in (90, 120):
+        for bh, split in ((32, (200, 104)), (64, (208, 88))):
+            r = out[f"sm{cap}-{bh}"]
+            if r["sass"] == 0:
+                pytest.skip("cuobjdump gave no SASS here")
+            assert r["threads"] == 384 and r["regs"] == 168, r
+            assert set(split) <= set(r["setmaxnreg"]), r
+            assert r["ldl"] == 0 and r.get("stack", 0) == 0, r
+            assert r["shared"] <= 99 * 1024 and r["shared"] >= bh * 1024 + 32 * 1024, r   # Q + ring in one block
+            assert r["hmma"] >= 64, r
+
+
 @pytest.mark.parametrize("impl,clash", [("wspec", "BLOCK_N=64"), ("wgmma", "BLOCK_H=16"), ("wgmma_t", "BLOCK_H=64"),
                                         ("wgmma_t", "num_warps=8")])
 def test_the_gluon_bodies_are_refused_clearly_where_they_cannot_run(monkeypatch, impl, clash):

@@ -122,3 +122,43 @@ def test_driver_refuses_a_reference_that_is_not_a_commit(tmp_path):
     assert "Traceback" not in bad.stderr
     ok = subprocess.run(base + ["--targets-reference", "57127da"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
+
+
+def forced(case, impl, rows, us, date="2026-12-05T10:00:00+00:00", table="arch_sm_120"):
+    r = row(case, impl, rows, us, date=date)
+    if impl == "ours-bf16" and table:
+        r["notes"] += f"; device_table={table}; device_sms=132"
+        r["variant"] = f"default @{table}"
+    return r
+
+
+def test_a_run_with_the_sm120_launch_is_judged_by_its_own_targets():
+    """Rows timed with --device-table arch_sm_120: 32 heads not slower than FlashMLA and 64 within 1.15x at 8-384
+    rows (each bound at and just past it), 16 heads within 3% of the reference run's forced rows; the H200 launch's
+    targets (share, 1.25x) are not applied to them."""
+    rows = [forced("spec_h32_c4", "ours-bf16", 8, 10.0), forced("spec_h32_c4", "flashmla", 8, 10.0),
+            forced("spec_h32_c4", "ours-bf16", 384, 100.01), forced("spec_h32_c4", "flashmla", 384, 100.0),
+            forced("spec_h32_c4", "ours-bf16", 6, 50.0), forced("spec_h32_c4", "flashmla", 6, 10.0),   # < 8 rows
+            forced("spec_h64_swa", "ours-bf16", 96, 11.5), forced("spec_h64_swa", "flashmla", 96, 10.0),
+            forced("spec_h64_c4", "ours-bf16", 192, 11.51), forced("spec_h64_c4", "flashmla", 192, 10.0),
+            forced("spec_h16_c4", "ours-bf16", 48, 10.3), forced("spec_h16_c4", "gather-floor", 48, 1.0),
+            forced("spec_h16_c4", "ours-bf16", 1, 5.2)]
+    then = [forced("spec_h16_c4", "ours-bf16", 48, 10.0, date="2026-12-04T10:00:00+00:00"),
+            forced("spec_h16_c4", "ours-bf16", 1, 5.0, date="2026-12-04T10:00:00+00:00"),
+            forced("spec_h16_c4", "ours-bf16", 1, 1.0, date="2026-12-04T11:00:00+00:00", table="")]  # not forced
+    lead, wide = T.judge(rows)
+    assert lead[0] == "32 heads at 8-384 rows (arch_sm_120 launch), not slower than flashmla"
+    assert lead[1:] == (1, 2, "highest ours / flashmla 1.001: spec_h32_c4 at 384 rows"), lead
+    assert wide[0] == "64 heads at 8-384 rows (arch_sm_120 launch), within 1.15x of flashmla"
+    assert wide[1:] == (1, 2, "highest ours / flashmla 1.151: spec_h64_c4 at 192 rows"), wide
+    lead, wide, same = T.judge(rows, then, "59fc5a7")
+    assert same[0] == "16 heads (arch_sm_120 launch), within 3% of ours at 59fc5a7"
+    # 10.3 / 10.0 = 1.03 (met, the bound itself), 5.2 / 5.0 = 1.04 (not); the unforced 1.0 us row is no reference
+    assert same[1:] == (1, 2, "highest ours / ours then 1.040: spec_h16_c4 at 1 rows"), same
+    rows[2]["us"] = ""
+    assert T.judge(rows)[0][1:] == (1, 2, "ours failed: spec_h32_c4 at 384 rows")
+    # a variant of the forced run is not its default
+    rows.append(dict(forced("spec_h32_c4", "ours-bf16", 24, 99.0), variant="impl=reg @arch_sm_120"))
+    rows.append(forced("spec_h32_c4", "flashmla", 24, 10.0))
+    assert T.judge(rows)[0][1:3] == (1, 2)
+    assert "NOT met at 1 of 2 points" in T.report(rows)

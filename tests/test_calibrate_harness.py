@@ -246,3 +246,25 @@ def test_cpu_harness_end_to_end_through_sglang(patched_sglang_site, tmp_path):
     want = m["buckets"]["5"]["winner"]
     assert P.decision("moe.nvfp4", 3, gpu="cpu-interpreter", versions=prof["versions"], directory=out) == \
         (want, f"profile {out / 'cpu-interpreter.json'}")
+
+
+def test_attention_variants_with_more_heads_per_program_than_the_deployment_do_not_apply():
+    """The wide warp-specialized variants (impl=wspec,BLOCK_H=32 / 64) are offered, and are not applicable (reported
+    as such, never timed) where a program would hold more heads than the deployment's count rounded up to 16 / 32 /
+    64; the register body's 16-head programs (impl=reg) apply everywhere."""
+    from types import SimpleNamespace
+
+    from dsv4_sm120.calibrate.attention import VARIANTS, Ours
+    from dsv4_sm120.calibrate.candidates import NotApplicable, measure
+
+    assert {"impl=reg", "impl=wspec,BLOCK_H=32", "impl=wspec,BLOCK_H=64"} <= set(VARIANTS)
+    for H, variant, applies in ((16, "impl=wspec,BLOCK_H=32", False), (8, "impl=wspec,BLOCK_H=64", False),
+                                (32, "impl=wspec,BLOCK_H=64", False), (32, "impl=wspec,BLOCK_H=32", True),
+                                (64, "impl=wspec,BLOCK_H=64", True), (24, "impl=wspec,BLOCK_H=32", True)):
+        case = SimpleNamespace(H=H, device="cpu")
+        if applies:
+            assert callable(Ours(variant, device="cpu").build(case)), (H, variant)
+        else:
+            with pytest.raises(NotApplicable, match="masked MMA rows"):
+                Ours(variant, device="cpu").build(case)
+            assert measure(Ours(variant, device="cpu"), case).status == "unavailable"

@@ -102,3 +102,21 @@ def test_the_fp4_path_without_the_block_scaled_mma_is_a_problem():
 def test_occupancy_follows_the_sm120_limits():
     assert SC.ctas_per_sm(GOOD, 4) == {"shared": 2, "threads": 12, "registers": 2, "all": 2}
     assert SC.ctas_per_sm(dict(GOOD, shared=0, regs=32), 1)["all"] == SC.CTAS_PER_SM
+
+
+def test_the_wide_warp_specialized_launches_are_pinned_to_their_measured_resources():
+    """wspec at 32 / 64 heads per program: shared memory, registers and the partitions' setmaxnreg values as measured
+    (RESOURCE_BOUNDS); one byte, one register or another register split past them is a problem."""
+    for bh, split in ((32, [104, 200]), (64, [88, 208])):
+        la = SL.Launch("attention", "attention.split_kernel_wspec", {"BLOCK_H": bh, "BLOCK_N": 32 if bh == 32 else 16},
+                       {"num_warps": 8, "num_stages": 1, "maxnreg": 168}, {}, {"ctas": 1},
+                       [f"attention/H={bh},qk=bf16,device_name=arch_sm_120.json[1] (qk=bf16)"])
+        la.need.update(SL.resource_bounds(la))
+        good = dict(GOOD, shared=100388, regs=168, setmaxnreg=sorted(split + [24, 240]))
+        assert SC.problems(la, good) == [], SC.problems(la, good)
+        for bad, needle in (({"shared": 100389}, "pinned to"), ({"regs": 176}, "registers per thread"),
+                            ({"setmaxnreg": [24, 96, 208, 240]}, "setmaxnreg")):
+            got = SC.problems(la, dict(good, **bad))
+            assert any(needle in g for g in got), (bh, bad, got)
+    # the 16-head launch has no pin beyond the SM's limits
+    assert SL.resource_bounds(SL.Launch("attention", "attention.split_kernel_wspec", {"BLOCK_H": 16}, {}, {})) == {}

@@ -159,11 +159,16 @@ def test_cuda_graph_replay_with_changing_indices(mode):
      dict(impl="wgmma_t"), dict(impl="wgmma_t", waves=8, PART_BF16=0), dict(impl="wgmma_t", waves=0.01),
      dict(impl="wgmma_t", BLOCK_H=32, waves=8),
      # its balanced launch (one program per SM walking an equal run of blocks across rows; plan.plan_balanced)
-     dict(impl="wgmma_t", balanced=1), dict(impl="wgmma_t", balanced=1, PART_BF16=0)],
+     dict(impl="wgmma_t", balanced=1), dict(impl="wgmma_t", balanced=1, PART_BF16=0),
+     # the warp-specialized body at 16, 32 and 64 heads per program (here 16 real heads: the rest masked); waves=8
+     # cuts rows across the main / extra boundary
+     dict(impl="wspec"), dict(impl="wspec", BLOCK_H=32), dict(impl="wspec", BLOCK_H=32, waves=8, PART_BF16=0),
+     dict(impl="wspec", BLOCK_H=64), dict(impl="wspec", BLOCK_H=64, waves=8, PART_BF16=0)],
     ids=["flat", "prefetch", "tiled", "tiled-kcvt0", "reg32", "reg64-fp32part", "reg64-declate",
          "reg32-4warps-declate", "reg64-span", "reg32-4warps-span", "wgmma", "wgmma-split-fp32part",
          "wgmma-one-split-writes-out", "wgmma_t", "wgmma_t-split-fp32part", "wgmma_t-one-split-writes-out",
-         "wgmma_t-32-heads-split", "wgmma_t-balanced", "wgmma_t-balanced-fp32part"])
+         "wgmma_t-32-heads-split", "wgmma_t-balanced", "wgmma_t-balanced-fp32part", "wspec", "wspec32",
+         "wspec32-split-fp32part", "wspec64", "wspec64-split-fp32part"])
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_variants(mode, variant, monkeypatch):
     from dsv4_sm120.attention.config import BF16_ONLY_IMPLS
@@ -185,6 +190,31 @@ def test_variants(mode, variant, monkeypatch):
         for H, T in ((32, 40), (24, 61)):
             check(build(Case(T=T, H=H, main_page=256, K=128, extra="c4", extra_pages=12, extra_K=512,
                              lengths="random", all_invalid_rows=(3,), seed=953 + H), device="cuda"), mode)
+
+
+def wide_cases():
+    """The warp-specialized body with 32 / 64 heads per program: head counts below, at and above a program's (masked
+    rows, several programs a row), the three layouts, page sizes, lengths, sinks, head slices, rows without a valid
+    candidate; ``waves`` 8 cuts rows into several splits across the main / extra boundary."""
+    out = []
+    shapes = [(8, 5, None), (24, 17, "c4"), (32, 3, "c128"), (32, 64, "c4"), (40, 9, None), (64, 33, "c4"),
+              (64, 6, "c128"), (96, 7, "c4"), (128, 4, "c128")]
+    for bh in (32, 64):
+        for i, (H, T, extra) in enumerate(shapes):
+            c = Case(T=T, H=H, main_page=[256, 64, 3][i % 3], main_pages=[4, 8, 200][i % 3], K=128, extra=extra,
+                     extra_page=64 if extra == "c4" else 2, extra_pages=12 if extra == "c4" else 400,
+                     extra_K=512 if extra == "c4" else 700, lengths=[None, "random", "zero_some"][i % 3],
+                     sink=[None, "finite", "-inf"][(i + 1) % 3], head_slice=i % 2 == 1, all_invalid_rows=(T // 2,),
+                     seed=1100 + 20 * bh + i)
+            waves = 8 if i % 2 else 1
+            out.append(pytest.param(bh, waves, c, id=f"wspec{bh}-H{H}-T{T}-{extra}-waves{waves}"))
+    return out
+
+
+@pytest.mark.parametrize("block_h,waves,case", wide_cases())
+def test_wspec_wide_programs(block_h, waves, case, monkeypatch):
+    _set_launch(monkeypatch, dict(impl="wspec", BLOCK_H=block_h, waves=waves))
+    check(build(case, device="cuda"), "bf16", max_rows=12)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])

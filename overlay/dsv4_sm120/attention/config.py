@@ -43,8 +43,8 @@ from .. import settings
 from . import plan as P
 from .key_aliases import canonical_entry
 from .keys import (BF16_ONLY_IMPLS, FIXED_LAUNCHES, GPU_ONLY_IMPLS, IMPL_ARCHS, IMPLS, KEYS, REG_TABLE_IMPLS,
-                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, DecodeInputError, arch_names, check_fixed_keys, check_wgmma_t_keys,
-                   parse_config, runs_on)
+                   WGMMA_IMPLS, WGMMA_T_BLOCK_H, WSPEC_SHAPES, DecodeInputError, arch_names, check_fixed_keys,
+                   check_wgmma_t_keys, parse_config, runs_on)
 
 KERNEL = "attention"
 QK_MODES = ("auto", "bf16", "fp8")
@@ -189,6 +189,39 @@ def _auto_prefetch(rows: int, num_sms: int) -> int:
     return 2 if 3 * rows >= num_sms else 0
 
 
+# body keys by the bodies that read them (the register body's flags among them)
+_ANY_BODY_KEYS = frozenset(k for keys in BODY_KEYS.values() for k in keys)
+
+
+def _register_body_keys(user: Mapping[str, object], named: Optional[str], entry: Mapping[str, object]) -> bool:
+    """Whether launch keys given without ``impl`` are the register body's rather than those of the warp-specialized
+    body a table entry names (``named``; sm_120's tables above 16 heads): a body key it does not read (e.g.
+    ``late_decode=0``), or a key its fixed launch sets (heads per program, block shape, warps, stages, spanning
+    splits, register cap; e.g. ``BLOCK_N=16``, ``spanning_splits=0``, ``maxnreg=0``), to a value other than
+    ``auto``. Such keys meant the register body where it was those tables' body, and still do. (The H200's
+    warpgroup-MMA entries keep their own rules: a clashing key is refused there.)"""
+    if named != "wspec":
+        return False
+    fixed = set(FIXED_LAUNCHES[named]) | {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "maxnreg"}
+    return any((k in _ANY_BODY_KEYS and k not in BODY_KEYS[named]) or (k in fixed and v != "auto")
+               for k, v in user.items())
+
+
+def _wspec_launch(cfg: Dict[str, object], user: Mapping[str, object], source_impl: Optional[str],
+                  device: Device) -> None:
+    """The warp-specialized body's launch keys in ``cfg``: its heads per program (the user's ``BLOCK_H``, else a
+    table entry's that names this body, else 16), the block size and warps that go with them
+    (``keys.WSPEC_SHAPES``), its register cap (at 16 heads ``WSPEC_MAXNREG`` by architecture) and, above 16 heads,
+    one program slot per SM (``waves``; one CTA per SM), each unless the user set it."""
+    bh = int(user.get("BLOCK_H", cfg.get("BLOCK_H", 16) if source_impl == "wspec" else 16))
+    shape = WSPEC_SHAPES[bh]
+    cfg.update(BLOCK_H=bh, BLOCK_N=shape["BLOCK_N"], num_warps=shape["num_warps"])
+    if user.get("maxnreg", "auto") == "auto":
+        cfg["maxnreg"] = shape.get("maxnreg", WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0))
+    if user.get("waves", "auto") == "auto" and (bh > 16 and source_impl != "wspec" or cfg.get("waves") == "auto"):
+        cfg["waves"] = 1.0 if bh > 16 else 2.0
+
+
 def resolve(H: int, T: int, K1: int, K2: int, device: Device, *, qk: str = "bf16",
             overrides: Optional[Mapping[str, object]] = None, interpret: bool = False, call_rows: Optional[int] = None,
             root=None) -> Launch:
@@ -229,6 +262,11 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
             # too little work for a warpgroup-MMA body's fixed cost (plan.few_blocks): the register body
             cfg, source = table_entry(H, call_rows, qk, device, "reg", root)
             source += f" (few blocks for impl={named})"
+        elif impl is None and _register_body_keys(user, named, cfg):
+            # keys given without a body that the entry's fixed-launch body does not take: they are the register
+            # body's (as they were where that body was the table's), so its launch takes them
+            cfg, source = table_entry(H, call_rows, qk, device, "reg", root)
+            source += f" (register-body keys over impl={named})"
     source_impl = None if impl is not None else cfg.get("impl")   # the body the table entry itself names
     entry_balanced = "balanced" in cfg and source_impl == "wgmma_t"   # a table entry of that body that sets it
     cfg.update(user)
@@ -236,8 +274,12 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
     if impl not in IMPLS:
         raise DecodeInputError(f"{source}: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl in FIXED_LAUNCHES:
-        check_fixed_keys(dict(user, impl=impl), "launch")
+        # (wspec's fixed keys follow its heads per program: the user's, else those of an entry naming it)
+        entry_bh = {"BLOCK_H": cfg["BLOCK_H"]} if impl == "wspec" and source_impl == "wspec" else {}
+        check_fixed_keys(dict(entry_bh, **dict(user, impl=impl)), "launch")
         cfg.update(FIXED_LAUNCHES[impl])
+    if impl == "wspec":
+        _wspec_launch(cfg, user, source_impl, device)
     if impl == "wgmma_t" and "BLOCK_H" not in user and (source_impl != "wgmma_t"
                                                           or cfg.get("BLOCK_H") not in WGMMA_T_BLOCK_H):
         # the heads are the MMA's N: all of them up to 32 in one program, unless the user or an entry naming this
@@ -245,8 +287,6 @@ def _resolve(H, T, K1, K2, device, qk, overrides, interpret, call_rows, root) ->
         cfg["BLOCK_H"] = wgmma_t_block_h(H)
     if impl == "wgmma_t" and int(user.get("balanced", 0)):
         cfg["BLOCK_H"] = 16   # the balanced launch's heads per program (keys.check_wgmma_t_keys)
-    if impl == "wspec" and "maxnreg" not in user:
-        cfg["maxnreg"] = WSPEC_MAXNREG.get(device.capability[0] if device.capability else None, 0)
     if impl in WGMMA_IMPLS and "waves" not in user:
         cfg["waves"] = 1.0   # one CTA per SM
     rows, nsm = call_rows * P.cdiv(H, 16), max(1, device.num_sms)

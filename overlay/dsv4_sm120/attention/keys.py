@@ -17,9 +17,19 @@ BF16_ONLY_IMPLS = ("reg", "wspec", "wgmma", "wgmma_t")
 GPU_ONLY_IMPLS = ("wspec", "wgmma", "wgmma_t")
 # bodies that take the impl=reg launch table and its spanning splits
 REG_TABLE_IMPLS = ("reg", "wspec", "wgmma", "wgmma_t")
-# the warp-specialized body's fixed launch (kernels/wspec.py: 16 heads, 32-candidate blocks, 4 consumer warps,
-# spanning splits)
-WSPEC_LAUNCH = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "spanning_splits": 1}
+# the warp-specialized body's fixed launch (kernels/wspec.py: spanning splits, 4 producer warps); its BLOCK_H (heads per
+# program: 16, 32 or 64) sets the rest (WSPEC_SHAPES)
+WSPEC_LAUNCH = {"num_stages": 1, "spanning_splits": 1}
+# per BLOCK_H: candidates per block, consumer warps (the MMA tiles' rows over BLOCK_H / 16 of them), the register cap
+# (0: none) and the producer warps' registers. 16 heads: 32-candidate blocks, 4 consumers, no cap off Hopper
+# (config.WSPEC_MAXNREG) and 96 / 128 producer registers (producer_regs). 32 heads: 8 consumers with 200 registers
+# (the [32, 512] fp32 accumulator is 64 of them), producers 104 (at 96 ptxas spills in the producer loop). 64
+# heads: 8 consumers with 208 registers (accumulator 128), producers 88, 16-candidate blocks: Q (64 KB) and a
+# two-slot ring of 16-candidate blocks (32 KB) fill sm_120's 99 KB (a ring of 32-candidate blocks does not fit,
+# and one slot of them spills). 12 warps x 168 registers fill an SM's register file: one CTA per SM.
+WSPEC_SHAPES = {16: {"BLOCK_N": 32, "num_warps": 4}, 32: {"BLOCK_N": 32, "num_warps": 8, "maxnreg": 168},
+                64: {"BLOCK_N": 16, "num_warps": 8, "maxnreg": 168}}
+WSPEC_PRODUCER_REGS = {32: 104, 64: 88}
 # the Hopper warpgroup-MMA body's (kernels/wgmma.py: 64 heads, 64-candidate blocks, 8 consumer warps + 4 producer
 # warps, spanning splits; 168 registers x 384 threads fill an SM's register file, one CTA per SM)
 WGMMA_LAUNCH = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "spanning_splits": 1, "maxnreg": 168}
@@ -75,6 +85,11 @@ def check_fixed_keys(keys: Dict[str, object], source: str) -> None:
     fixed = FIXED_LAUNCHES.get(impl)
     if not fixed:
         return
+    if impl == "wspec":
+        if keys.get("BLOCK_H", 16) not in WSPEC_SHAPES:
+            raise DecodeInputError(f"{source}: impl=wspec runs BLOCK_H {' or '.join(map(str, WSPEC_SHAPES))} only, "
+                                   f"got BLOCK_H={keys['BLOCK_H']}")
+        fixed = dict(fixed, **WSPEC_SHAPES[keys.get("BLOCK_H", 16)])   # (at 16 heads the cap is free)
     clash = {k: v for k, v in keys.items() if k in fixed and v not in (fixed[k], "auto")}
     if impl == "wgmma_t" and keys.get("BLOCK_H", 16) not in WGMMA_T_BLOCK_H:
         clash["BLOCK_H"] = keys["BLOCK_H"]
@@ -101,15 +116,18 @@ def check_wgmma_t_keys(keys: Dict[str, object], source: str) -> None:
                                f"got BLOCK_H={keys['BLOCK_H']}")
 
 
-def producer_regs(impl: str, maxnreg: int) -> int:
-    """The producer warps' registers of a warp-specialized body (its ``PRODUCER_REGS``). wspec: 96 under a register
-    cap of 128 or less (two CTAs per Hopper SM; the consumers take the rest), else 128. wgmma: 152, the most that
+def producer_regs(impl: str, maxnreg: int, block_h: int = 16) -> int:
+    """The producer warps' registers of a warp-specialized body (its ``PRODUCER_REGS``). wspec at 16 heads: 96 under a
+    register cap of 128 or less (two CTAs per Hopper SM; the consumers take the rest), else 128; at 32 / 64 heads
+    ``WSPEC_PRODUCER_REGS`` (the consumers take the rest of 168 x 384). wgmma: 152, the most that
     leaves its two consumer warpgroups 176 of its 168 x 384; wgmma_t: 144 for each of its two producer partitions,
     which leaves its one consumer warpgroup 216. Fewer spill: at 128 ptxas spills a just-gathered word, whose store
     then waits for the load (H200: 9% slower at H = 64, c128 at 128k, 96 rows); at 136 the 3-op e4m3 decode's
     schedule spills in wgmma's producer loop (H200, H = 64, c4, 384 rows: 128.7 us against 111.7 at 144 and 109.3
     at 152) and, under Triton 3.8, in wgmma_t's (at 144 wgmma_t is within 1% of 136 on the H200)."""
     if impl == "wspec":
+        if int(block_h) in WSPEC_PRODUCER_REGS:
+            return WSPEC_PRODUCER_REGS[int(block_h)]
         return 96 if 0 < int(maxnreg) <= 128 else 128
     return 152 if impl == "wgmma" else 144
 

@@ -9,7 +9,7 @@ can be captured in a CUDA graph.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,6 +29,11 @@ BYTES_PER_TOKEN = 584
 # variants in one process; empty in production.
 CONFIG_OVERRIDE: Dict[str, object] = {}
 
+# Device facts the launches are resolved with instead of the GPU's own, for benchmarks that time another
+# architecture's launch on this GPU (bench_attention.py --device-table arch_sm_120: the launch an sm_120 GPU with this
+# GPU's SM count resolves); None in production.
+DEVICE_OVERRIDE: Optional[Device] = None
+
 _DEVICES: Dict[int, Device] = {}
 _WORKSPACE: Dict[str, torch.Tensor] = {}
 
@@ -38,9 +43,12 @@ def interpreting() -> bool:
 
 
 def device_facts(device: torch.device) -> Device:
-    """Name, compute capability and SM count of ``device`` (``cpu``: no capability, 4 SMs), cached per GPU."""
+    """Name, compute capability and SM count of ``device`` (``cpu``: no capability, 4 SMs), cached per GPU;
+    ``DEVICE_OVERRIDE`` where a benchmark set it."""
     if device.type != "cuda":
         return Device("cpu", None, 4)
+    if DEVICE_OVERRIDE is not None:
+        return DEVICE_OVERRIDE
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _DEVICES:
         p = torch.cuda.get_device_properties(i)
@@ -214,8 +222,10 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
             # the output / partial through shared memory where most of a program's 64 head rows are real (with 16
             # heads the direct stores of 16 rows cost less than staging 64: H200, 384 rows, 99.6 against 109.5 us)
             flags["STAGE_OUT"] = H > 16
+        if impl == "wspec":
+            flags["CWARPS"] = cfg["num_warps"]   # the consumer warps (the default partition)
         SPLIT_KERNELS[impl][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
-                                              PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), **flags)
+                                              PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"], BH), **flags)
     else:
         SPLIT_KERNELS["flat"][(T, s1 + s2, HG)](*args, **flags)
 

@@ -64,14 +64,25 @@ WGMMA_MIN_BLOCKS = 48
 WGMMA_T_MIN_WORK = 64
 
 
+# The same rule for the warp-specialized body where a table names it (sm_120's 32- / 64-head tables), in the same
+# units: its fixed cost (Q of 32 / 64 heads staged, the ring's first fill, one CTA per SM) outweighs a few blocks.
+# H200 with the sm_120 launch forced (rows of ca114e2): SWA-only rows (two blocks) at 8 / 24 rows took 8.68 / 9.62 us
+# under wspec at 32 heads against 6.73 / 8.87 under the register body (32 / 96 blocks x groups) and 11.62 against
+# 7.19 at 64 heads, 8 rows (64); from 160 (c4, 8 rows, 32 heads: 11.83 against 11.94) it is as fast or faster.
+WSPEC_MIN_WORK = 128
+
+
 def few_blocks(impl: str, rows: int, blocks_per_row: int, heads: int) -> bool:
     """Whether a call of ``rows`` rows of ``blocks_per_row`` 64-candidate blocks is too little work for the
     warpgroup-MMA body ``impl`` (``wgmma``: WGMMA_MIN_BLOCKS blocks; ``wgmma_t``: WGMMA_T_MIN_WORK blocks x 16-head
-    groups), so the register body runs where a table names it."""
+    groups) or the warp-specialized one (``wspec``: WSPEC_MIN_WORK blocks x 16-head groups), so the register body
+    runs where a table names it."""
     if impl == "wgmma":
         return rows * blocks_per_row < WGMMA_MIN_BLOCKS
     if impl == "wgmma_t":
         return rows * blocks_per_row * cdiv(heads, 16) < WGMMA_T_MIN_WORK
+    if impl == "wspec":
+        return rows * blocks_per_row * cdiv(heads, 16) < WSPEC_MIN_WORK
     return False
 
 

@@ -26,8 +26,11 @@ from .deployment import C4_PAGE, C128_PAGE, SWA_PAGE, Deployment
 from .. import settings, tolerances
 
 LAYOUTS = ("swa", "swa_c4", "swa_c128")
+# impl=reg: the register body, 16 heads per program (what sm_120's 32- / 64-head tables took before the
+# warp-specialized body with 32 / 64 heads per program, impl=wspec,BLOCK_H=32 / 64); a variant with more heads per
+# program than the deployment's head count rounded up to 16 / 32 / 64 does not apply there (masked MMA rows)
 VARIANTS = ("impl=tiled", "spanning_splits=0", "late_decode=0", "BLOCK_N=64,num_warps=8,waves=1", "BLOCK_N=16",
-            "e4m3_int_decode=0", "impl=wspec")
+            "e4m3_int_decode=0", "impl=wspec", "impl=reg", "impl=wspec,BLOCK_H=32", "impl=wspec,BLOCK_H=64")
 QUICK_VARIANTS = ("impl=tiled", "e4m3_int_decode=0")
 TORCH_MAX_ROWS = 16     # SGLang's torch path is an exact but slow oracle: time it only at small T
 ENV_UPSTREAM_FILE = "DSV4_SM120_UPSTREAM_TRITON_FILE"
@@ -147,6 +150,10 @@ class Ours(Candidate):
         from dsv4_sm120.attention.config import parse_config
 
         variant = parse_config(self.variant, "variant") if self.variant else {}
+        from dsv4_sm120.attention.config import head_class
+
+        if int(variant.get("BLOCK_H", 0)) > head_class(case.H):
+            raise NotApplicable(f"{variant['BLOCK_H']} heads per program for {case.H} heads: masked MMA rows")
 
         def fn():
             # the variant's launch keys for this call only (the benchmarks' override hook)

@@ -32,7 +32,7 @@ from typing import Dict, List
 from ..paths import cache_dir
 from . import sm120_launches as SL
 
-CHECK_VERSION = 1          # bump when what is recorded per launch changes
+CHECK_VERSION = 2          # bump when what is recorded per launch changes
 CAP = 120
 SMEM_PER_BLOCK = 99 * 1024     # the most dynamic shared memory one block may ask for on sm_120
 SMEM_PER_SM = 100 * 1024
@@ -89,7 +89,9 @@ def inspect(la: SL.Launch, src) -> Dict[str, object]:
     return {"shared": int(k.metadata.shared), "static_shared": res.get("static_shared", 0),
             "regs": res.get("regs"), "stack": res.get("stack", 0), "local": res.get("local", 0),
             "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass_text)), "sass_lines": sass_text.count("\n"),
-            "mma": sorted(set(re.findall(r"\b[A-Z]*MMA\.[A-Z0-9_.]+", sass_text)))}
+            "mma": sorted(set(re.findall(r"\b[A-Z]*MMA\.[A-Z0-9_.]+", sass_text))),
+            "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)",
+                                                             k.asm.get("ptx", ""))})}
 
 
 def ctas_per_sm(r: Dict[str, object], num_warps: int) -> Dict[str, int]:
@@ -123,6 +125,16 @@ def problems(la: SL.Launch, r: Dict[str, object]) -> List[str]:
         by = ", ".join(f"{k} {v}" for k, v in occ.items() if k != "all")
         out.append(f"{what} fits {occ['all']} CTA(s) per SM ({by}; {r['shared']} B shared, {r['regs']} registers "
                    f"per thread), the launch needs {need}")
+    if "max_shared" in la.need and r["shared"] > la.need["max_shared"]:
+        out.append(f"{what} asks for {r['shared']} B of shared memory per block, over the {la.need['max_shared']} B "
+                   "it is pinned to (sm120_launches.RESOURCE_BOUNDS)")
+    if "max_regs" in la.need and (r["regs"] or 0) > la.need["max_regs"]:
+        out.append(f"{what} takes {r['regs']} registers per thread, over the {la.need['max_regs']} it is pinned to "
+                   "(sm120_launches.RESOURCE_BOUNDS)")
+    missing = [n for n in la.need.get("partition_regs", ()) if n not in r.get("setmaxnreg", ())]
+    if missing:
+        out.append(f"{what} gives its warp-specialized partitions {r.get('setmaxnreg')} registers (setmaxnreg), not "
+                   f"the {list(la.need['partition_regs'])} it is pinned to (sm120_launches.RESOURCE_BOUNDS)")
     mma = la.need.get("mma")
     if mma and not any(re.fullmatch(MMA_OPCODES[mma] + r"\S*", op) for op in r["mma"]):
         out.append(f"{what} has no {MMA_WHAT[mma]} in its SASS (MMA opcodes: {', '.join(r['mma']) or 'none'})")

@@ -78,6 +78,32 @@ ACCEPTED_SPILLS = (
 )
 
 
+# Launches whose resources are pinned close to what they measure (Triton 3.8, sm_120), each bound with its reason: a
+# build past one is a problem even where it would still fit the SM. ``max_shared`` (bytes per block), ``max_regs``
+# (per thread, the launch's cap), ``partition_regs`` (the setmaxnreg values the warp-specialized partitions must get:
+# consumers, producers). Matched as ACCEPTED_SPILLS.
+RESOURCE_BOUNDS = (
+    {"kernel": "attention.split_kernel_wspec", "match": {"BLOCK_H": 32}, "max_shared": 100388, "max_regs": 168,
+     "partition_regs": (200, 104),
+     "why": "32 heads per program: Q (32 KB) and two 32-candidate ring slots (64 KB) leave ~3 KB of sm_120's 99 KB "
+            "for scratch and barriers; 12 warps x 168 registers fill the register file (consumers 200, producers "
+            "104: at 96 the producer loop spills)"},
+    {"kernel": "attention.split_kernel_wspec", "match": {"BLOCK_H": 64}, "max_shared": 100388, "max_regs": 168,
+     "partition_regs": (208, 88),
+     "why": "64 heads per program: Q (64 KB) and two 16-candidate ring slots (32 KB); consumers 208 registers (the "
+            "[64, 512] fp32 accumulator is 128 of them; at 200 the consumer loop spills), producers 88"},
+)
+
+
+def resource_bounds(la: "Launch") -> Dict[str, object]:
+    """The bounds :data:`RESOURCE_BOUNDS` pins ``la`` to (empty: only the SM's limits)."""
+    for rule in RESOURCE_BOUNDS:
+        have = dict(la.constexprs, **la.options)
+        if rule["kernel"] == la.kernel and all(have.get(k) == v for k, v in rule["match"].items()):
+            return {k: rule[k] for k in ("max_shared", "max_regs", "partition_regs")}
+    return {}
+
+
 def accepted_spills(la: "Launch") -> int:
     """The local loads / stores :data:`ACCEPTED_SPILLS` accepts of ``la`` (0: none)."""
     for rule in ACCEPTED_SPILLS:
@@ -166,8 +192,10 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
             cst[CONSTEXPR.get(k, k)] = bool(cfg.get(k, 0)) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
-    if impl in ("wspec", "wgmma"):   # as attention.launch passes it
-        cst["PRODUCER_REGS"] = producer_regs(impl, cfg["maxnreg"])
+    if impl in ("wspec", "wgmma"):   # as attention.launch passes them
+        cst["PRODUCER_REGS"] = producer_regs(impl, cfg["maxnreg"], cfg["BLOCK_H"])
+    if impl == "wspec":
+        cst["CWARPS"] = cfg["num_warps"]
     opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg["maxnreg"]:
         opts["maxnreg"] = cfg["maxnreg"]
@@ -304,4 +332,5 @@ def enumerate_launches(families: Optional[Iterable[str]] = None) -> Dict[str, Li
         for la in ls:
             if accepted_spills(la):
                 la.need["spills"] = accepted_spills(la)
+            la.need.update(resource_bounds(la))
     return out

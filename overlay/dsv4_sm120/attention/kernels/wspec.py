@@ -1,17 +1,28 @@
 """Split kernel, warp-specialized body (``impl=wspec``, bf16 QK only; Gluon, GPU only): four producer warps gather
-and decode the candidate blocks into a two-slot shared-memory ring while the four consumer warps (the launch's
+and decode the candidate blocks into a two-slot shared-memory ring while the consumer warps (the launch's
 ``num_warps``) run QK, the online softmax and PV on the block before; two mbarriers per slot hand it back and forth.
+Only ``mma.sync``-class MMAs (Gluon's ``mma_v2``) and mbarriers: it runs on sm_120 as on Hopper.
 
 Why: the register body is bound by the latency of its per-block chain (gather -> decode -> shared memory -> MMA ->
 softmax -> PV) at two CTAs of four warps per SM. Here the gathers and the decode (~45% of that body's
-instructions) run in other warps, concurrently with the MMAs. With ``maxnreg=128`` (the default) two CTAs of eight
-warps fit a Hopper SM; the producers then give registers up (``PRODUCER_REGS`` 96, set by the launch) and the
-consumers take them. The ring
-and Q take 83 KB of shared memory (one CTA per SM on sm_120).
+instructions) run in other warps, concurrently with the MMAs.
 
-Same contract as ``split_kernel_reg`` with ``SPAN`` (chunks of main ++ extra); 16 heads per program, 32-candidate
-blocks. Triton's CPU interpreter does not run Gluon: the tests compile it for sm_120 and the H200 runs it.
-The e4m3 decode is ``common.E4M3_BF16_ASM``'s, on 32-bit words.
+Heads per program (``BLOCK_H``): every block is gathered and decoded once for all of them, so at 32 / 64 heads a
+block is read once instead of two / four times (16-head programs each read it).
+
+* 16: 4 consumer warps, each 8 of the 32 candidates' columns of QK and 16 of each 64-column PV tile. With
+  ``maxnreg=128`` (Hopper) two CTAs of eight warps fit an SM; the producers give registers up (``PRODUCER_REGS`` 96)
+  and the consumers take them. Ring and Q: 83 KB (one CTA per sm_120 SM).
+* 32: 8 consumer warps as 2 x 4 (MMA rows x columns): the [32, 512] fp32 accumulator is 64 registers each; Q (32
+  KB) and the ring (2 x 32 candidates, 64 KB) take 100388 B of sm_120's 99 KB per block; 12 warps at
+  ``maxnreg=168`` fill the register file, consumers at 200, producers at 104.
+* 64: 8 consumer warps as 4 x 2: the [64, 512] accumulator is 128 registers each (consumers at 208, producers 88);
+  Q is 64 KB, so the ring holds two 16-candidate blocks (32 KB; producer loads of 8 bytes, a candidate's 64-byte
+  tile row by one warp).
+
+Same contract as ``split_kernel_reg`` with ``SPAN`` (chunks of main ++ extra). Triton's CPU interpreter does not run
+Gluon: the tests compile it for sm_90 and sm_120 and the H200 runs it. The e4m3 decode is
+``common.E4M3_BF16_ASM``'s, on 32-bit words.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ if E4M3X4_SCALED_ASM.value.count("mul.rn.bf16x2") != 2 or " nz, v;" not in E4M3X
 @gluon.jit
 def _block_idx(idx_row, n0, cend, BLOCK_N: gl.constexpr):
     # the candidates' slot ids at n0 .. (-1 past cend), in the layout _gather_rows takes them
-    BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    BL: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // 8], [8, 4], [BLOCK_N // 8, 32 // BLOCK_N], [1, 0])
     cand = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BL))
     return gl.load(idx_row + cand, mask=cand < cend, other=-1)
 
@@ -48,8 +59,8 @@ def _gather_rows(cache, idx, n0, end, P, PB64, PB2_64, BLOCK_N: gl.constexpr):
     # the [BLOCK_N] scale rows as two 32-bit words (UE8M0 bytes of tiles 0-3 and 4-6, little-endian: two loads and
     # two registers instead of seven of each), the [BLOCK_N, 32]-word rope (bf16 pairs), and which candidates exist
     # ([BLOCK_N] bool)
-    BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-    BR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    BL: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // 8], [8, 4], [BLOCK_N // 8, 32 // BLOCK_N], [1, 0])
+    BR: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // 4], [8, 4], [BLOCK_N // 8, 32 // BLOCK_N], [1, 0])
     lanes = gl.arange(0, 16, layout=gl.SliceLayout(0, BL))
     cand = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BL))
     valid, row, sb, ro = _token_rows(idx, cand < end, P, PB64, PB2_64)
@@ -126,10 +137,12 @@ def _produce(i, ring_w, full, empty, cache, idx_ptr, idx_st, len_ptr, K, P, PB, 
 
 @gluon.jit
 def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
-             t, start, chunk, sm_scale_log2, HAS_LEN: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
+             t, start, chunk, sm_scale_log2, HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+             SLOTS: gl.constexpr, CWARPS: gl.constexpr):
     # the consumer's pass over the same blocks: QK over the eight 64-dim tiles, online softmax, PV into the eight
-    # [16, 64] accumulator tiles; the slot goes back to the producer after PV
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+    # [BLOCK_H, 64] accumulator tiles; the slot goes back to the producer after PV
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[BLOCK_H // 16, CWARPS * 16 // BLOCK_H],
+                                                  instr_shape=[16, 8])
     opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     opB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     idx_row = idx_ptr + t.to(gl.int64) * idx_st
@@ -142,7 +155,7 @@ def _consume(i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty
         b = i % SLOTS
         mbarrier.wait(full.index(b), (i // SLOTS) & 1)
         kv = ring.index(b)
-        s = gl.zeros([16, BLOCK_N], gl.float32, mma)
+        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma)
         for tt in gl.static_range(8):
             s = mma_v2(q_s.slice(tt * 64, 64, dim=1).load(opA),
                        kv.slice(tt * 64, 64, dim=1).permute([1, 0]).load(opB), s)
@@ -183,41 +196,43 @@ def _producer(ring_w, full, empty, t, cache, idx_ptr, idx_st, len_ptr, K, P, PB,
 def _consumer(q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
               idx_ptr, idx_st, len_ptr, K, start, chunk, idx2_ptr, idx2_st, len2_ptr, K2,
               acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, BLOCK_N: gl.constexpr,
-              SLOTS: gl.constexpr):
+              HAS_LEN: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_2: gl.constexpr, BLOCK_H: gl.constexpr,
+              BLOCK_N: gl.constexpr, SLOTS: gl.constexpr, CWARPS: gl.constexpr):
     # the program's chunk of main ++ extra (as _producer), then its partial to the workspace
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[BLOCK_H // 16, CWARPS * 16 // BLOCK_H],
+                                                  instr_shape=[16, 8])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [CWARPS, 1], [1, 0])
     t64 = t.to(gl.int64)
-    # Q of the 16 heads into shared memory, once
-    hq = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, QL))
+    # Q of the program's heads into shared memory, once
+    hq = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
     dq = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
     q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(hq.to(gl.int64) * stride_qh, 1) + gl.expand_dims(dq, 0),
                 mask=gl.expand_dims(hq < H, 1), other=0.0)
     q_s.store(q)
-    m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-    l_i = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
-    o0 = gl.zeros([16, 64], gl.float32, mma)
-    o1 = gl.zeros([16, 64], gl.float32, mma)
-    o2 = gl.zeros([16, 64], gl.float32, mma)
-    o3 = gl.zeros([16, 64], gl.float32, mma)
-    o4 = gl.zeros([16, 64], gl.float32, mma)
-    o5 = gl.zeros([16, 64], gl.float32, mma)
-    o6 = gl.zeros([16, 64], gl.float32, mma)
-    o7 = gl.zeros([16, 64], gl.float32, mma)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, mma))
+    o0 = gl.zeros([BLOCK_H, 64], gl.float32, mma)
+    o1 = gl.zeros([BLOCK_H, 64], gl.float32, mma)
+    o2 = gl.zeros([BLOCK_H, 64], gl.float32, mma)
+    o3 = gl.zeros([BLOCK_H, 64], gl.float32, mma)
+    o4 = gl.zeros([BLOCK_H, 64], gl.float32, mma)
+    o5 = gl.zeros([BLOCK_H, 64], gl.float32, mma)
+    o6 = gl.zeros([BLOCK_H, 64], gl.float32, mma)
+    o7 = gl.zeros([BLOCK_H, 64], gl.float32, mma)
     i = 0
     if start < K:
         i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
             i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx_ptr, idx_st, len_ptr, K,
-            t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_N, SLOTS)
+            t, start, chunk, sm_scale_log2, HAS_LEN, BLOCK_H, BLOCK_N, SLOTS, CWARPS)
     if HAS_2:
         if start + chunk > K:
             lo2 = gl.maximum(start - K, 0)
             i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7 = _consume(
                 i, m_i, l_i, o0, o1, o2, o3, o4, o5, o6, o7, q_s, ring, full, empty, idx2_ptr, idx2_st,
-                len2_ptr, K2, t, lo2, start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_N, SLOTS)
-    # the partial: the eight [16, 64] tiles of each head (nope 0..447 then rope) and (m, l)
-    h = g * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+                len2_ptr, K2, t, lo2, start + chunk - K - lo2, sm_scale_log2, HAS_LEN2, BLOCK_H, BLOCK_N, SLOTS,
+                CWARPS)
+    # the partial: the eight [BLOCK_H, 64] tiles of each head (nope 0..447 then rope) and (m, l)
+    h = g * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma))
     base = (t64 * S + s) * HP + h
     _store_partial(acc_ws, base, h < H, gl.arange(0, 64, layout=gl.SliceLayout(0, mma)), o0, o1, o2, o3, o4, o5,
                    o6, o7)
@@ -233,11 +248,16 @@ def split_kernel_wspec(
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
     SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
+    CWARPS: gl.constexpr = 4,
 ):
-    """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16, ``BLOCK_N`` 32), with the warp-specialized
-    body: 4 consumer warps (the launch's ``num_warps``) and 4 producer warps."""
-    gl.static_assert(BLOCK_H == 16, "the warp-specialized body takes 16 heads per program")
-    gl.static_assert(BLOCK_N == 32, "the warp-specialized body gathers 32-candidate blocks")
+    """Same contract as ``split_kernel_reg`` (bf16 QK), with the warp-specialized body: ``CWARPS`` consumer warps
+    (the launch's ``num_warps``) for ``BLOCK_H`` heads (16, 32 or 64; the MMA tiles' rows split over
+    ``BLOCK_H / 16`` of them) and 4 producer warps gathering ``BLOCK_N``-candidate blocks (32 or 16) into a ring of
+    ``SLOTS`` (1 or 2)."""
+    gl.static_assert((BLOCK_H == 16) | (BLOCK_H == 32) | (BLOCK_H == 64),
+                     "the warp-specialized body takes 16, 32 or 64 heads per program")
+    gl.static_assert((BLOCK_N == 32) | (BLOCK_N == 16), "the warp-specialized body gathers 16 or 32 candidates a block")
+    gl.static_assert(CWARPS * 16 >= BLOCK_H, "each consumer warp takes 16 or more heads' MMA rows")
     t = gl.program_id(0)
     s = gl.program_id(1)
     g = gl.program_id(2)
@@ -253,7 +273,7 @@ def split_kernel_wspec(
     KVW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
     ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, BLOCK_N, 512], KV2)
     ring_w = ring._reinterpret(gl.int32, [SLOTS, BLOCK_N, 256], KVW)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [16, 512], KV2)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], KV2)
     full = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(SLOTS):
@@ -263,7 +283,7 @@ def split_kernel_wspec(
         (_consumer, (q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
                      main_idx_ptr, main_idx_st, main_len_ptr, main_K, start, chunk, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K,
                      acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
-                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, BLOCK_N, SLOTS)),
+                     HAS_MAIN_LEN, HAS_EXTRA_LEN, HAS_EXTRA, BLOCK_H, BLOCK_N, SLOTS, CWARPS)),
         (_producer, (ring_w, full, empty, t, main, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB,
                      main_PB2, start, chunk,
                      extra, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
