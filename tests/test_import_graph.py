@@ -128,3 +128,44 @@ def serving_modules_after_startup(overlay: Path = OVERLAY) -> List[str]:
 
 def test_sglang_startup_modules_import_nothing_of_the_serve_planner():
     assert serving_modules_after_startup() == []
+
+
+PLAN_WITH_PROFILE = r"""
+import json, os, sys
+from dsv4_sm120.serving.plan import build_plan
+p = build_plan(dict(os.environ), "base")
+dec = next(x for x in p.procs if x.role == "decode")
+out = {"heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "sglang", "triton")),
+       "allreduce": dec.allreduce, "enable": dec.env.get("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE")}
+from dsv4_sm120.calibrate import machine_profile
+out["cuda_read"] = machine_profile.running_versions()["cuda"]   # read from torch's version.py, torch not imported
+import torch
+out["cuda_torch"] = torch.version.cuda
+print(json.dumps(out))
+"""
+
+
+def test_the_serve_plan_reads_the_machine_profile_without_torch_or_sglang(tmp_path):
+    """The serve plan runs in the launcher's python: with a matching machine profile present (its all-reduce choice
+    read per server, its versions matched), it imports neither torch nor SGLang (a torch import costs seconds and
+    the launcher needs neither)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_allreduce_env import DECODE
+    from test_serve_dryrun import fake_smi
+
+    from dsv4_sm120.calibrate import machine_profile as mp
+
+    gpu = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    prof = {"schema": mp.SCHEMA, "gpu": gpu, "created_at": mp.now_iso(), "versions": mp.running_versions(),
+            "deployment": {}, "decisions": {"allreduce": {"servers": {"decode": DECODE}}}}
+    path = mp.save(prof, tmp_path / "prof" / f"{mp.file_stem(gpu)}.json")
+    env = dict(os.environ, PYTHONPATH=str(OVERLAY), DSV4_SM120_PROFILE_DIR=str(path.parent),
+               NVIDIA_SMI=fake_smi(tmp_path / "smi"), RUN_DIR=str(tmp_path / "run"), VENV=sys.prefix,
+               MODEL_PATH="deepseek-ai/DeepSeek-V4-Flash")
+    r = subprocess.run([sys.executable, "-c", PLAN_WITH_PROFILE], capture_output=True, text=True, env=env, cwd="/",
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["allreduce"].startswith(f"profile {path}") and got["enable"] == "1", got   # the profile was read
+    assert got["heavy"] == [], got["heavy"][:10]
+    assert got["cuda_read"] == got["cuda_torch"], got       # the profile's cuda version, as torch itself says it

@@ -35,6 +35,14 @@ def test_router_pd_forwards_bootstrap_fields_to_both_workers(env):
     assert st["status"] == "ready" and [p["role"] for p in st["procs"]] == ["prefill", "decode", "router"]
     procs = all_run_processes(st)
     assert len(procs) >= 4
+    # each server's own all-reduce environment, as its process holds it (no machine profile: the defaults)
+    nccl = {}
+    for p in st["procs"][:2]:
+        raw = Path(f"/proc/{p['pid']}/environ").read_bytes().split(b"\0")
+        penv = dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
+        nccl[p["role"]] = {k: penv.get(k) for k in ("NCCL_PROTO", "NCCL_ALGO", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE")}
+    assert nccl == {"prefill": dict.fromkeys(("NCCL_PROTO", "NCCL_ALGO", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE")),
+                    "decode": {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE": None}}, nccl
     try:
         base = f"http://127.0.0.1:{env['ROUTER_PORT']}"
         rec = Path(env["DSV4_SM120_STANDIN_RECORD"])

@@ -283,7 +283,9 @@ def test_default_plan_matches_the_issue(outputs):
     assert "--cuda-graph-max-bs-decode" in dargv and "--cuda-graph-max-bs" not in dargv
     assert pargv[pargv.index("--disaggregation-bootstrap-port") + 1] == "8998"
     assert penv["SGLANG_TORCH_PROFILER_DIR"] == "/tmp/dsv4-dry-run-dir/profile"
-    for needle in ("env NCCL_PROTO=LL", "env NCCL_ALGO=Ring", "env SGLANG_DISAGGREGATION_NIXL_BACKEND=UCX",
+    # the all-reduce is per server: decode's latency protocol is not forced on the prefill server (docs/pcie.md)
+    assert (denv["NCCL_PROTO"], denv["NCCL_ALGO"]) == ("LL", "Ring") and "NCCL_PROTO" not in penv
+    for needle in ("all-reduce prefill: default: no NCCL_PROTO", "env SGLANG_DISAGGREGATION_NIXL_BACKEND=UCX",
                    "env CUDA_DEVICE_ORDER=PCI_BUS_ID", "health router: http://127.0.0.1:30000/health",
                    "log decode: /tmp/dsv4-dry-run-dir/decode.log"):
         assert needle in out, needle
@@ -351,7 +353,11 @@ def test_mtp_config_errors():
 def test_caller_environment_wins_over_env_files():
     out = dry_run("serve_dsv4_tp4.sh", {"NCCL_PROTO": "Simple", "DSV4_SM120_ATTN_BACKEND": "torch"}).stdout
     assert "env NCCL_PROTO=Simple  # environment" in out
-    assert "env NCCL_ALGO=Ring  # 10-nccl.env" in out
+    # yours reaches both servers; decode keeps its default algorithm, the prefill server none
+    cmds = commands(out)
+    assert "NCCL_PROTO" not in cmds["decode"][0] and cmds["decode"][0]["NCCL_ALGO"] == "Ring"
+    assert "NCCL_ALGO" not in cmds["prefill"][0]
+    assert "all-reduce decode: env NCCL_PROTO=Simple (yours); default: NCCL_PROTO=LL NCCL_ALGO=Ring" in out
     assert "env DSV4_SM120_ATTN_BACKEND=torch  # environment" in out
     out = dry_run("serve_dsv4_tp4.sh", {"DSV4_SM120_MOE_BACKEND": "stock", "UCX_TLS": "tcp",
                                         "DSV4_SM120_STANDIN_ROLE": "decode", "UNRELATED_VAR": "x"}).stdout
@@ -440,7 +446,7 @@ def test_dry_run_prints_commands_first_then_a_compact_environment(outputs):
     assert not any(x.startswith(("setting CONTEXT_LEN", "setting PREFILL_PORT")) for x in fp8), fp8
     # one line per environment variable, none twice
     env_keys = [x.split(" ", 2)[1].split("=", 1)[0] for x in base if x.startswith("env ")]
-    assert len(env_keys) == len(set(env_keys)) and "NCCL_PROTO" in env_keys, env_keys
+    assert len(env_keys) == len(set(env_keys)) and "CUDA_DEVICE_ORDER" in env_keys, env_keys
     # the plan is compact; the preflight's lines follow it
     first = next(i for i, x in enumerate(base) if x.startswith(("preflight ", "# preflight")))
     assert first < 32 and all(x.startswith(("preflight ", "# preflight")) for x in base[first:]), base

@@ -193,20 +193,32 @@ def _driver() -> Optional[str]:
         return None
 
 
+def _torch_cuda() -> Optional[str]:
+    """``torch.version.cuda`` without importing torch where it is not imported yet: the serve plan reads profiles
+    and must stay torch-free (a torch import there costs seconds); torch writes the value into its
+    ``torch/version.py`` at build time."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return getattr(getattr(torch, "version", None), "cuda", None)
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        text = Path(distribution("torch").locate_file("torch/version.py")).read_text()
+    except (ImportError, PackageNotFoundError, OSError, ValueError):
+        return None
+    m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]*)['\"]", text, re.M)
+    return (m.group(1) or None) if m else None
+
+
 def running_versions() -> Dict[str, Optional[str]]:
     """The versions this process would run with (None where one cannot be determined)."""
     from dsv4_sm120 import __version__
 
-    cuda = None
-    try:
-        import torch
-
-        cuda = torch.version.cuda
-    except ImportError:
-        pass
     commit = _git_commit()
     return {"sglang": _dist_version("sglang"), "flashinfer": _dist_version("flashinfer-python"),
-            "triton": _dist_version("triton"), "torch": _dist_version("torch"), "cuda": cuda,
+            "triton": _dist_version("triton"), "torch": _dist_version("torch"), "cuda": _torch_cuda(),
             "driver": _driver(), "dsv4_sm120": f"{__version__}+{commit}" if commit else __version__}
 
 

@@ -61,6 +61,9 @@ def print_header(plan: Plan) -> None:
         _say(f"  {k}={v}   ({src})")
     for p in plan.procs:
         _say(f"{p.role}: " + " ".join([f"{k}={v}" for k, v in p.env.items()] + p.argv))
+    for p in plan.procs:
+        if p.allreduce:
+            _say(f"all-reduce {p.role}: {p.allreduce}")
 
 
 def dry_run(plan: Plan) -> int:

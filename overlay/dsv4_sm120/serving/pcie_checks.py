@@ -126,7 +126,72 @@ def check_p2p(plan: Plan, probe: Optional[Callable] = None, sysfs: Optional[Path
             topo = ""
     fails, notes = diagnose_p2p(events, timed_out, server_env(plan, env), iommu_state(sysfs or _sysfs(), cmdline),
                                 parse_topo_matrix(topo), timeout_s, roles)
-    return fails, notes
+    ipc_fails, ipc_notes = check_ipc(plan, events, env)
+    return fails + ipc_fails, notes + ipc_notes
+
+
+# ---------------------------------------------------------------------------- the PCIe-IPC all-reduce
+
+def inherited_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """What every server inherits: serve/env/*.env under the caller's environment (the plan's ``common_env``)."""
+    env = dict(os.environ if base is None else base)
+    env.update({k: v for k, v, _ in plan.common_env})
+    return env
+
+
+def ipc_servers(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, Tuple[List[int], Dict[str, str]]]:
+    """{server: (its GPUs, the all-reduce variables it starts with)} of the servers on this host."""
+    from ..calibrate.allreduce_env import NAMES
+
+    inherited = inherited_env(plan, base)
+    out = {}
+    for name, p in _servers(plan).items():
+        env = {k: inherited[k] for k in NAMES if k in inherited and k not in p.unset}
+        env.update({k: v for k, v in p.env.items() if k in NAMES})
+        out[name] = (list(p.gpus), env)
+    return out
+
+
+def check_ipc(plan: Plan, events: List[dict], base: Optional[Dict[str, str]] = None) -> Result:
+    """What FlashInfer's PCIe-IPC all-reduce needs, from the p2p probe's events (``allreduce_env.ipc_blocker``: CUDA
+    peer access and correct copies between every pair of the server's GPUs, no NCCL_P2P_DISABLE=1). A server the
+    machine profile put on it where it cannot run is switched to the profile's NCCL-only choice (one note line, the
+    plan changed before anything starts); one where your ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE`` turns it on is a
+    failure (its first reduction would fault or hang)."""
+    from ..calibrate.allreduce_env import ENABLE, NAMES, env_true, ipc_blocker, preflight_ipc
+    from .profile_choices import allreduce
+
+    inherited = inherited_env(plan, base)
+    notes: List[str] = []
+    for name, p in _servers(plan).items():
+        if not env_true(p.env.get(ENABLE)):        # not on, or on by your setting (preflight_ipc below)
+            continue
+        why = ipc_blocker(p.gpus, events, {**inherited, **p.env})
+        if why is None:
+            continue
+        senv = allreduce(p.role, p.gpus, inherited, plan.settings.get("NVIDIA_SMI") or "nvidia-smi", ipc_blocked=why)
+        for k in NAMES:
+            p.env.pop(k, None)
+        p.env.update(senv.env)
+        p.unset = list(senv.unset)
+        p.allreduce = senv.source
+        notes.append(f"{name} (GPUs {','.join(map(str, p.gpus))}) runs NCCL, not the profile's PCIe-IPC all-reduce: "
+                     f"{why} ({senv.line()})")
+    fails, more = preflight_ipc(ipc_servers(plan, base), events, inherited)
+    return fails, notes + more
+
+
+def ipc_unverified(plan: Plan, why: str) -> List[str]:
+    """Notes for the servers that start with the PCIe-IPC all-reduce on when the p2p check does not run (``why``):
+    what the IPC path needs that nothing verified."""
+    from ..calibrate.allreduce_env import ENABLE, env_true
+
+    out = []
+    for name, (gpus, env) in ipc_servers(plan).items():
+        if env_true(env.get(ENABLE)):
+            out.append(f"{name} (GPUs {','.join(map(str, gpus))}) starts with the PCIe-IPC all-reduce, which needs CUDA "
+                       f"peer access between every pair of its GPUs: {why}")
+    return out
 
 
 # ---------------------------------------------------------------------------- ucx

@@ -55,6 +55,8 @@ class Proc:
     gpus: List[int] = field(default_factory=list)
     log: str = ""
     numa: Dict = field(default_factory=dict)      # topology.NumaBinding.to_dict() of a server
+    unset: List[str] = field(default_factory=list)   # variables the server must not inherit (serve/env, caller)
+    allreduce: str = ""                           # a server's TP all-reduce choice and where it came from
 
 
 @dataclass
@@ -408,6 +410,7 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     for p in procs:
         p.log = str(run_dir / f"{p.role}.log")
     _bind_numa(procs, s, environ)
+    _bind_allreduce(procs, s, {**{k: v for k, v, _ in common_env}, **environ})
     if not multi_node and not s["IB_DEVICE"] and not any(k == "UCX_NET_DEVICES" for k, _, _ in common_env):
         # One host: KV moves over cuda_ipc / shared memory; pinning UCX's network devices to loopback keeps
         # its wire-up off unreachable interfaces (docker bridges, down IB ports), where transfers can hang
@@ -465,6 +468,21 @@ def _bind_numa(procs: List[Proc], s: Dict[str, str], environ: Mapping[str, str])
             p.argv += sglang_numa_args(b)
 
 
+def _bind_allreduce(procs: List[Proc], s: Dict[str, str], server_environ: Mapping[str, str]) -> None:
+    """Each server's TP all-reduce environment (``profile_choices.allreduce``: your settings, else the machine
+    profile's measured choice for that server at its TP size, else the defaults), in ``Proc.env`` / ``Proc.unset``,
+    with the line that says where it came from. ``server_environ``: what the servers inherit (the caller's
+    environment over serve/env/*.env)."""
+    from .profile_choices import allreduce
+
+    for p in procs:
+        if p.role in ("prefill", "decode"):
+            senv = allreduce(p.role, p.gpus, server_environ, s["NVIDIA_SMI"] or "nvidia-smi")
+            p.env.update(senv.env)
+            p.unset = list(senv.unset)
+            p.allreduce = senv.source
+
+
 def changed_settings(plan: Plan) -> List[Tuple[str, str]]:
     """[(name, value)] of the variables whose value differs from their default (DRY_RUN left out)."""
     return [(k, plan.settings[k]) for k, (d, _) in VARIABLES.items()
@@ -503,6 +521,9 @@ def render_dry_run(plan: Plan) -> str:
         out.append(f"# moe runner: {plan.moe_reason}")
     if plan.spec_reason:
         out.append(f"# speculative decoding: {plan.spec_reason}")
+    for p in plan.procs:
+        if p.allreduce:
+            out.append(f"all-reduce {p.role}: {p.allreduce}")
     for p in plan.procs:
         if p.numa:
             out.append(f"numa {p.role}: {p.numa.get('text', '')}")

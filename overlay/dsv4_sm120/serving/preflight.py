@@ -17,7 +17,10 @@ Checks (names usable in ``PREFLIGHT_SKIP``):
   numa     prints each server's NUMA placement (``topology``; never fails)
   p2p      CUDA peer access and a short timed copy within each TP group and from every prefill GPU to every
            decode GPU (``p2p_probe``), diagnosed by ``p2p_diag`` (a hang or a corrupt copy fails, with the
-           IOMMU / ACS fix and the NCCL_P2P_DISABLE=1 fallback; no peer access or slow copies warn)
+           IOMMU / ACS fix and the NCCL_P2P_DISABLE=1 fallback; no peer access or slow copies warn); from the
+           same facts, what the PCIe-IPC all-reduce needs (peer access between every pair of a server's GPUs,
+           ``pcie_checks.check_ipc``): a server the machine profile put on it where it cannot run is switched to
+           NCCL (one line); your SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1 there fails
   ucx      UCX version and the protocol UCX selects for GPU-to-GPU KV writes (a two-process NIXL transfer
            between the first prefill and the first decode GPU with UCX_PROTO_INFO=y, ``ucx_info``); warns
            when it is not cuda_ipc zero-copy or the UCX predates the RTX PRO 6000 bandwidth fix, and tries
@@ -50,7 +53,7 @@ from .. import model_config
 from ..serve_variables import PREFLIGHT_CHECKS, skipped
 from ..safetensors_index import INDEX_FILE, scan_checkpoint
 from .plan import Plan, port_variable
-from .pcie_checks import check_numa, check_p2p, check_ucx
+from .pcie_checks import check_numa, check_p2p, check_ucx, ipc_unverified
 
 CHECKS = PREFLIGHT_CHECKS
 STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx")
@@ -513,10 +516,13 @@ def _run_checks(plan: Plan, say: Callable[[str], None], dry: bool) -> List[str]:
     for name in CHECKS:
         if name in skip:
             say(f"preflight {name}: skipped")
+            _ipc_unverified(plan, name, "not verified (the p2p check is skipped)", say)
             continue
         why = _not_run(plan, name, failed, dry, smi)
         if why:
             say(f"preflight {name}: not run ({why})")
+            _ipc_unverified(plan, name, "a start's p2p check verifies it (the server runs NCCL where it is missing)"
+                            if dry and name in NOT_IN_DRY_RUN else f"not verified ({why})", say)
             continue
         res = RUNNERS[name](plan)
         res, notes = res if isinstance(res, tuple) else (res, [])
@@ -531,6 +537,13 @@ def _run_checks(plan: Plan, say: Callable[[str], None], dry: bool) -> List[str]:
         failures += res
         failed |= {name} if res else set()
     return failures
+
+
+def _ipc_unverified(plan: Plan, name: str, why: str, say: Callable[[str], None]) -> None:
+    """When the p2p check does not run: a note per server that starts with the PCIe-IPC all-reduce on."""
+    if name == "p2p":
+        for n in ipc_unverified(plan, why):
+            say(f"preflight p2p: {n}")
 
 
 def run_dry_checks(plan: Plan, say: Callable[[str], None] = print) -> List[str]:

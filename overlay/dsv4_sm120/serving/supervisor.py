@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import settings
 from ..fileio import atomic_write_text
@@ -279,7 +279,9 @@ class Supervisor:
         self.stop_requested = signum
 
     # -- lifecycle ----------------------------------------------------------
-    def child_env(self, extra: Dict[str, str]) -> Dict[str, str]:
+    def child_env(self, extra: Dict[str, str], unset: Sequence[str] = ()) -> Dict[str, str]:
+        """A part's environment: the caller's, serve/env/*.env, then the part's own (``extra``); the names in
+        ``unset`` removed (a server whose all-reduce choice forces no NCCL protocol drops an inherited one)."""
         # the launcher's own PYTHONPATH addition (the repo overlay) does not leak into SGLang
         env = caller_environ()
         if self.plan.standin:
@@ -288,7 +290,7 @@ class Supervisor:
         for k, v, _ in self.plan.common_env:
             env[k] = v
         env.update(extra)
-        for k in ("DSV4_SM120_ORIG_PYTHONPATH", "DRY_RUN", "DETACH"):
+        for k in ("DSV4_SM120_ORIG_PYTHONPATH", "DRY_RUN", "DETACH", *unset):
             env.pop(k, None)
         return env
 
@@ -298,7 +300,7 @@ class Supervisor:
             Path(p.env["SGLANG_TORCH_PROFILER_DIR"]).mkdir(parents=True, exist_ok=True)
         logf = open(p.log, "ab", buffering=0)
         logf.write(f"[serve] {time.strftime('%Y-%m-%d %H:%M:%S')} starting {role}: {' '.join(p.argv)}\n".encode())
-        child = subprocess.Popen(p.argv, env=self.child_env(p.env), stdin=subprocess.DEVNULL, stdout=logf,
+        child = subprocess.Popen(p.argv, env=self.child_env(p.env, p.unset), stdin=subprocess.DEVNULL, stdout=logf,
                                  stderr=subprocess.STDOUT, cwd=str(self.run_dir), start_new_session=True,
                                  preexec_fn=_child_setup(p.numa))
         logf.close()
