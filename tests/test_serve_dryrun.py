@@ -110,7 +110,8 @@ VALIDATOR = textwrap.dedent(r"""
             args = parse_router_args(argv)
             out.append({"ok": True, "pd": args.pd_disaggregation, "prefill": [list(x) for x in args.prefill_urls],
                         "decode": args.decode_urls, "port": args.port, "prometheus_port": args.prometheus_port,
-                        "shutdown_grace_period_secs": args.shutdown_grace_period_secs})
+                        "shutdown_grace_period_secs": args.shutdown_grace_period_secs,
+                        "decode_policy": args.decode_policy})
             continue
         err = io.StringIO()
         try:
@@ -169,8 +170,10 @@ def outputs():
     fp8 = dry_run("serve_dsv4_tp4.sh", {"FP8_GEMM_BACKEND": "triton", "MAX_RUNNING": "8",
                                         "DECODE_EXTRA_ARGS": "--chunked-prefill-size 4096"}).stdout
     explicit = dry_run("serve_dsv4_tp4.sh", {"DECODE_EXTRA_ARGS": "--cuda-graph-bs-decode 1 2 3 5 16"}).stdout
+    # replicas behind the router: two TP2 prefill and two TP2 decode servers
+    replicas = dry_run("serve_dsv4_mtp.sh", {"PREFILL_GPUS": "0,1;2,3", "DECODE_GPUS": "4,5;6,7"}).stdout
     return {"base": base, "mtp": mtp, "mn_prefill": mn_prefill, "mn_decode": mn_decode, "fp8": fp8,
-            "explicit": explicit}
+            "explicit": explicit, "replicas": replicas}
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +192,12 @@ def validated(outputs, tmp_path_factory, python_child):
             if role != "router":
                 jobs.append({"argv": server_argv(argv)})
                 expect.append(("server", name, role))
-    for name in ("base", "mn_decode"):
+    cmds = commands(outputs["replicas"])
+    assert list(cmds) == ["prefill1", "prefill2", "decode1", "decode2", "router"], outputs["replicas"]
+    for role in ("prefill1", "prefill2", "decode1", "decode2"):
+        jobs.append({"argv": server_argv(cmds[role][1]), **({"resolve": cfg} if role == "decode2" else {})})
+        expect.append(("replica", "replicas", role))
+    for name in ("base", "mn_decode", "replicas"):
         argv = commands(outputs[name])["router"][1]
         jobs.append({"router": True, "argv": argv[argv.index("sglang_router.launch_router") + 1:]})
         expect.append(("router", name, "router"))
@@ -253,6 +261,31 @@ def test_router_command_parses_with_sglang_router(validated):
     assert base["shutdown_grace_period_secs"] == 5 < 30
     assert mn["prefill"] == [["http://10.1.0.1:30100", 8998]], mn
     assert mn["decode"] == ["http://10.1.0.2:30200"], mn
+
+
+def test_replica_commands_parse_with_sglang_and_the_router(validated, outputs):
+    """PREFILL_GPUS=0,1;2,3 DECODE_GPUS=4,5;6,7: four servers SGLang's parser takes (one resolved), each on its own
+    ports, and a router command the router's parser takes with every prefill (its own bootstrap port) and every
+    decode server."""
+    reps = {role: r for (kind, _, role), r in validated if kind == "replica"}
+    assert set(reps) == {"prefill1", "prefill2", "decode1", "decode2"}
+    for role, r in reps.items():
+        assert r["ok"] and r["tp"] == 2 and r["mode"] == role.rstrip("12"), (role, r)
+    assert reps["decode2"]["resolved"] and reps["decode2"]["spec"] == "EAGLE", reps["decode2"]
+    router = next(r for (kind, name, _), r in validated if kind == "router" and name == "replicas")
+    assert router["prefill"] == [["http://127.0.0.1:30100", 8998], ["http://127.0.0.1:30101", 8999]], router
+    assert router["decode"] == ["http://127.0.0.1:30200", "http://127.0.0.1:30201"], router
+    assert router["decode_policy"] == "round_robin"
+    base = next(r for (kind, name, _), r in validated if kind == "router" and name == "base")
+    assert base["decode_policy"] is None            # one decode server: the router's own default
+    cmds = commands(outputs["replicas"])
+    ports = [a[a.index("--port") + 1] for _, a in cmds.values()]
+    boots = [a[a.index("--disaggregation-bootstrap-port") + 1] for r, (_, a) in cmds.items() if r.startswith("prefill")]
+    assert ports == ["30100", "30101", "30200", "30201", "30000"] and boots == ["8998", "8999"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e, _ in list(cmds.values())[:4]] == ["0,1", "2,3", "4,5", "6,7"]
+    for role in ("prefill1", "decode2"):
+        assert f"log {role}: /tmp/dsv4-dry-run-dir/{role}.log" in outputs["replicas"]
+        assert f"all-reduce {role}: " in outputs["replicas"]
 
 
 def test_base_and_mtp_share_everything_but_speculation(outputs):
@@ -510,8 +543,8 @@ def test_dry_run_runs_the_checks_that_need_no_gpu_and_lists_the_rest(outputs):
         assert st["env"] == "ok" and st["model"].startswith("ok (the published config.json"), st
         assert st["python"] == st["ports"] == st["router"] == "ok" and st["patches"] == "skipped", st
         not_run = {k for k, v in st.items() if v.startswith("not run (dry run: ")}
-        # nvidia-smi does not answer here: gpu and profile wait for the start, as do the checks that move data
-        assert not_run == {"gpu", "nixl", "p2p", "ucx", "profile"}, st
+        # nvidia-smi does not answer here: gpu, memory and profile wait for the start, as do the checks that move data
+        assert not_run == {"gpu", "memory", "nixl", "p2p", "ucx", "profile"}, st
         assert st["gpu"] == ("not run (dry run: needs nvidia-smi, which does not answer here: /nonexistent/nvidia-smi "
                              "not found)"), st
     assert "the preflight's checks that need no GPU, NIXL or running server follow the plan" in \
@@ -816,9 +849,9 @@ def test_dry_run_fails_on_what_it_can_see_without_a_gpu(case, tmp_path):
     assert st[check] == "FAILED", st
     # "not run" is left for what needs the GPUs moving data, NIXL, or a failed check it depends on
     not_run = {k for k, v in st.items() if v.startswith("not run")}
-    assert not_run <= {"gpu", "profile", "nixl", "p2p", "ucx"}, st
+    assert not_run <= {"gpu", "memory", "profile", "nixl", "p2p", "ucx"}, st
     if case == "gpu_past_the_list":
-        assert st["p2p"] == st["ucx"] == st["profile"] == "not run (needs the gpu check, which failed)", st
+        assert st["p2p"] == st["ucx"] == st["profile"] == st["memory"] == "not run (needs the gpu check, which failed)", st
 
 
 def test_dry_run_runs_the_gpu_and_profile_checks_where_nvidia_smi_answers(tmp_path):

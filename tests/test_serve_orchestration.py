@@ -38,9 +38,41 @@ def free_ports(n):
     return ports
 
 
+REPLICAS = 2     # ports held per server port variable: replica i of a server listens on the variable's port + i
+
+
+def hold_ports(socks, n, k=1):
+    """``n`` blocks of ``k`` consecutive ports, each port bound with SO_REUSEADDR and never listening (the socket
+    appended to ``socks``, which the caller closes); the blocks' first ports. The stand-ins, the router and the
+    preflight's port check bind with SO_REUSEADDR too, so they take a held port; nothing else on the box does in
+    between (bind(0) and outgoing connections skip a bound port), as it could a port found free and released. Blocks
+    are picked below the ephemeral range, where nothing is handed out by bind(0)."""
+    import random
+
+    firsts = []
+    while len(firsts) < n:
+        base = random.randrange(20000, 32000 - k)
+        mine = []
+        try:
+            for port in range(base, base + k):
+                sk = socket.socket()
+                mine.append(sk)
+                sk.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sk.bind(("127.0.0.1", port))
+        except OSError:
+            for sk in mine:
+                sk.close()
+            continue
+        socks.extend(mine)
+        firsts.append(base)
+    return firsts
+
+
 @pytest.fixture
 def env(tmp_path):
-    pp, bp, dp, rp, mp = free_ports(5)
+    socks = []
+    pp, bp, dp = hold_ports(socks, 3, REPLICAS)
+    rp, mp = hold_ports(socks, 2)
     e = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_SM120_STANDIN_", "PREFILL_", "DECODE_", "ROUTER_"))}
     e.update({
         "VENV": VENV, "DSV4_SM120_SERVE_STANDIN": "1", "LOG_DIR": str(tmp_path / "logs"),
@@ -57,7 +89,11 @@ def env(tmp_path):
     # every Python process of the deployment starts with tests/site's hook: the router launcher skips importing
     # SGLang for a module the pinned SGLang lacks (~8 s of CPU per start; tests/test_site_hooks.py)
     e["PYTHONPATH"] = os.pathsep.join(p for p in (e.get("PYTHONPATH", ""), str(SITE)) if p)
-    return e
+    try:
+        yield e
+    finally:
+        for sk in socks:
+            sk.close()
 
 
 def state(env):
@@ -177,6 +213,7 @@ def test_child_dying_later_tears_everything_down(env, tmp_path):
 
 def test_busy_port_is_refused_before_anything_starts(env):
     holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # beside the fixture's held, idle socket
     holder.bind(("127.0.0.1", int(env["DECODE_PORT"])))
     holder.listen(1)
     try:

@@ -260,7 +260,8 @@ def test_router_and_python_checks():
 
 def test_preflight_skip_and_standin_defaults():
     assert pf.skipped_checks(plan_for()) == []
-    assert pf.skipped_checks(plan_for(DSV4_SM120_SERVE_STANDIN="1")) == ["gpu", "patches", "nixl", "p2p", "ucx"]
+    assert pf.skipped_checks(plan_for(DSV4_SM120_SERVE_STANDIN="1")) == ["gpu", "memory", "patches", "nixl", "p2p",
+                                                                         "ucx"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="p2p,ucx,numa")) == ["p2p", "ucx", "numa"]
     assert pf.skipped_checks(plan_for(PREFLIGHT_SKIP="gpu, nixl")) == ["gpu", "nixl"]
     from dsv4_sm120.serving.plan import ConfigError

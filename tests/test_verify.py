@@ -14,7 +14,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -83,35 +82,10 @@ def model_dir(tmp_path, mtp=False):
     return tok
 
 
-PORT_VARS = ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT", "ROUTER_PROMETHEUS_PORT")
-
-
 @pytest.fixture
-def held_ports():
-    """Ports for one deployment, held until the test ends: each by a socket bound with SO_REUSEADDR and never
-    listening. The stand-ins and the router bind with SO_REUSEADDR too, so they can take a held port, and the
-    preflight's port check (which binds the same way) passes; but no other process gets it in between (bind(0)
-    and outgoing connections skip a bound port). Ports that were found free and then released (free_ports) can be
-    taken by anything on the box before the deployment binds them (another test's servers, UCX listeners): the
-    start then failed ("the deployment did not start": the preflight's port check, or a stand-in exiting with
-    code 1 on EADDRINUSE)."""
-    socks = []
-    try:
-        for _ in PORT_VARS:
-            s = socket.socket()
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", 0))
-        yield {k: str(s.getsockname()[1]) for k, s in zip(PORT_VARS, socks)}
-    finally:
-        for s in socks:
-            s.close()
-
-
-@pytest.fixture
-def venv(env, tmp_path, held_ports):
+def venv(env, tmp_path):
+    """The deployment's environment (its ports held for the whole test: tests/test_serve_orchestration.py's env)."""
     e = dict(env, DSV4_SM120_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    e.update(held_ports)
     e["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "overlay") + os.pathsep + e.get("PYTHONPATH", "")
     return e
 
@@ -124,7 +98,7 @@ def verify(e, *args, timeout=600):
 def deployment_processes(run_dir):
     """Every process a variant's deployment recorded (supervisor, parts, their descendants)."""
     procs = {}
-    for st_file in Path(run_dir).glob("*/serve/state.json"):
+    for st_file in Path(run_dir).glob("**/serve/state.json"):
         st = json.loads(st_file.read_text())
         for pid, start in [(st["supervisor_pid"], st.get("supervisor_start"))] + \
                 [(p["pid"], p.get("start")) for p in st["procs"]]:
@@ -136,7 +110,7 @@ def deployment_processes(run_dir):
 
 def assert_all_gone(e, run_dir):
     procs = deployment_processes(run_dir)
-    assert list(Path(run_dir).glob("*/serve/state.json")), "no deployment was recorded"
+    assert list(Path(run_dir).glob("**/serve/state.json")), "no deployment was recorded"
     left = {p: s for p, s in procs.items() if s is not None and start_time(p) == s}
     assert not left, f"processes left behind: {left}"
     for k in ("PREFILL_PORT", "BOOTSTRAP_PORT", "DECODE_PORT", "ROUTER_PORT"):

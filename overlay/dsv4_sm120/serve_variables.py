@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-Flash"
 
 # the preflight's checks (dsv4_sm120.serving.preflight; names usable in PREFLIGHT_SKIP)
-PREFLIGHT_CHECKS = ("ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router", "profile")
+PREFLIGHT_CHECKS = ("ports", "gpu", "model", "memory", "patches", "nixl", "numa", "p2p", "ucx", "router", "profile")
 ROLES = ("prefill", "decode", "router")
 # SGLang 0.5.23 FP8_GEMM_RUNNER_BACKEND_CHOICES and DISAGG_TRANSFER_BACKEND_CHOICES (srt/arg_groups/choices.py)
 FP8_BACKENDS = ("auto", "deep_gemm", "flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_deepgemm",
@@ -52,6 +52,27 @@ def gpu_list(text: str) -> List[int]:
         raise ValueError(f"TP size {len(gpus)} does not divide DeepSeek-V4's 64 heads evenly in SGLang (use 1, 2, 4 "
                          f"or 8 GPUs)")
     return gpus
+
+
+def gpu_groups(text: str) -> List[List[int]]:
+    """``0,1,2,3`` -> [[0, 1, 2, 3]]; ``4,5;6,7`` -> [[4, 5], [6, 7]] (one server per group, ``;`` between them:
+    replicas behind the router). Every group is a TP group (:func:`gpu_list`), all of one size (the replicas of a
+    role are alike: one calibration, one measured shape), no GPU in two groups; ValueError (the problem in words)."""
+    parts = (text or "").split(";")
+    groups = []
+    for i, part in enumerate(parts):
+        try:
+            groups.append(gpu_list(part))
+        except ValueError as e:
+            raise ValueError(f"{e}" if len(parts) == 1 else f"group {i + 1} ({part.strip()!r}): {e}") from None
+    seen = [g for grp in groups for g in grp]
+    twice = sorted({g for g in seen if seen.count(g) > 1})
+    if twice:
+        raise ValueError(f"GPU {','.join(map(str, twice))} is in two groups (each server needs its own GPUs)")
+    if len({len(g) for g in groups}) > 1:
+        raise ValueError(f"the groups have different sizes ({', '.join(str(len(g)) for g in groups)} GPUs): "
+                         f"replicas of one server run one TP size")
+    return groups
 
 
 def node_roles(text: str) -> List[str]:
@@ -94,7 +115,8 @@ def _splits(text: str) -> Optional[str]:
 _PORT = dict(kind="int", minimum=1, maximum=65535)
 _SECONDS = dict(kind="int", minimum=1)
 _FRACTION = dict(kind="float", minimum=0, above=True, maximum=0.99)
-_GPUS = dict(check=_problem(gpu_list), values="comma list of 1, 2, 4 or 8 GPU indices")
+_GPUS = dict(check=_problem(gpu_groups), values="comma list of 1, 2, 4 or 8 GPU indices; `;` between replicas "
+             "(e.g. 4,5;6,7)")
 _EXTRA = dict(check=_splits, values="shell words; not the flags the plan sets (docs/serving.md)")
 
 # Order = the order of --help-vars, the dry run and docs/serving.md's table.
@@ -103,13 +125,17 @@ SERVE: Dict[str, Var] = {
     "MODEL_PATH": Var(DEFAULT_MODEL, "checkpoint directory (relative = to the current directory) or Hugging Face id",
                       values="a directory, or a Hugging Face id (org/name)", required=True),
     "SERVED_MODEL_NAME": Var(None, "name clients use (empty: SGLang's, the model path)"),
-    "PREFILL_GPUS": Var("0,1,2,3", "GPU indices (nvidia-smi order) of the prefill server; TP = their count", **_GPUS),
-    "DECODE_GPUS": Var("4,5,6,7", "GPU indices of the decode server; TP = their count", **_GPUS),
+    "PREFILL_GPUS": Var("0,1,2,3", "GPU indices (nvidia-smi order) of the prefill server; TP = their count; groups "
+                        "separated by `;` are replicas behind the router (empty: the recorded shape, else 0,1,2,3)",
+                        **_GPUS),
+    "DECODE_GPUS": Var("4,5,6,7", "GPU indices of the decode server; TP = their count; `4,5;6,7` = two TP2 decode "
+                       "servers (empty: the recorded shape, else 4,5,6,7)", **_GPUS),
     "PREFILL_HOST": Var("127.0.0.1", "address the prefill server binds and the router/decode reach it at"),
-    "PREFILL_PORT": Var("30100", "prefill HTTP port", **_PORT),
-    "BOOTSTRAP_PORT": Var("8998", "prefill's disaggregation bootstrap port (KV handshake)", **_PORT),
+    "PREFILL_PORT": Var("30100", "prefill HTTP port (replica i: this + i)", **_PORT),
+    "BOOTSTRAP_PORT": Var("8998", "prefill's disaggregation bootstrap port (KV handshake; replica i: this + i)",
+                          **_PORT),
     "DECODE_HOST": Var("127.0.0.1", "address the decode server binds and the router reaches it at"),
-    "DECODE_PORT": Var("30200", "decode HTTP port", **_PORT),
+    "DECODE_PORT": Var("30200", "decode HTTP port (replica i: this + i)", **_PORT),
     "ROUTER_HOST": Var("127.0.0.1", "router bind address (0.0.0.0 to serve other machines)"),
     "ROUTER_PORT": Var("30000", "router port: the OpenAI-compatible endpoint clients use", **_PORT),
     "ROUTER_PROMETHEUS_PORT": Var("29000", "router metrics port (must differ between two routers on one host)",
@@ -118,8 +144,11 @@ SERVE: Dict[str, Var] = {
     "MEM_FRACTION": Var("0.85", "--mem-fraction-static of both servers", **_FRACTION),
     "PREFILL_MEM_FRACTION": Var(None, "override MEM_FRACTION for prefill (empty: MEM_FRACTION)", **_FRACTION),
     "DECODE_MEM_FRACTION": Var(None, "override MEM_FRACTION for decode (empty: MEM_FRACTION)", **_FRACTION),
-    "MAX_RUNNING": Var("16", "decode --max-running-requests and --cuda-graph-max-bs-decode (SGLang captures its own "
-                       "list of batch sizes up to it: docs/serving.md)", "int", minimum=1, maximum=4096),
+    "MAX_RUNNING": Var("16", "decode --max-running-requests and --cuda-graph-max-bs-decode, per decode server (SGLang "
+                       "captures its own list of batch sizes up to it: docs/serving.md)", "int", minimum=1, maximum=4096),
+    "SHAPE_CONCURRENCY": Var(None, "concurrent requests the recorded serving shape and draft length are picked for "
+                             "(`make verify ARGS='--stages shape'`: the winner at the nearest measured concurrency at "
+                             "or above it; empty: MAX_RUNNING)", "int", minimum=1, maximum=65536),
     "PREFILL_MAX_RUNNING": Var(None, "prefill --max-running-requests (empty: SGLang's)", "int", minimum=1),
     "CHUNKED_PREFILL_SIZE": Var(None, "prefill --chunked-prefill-size (empty: SGLang's)", "int", minimum=1),
     "FP8_GEMM_BACKEND": Var("auto", "auto = the machine profile's or the FP8 tuner's choice "

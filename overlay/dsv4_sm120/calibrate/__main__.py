@@ -214,6 +214,8 @@ def run(a, dep, ds, out_dir: Path, device: str, gpu: str) -> int:
         if name == "allreduce":
             print("\n".join(allreduce.summary_lines(d)))
             continue
+        if name == "shape":       # kept from the old profile: make verify --stages shape records it
+            continue
         wins = {b: r.get("winner") for b, r in d["buckets"].items()}
         print(f"{name}: " + ", ".join(f"{b}:{w or '-'}" for b, w in sorted(wins.items(), key=lambda x: int(x[0]))))
     print(f"profile: {path}{old_note}\nreport: {md}" + (f"\nplot: {png}" if png else f"\nplot: none ({note})"))

@@ -17,7 +17,9 @@ Schema (``schema`` = :data:`SCHEMA`)::
                                                      "err": float|null, "tol": float|null, "reason": str}}}}}}}
 
 The ``allreduce`` decision has per-server fields instead of buckets (``servers``: ``prefill`` / ``decode`` -> the GPU
-group, the measured sizes and the choice; docs/pcie.md), validated by ``allreduce_choice.validate_entry``.
+group, the measured sizes and the choice; docs/pcie.md), validated by ``allreduce_choice.validate_entry``; the
+``shape`` decision (``make verify ARGS='--stages shape'``: the serving shape and draft length per variant and
+concurrency; docs/verify.md) by ``shape_decision.validate_entry``.
 
 Version keying (:func:`match`): a profile is used only when the GPU name is exactly the running one and
 :data:`MUST_MATCH` versions are equal: ``sglang``, ``flashinfer``, ``triton``, ``torch`` -- they build or run the
@@ -111,6 +113,13 @@ def validate(p: object, source: str = "profile") -> dict:
             why = validate_entry(d)
             if why:
                 bad(f"decision 'allreduce': {why}")
+            continue
+        if name == "shape":       # the serving shape per variant (make verify --stages shape; calibrate/shape_decision.py)
+            from .shape_decision import validate_entry as validate_shape
+
+            why = validate_shape(d)
+            if why:
+                bad(f"decision 'shape': {why}")
             continue
         if not isinstance(d, dict) or not isinstance(d.get("buckets"), dict):
             bad(f"decision {name!r} has no buckets")

@@ -51,6 +51,10 @@ def markdown(profile: dict, png_name: Optional[str] = None, png_note: str = "",
 
             out += markdown_lines(d, (extra_png or {}).get(name))
             continue
+        if name == "shape":       # recorded by make verify --stages shape, which writes its own table
+            out += ["## shape", "", "The serving shape and draft length `make verify ARGS='--stages shape'` recorded "
+                    "(its report has the table; docs/verify.md).", ""]
+            continue
         buckets = sorted(d.get("buckets", {}), key=int)
         cands = []
         for b in buckets:

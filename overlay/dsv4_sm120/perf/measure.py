@@ -92,7 +92,8 @@ def deployment_info(run_dir: Optional[Path]) -> dict:
                                               "SPEC_NUM_DRAFT_TOKENS", "SPEC_DSPARK_BLOCK_SIZE",
                                               "FP8_GEMM_BACKEND") if k in s},
             "fp8_gemm_backend": plan.get("fp8_reason"), "speculative": plan.get("spec_reason") or None,
-            "decode_url": (plan.get("urls") or {}).get("decode"),
+            "decode_url": ",".join(x["health_url"].rsplit("/health", 1)[0] for x in plan.get("procs", [])
+                                   if x.get("role") == "decode") or (plan.get("urls") or {}).get("decode"),
             "env": {k: v for k, v, _ in plan.get("common_env", [])}}
 
 
@@ -172,7 +173,7 @@ def is_standin(dep: dict, decode_url: Optional[str], router: str) -> bool:
     """Whether the deployment measured is stand-in servers: its run record says so, else the servers do."""
     if dep.get("standin") is not None and (dep.get("router_url") or "").rstrip("/") == router:
         return bool(dep["standin"])
-    return bool(server_info(decode_url or router).get("standin"))
+    return bool(server_info((decode_url or router).split(",")[0]).get("standin"))
 
 
 def write_standin_tokenizer(d: Path) -> Path:
@@ -356,8 +357,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--label", default="", help="free text stored with the results (e.g. 'mtp, fp8 triton')")
     ap.add_argument("--log-dir", default=None, help="serving LOG_DIR (default $LOG_DIR or logs)")
     ap.add_argument("--decode-url", default=None,
-                    help="decode server URL whose /metrics give the accepted tokens per speculative step "
-                         "(default: the newest run's; none = no acceptance columns)")
+                    help="decode server URL (a comma list for decode replicas, summed) whose /metrics give the "
+                         "accepted tokens per speculative step (default: the newest run's decode servers; none = no "
+                         "acceptance columns)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     return ap
@@ -410,7 +412,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         router = (a.router or dep.get("router_url")
                   or f"http://127.0.0.1:{settings.get('ROUTER_PORT') or '30000'}").rstrip("/")
         require_healthy_router(router)
-        decode_url = (a.decode_url or dep.get("decode_url") or "").rstrip("/") or None
+        decode_url = ",".join(spec_metrics.urls(a.decode_url or dep.get("decode_url") or "")) or None
         standin = is_standin(dep, decode_url, router)
         model = a.model or (dep.get("settings") or {}).get("MODEL_PATH") or settings.get("MODEL_PATH") \
             or DEFAULT_MODEL
@@ -435,7 +437,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     spec_info = spec_metrics.server_spec(decode_url) if decode_url else {}
     if spec_info.get("algorithm"):
         print(f"measure: speculative decoding {spec_info['algorithm']}, {spec_info.get('num_draft_tokens')} tokens "
-              f"verified per step; acceptance from {decode_url}/metrics", flush=True)
+              f"verified per step; acceptance from /metrics of {decode_url.replace(',', ', ')}", flush=True)
     runs = []
     for i, c in enumerate(cs):
         run, rc = _run_level(a, python, router, model, c, out_dir, decode_url, spec_info)

@@ -22,7 +22,7 @@ import json
 import re
 import urllib.error
 import urllib.request
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 VERIFY = "sglang:spec_verify_calls_total"
 GENERATED = "sglang:generation_tokens_total"
@@ -55,21 +55,32 @@ def _get(url: str, timeout: float) -> Optional[str]:
         return None
 
 
+def urls(decode_url: str) -> List[str]:
+    """The decode servers of ``decode_url``: one URL, or a comma list (decode replicas behind the router)."""
+    return [u.strip().rstrip("/") for u in (decode_url or "").split(",") if u.strip()]
+
+
 def snapshot(decode_url: str, timeout: float = 10.0) -> Optional[Dict[str, float]]:
-    """The two counters now, or None (no /metrics, or a server without speculation counters)."""
-    text = _get(decode_url.rstrip("/") + "/metrics", timeout)
-    if text is None:
-        return None
-    m = parse_prometheus(text)
-    if GENERATED not in m:
-        return None
-    return {"verify": m.get(VERIFY, 0.0), "generated": m[GENERATED]}
+    """The two counters now, summed over the decode servers of ``decode_url`` (one URL or a comma list: replicas
+    each count their own requests), or None (a server without /metrics or without speculation counters)."""
+    out = {"verify": 0.0, "generated": 0.0}
+    for u in urls(decode_url) or [""]:
+        text = _get(u + "/metrics", timeout) if u else None
+        if text is None:
+            return None
+        m = parse_prometheus(text)
+        if GENERATED not in m:
+            return None
+        out["verify"] += m.get(VERIFY, 0.0)
+        out["generated"] += m[GENERATED]
+    return out
 
 
 def server_spec(decode_url: str, timeout: float = 10.0) -> Dict[str, object]:
-    """speculative_algorithm / speculative_num_draft_tokens / avg_spec_accept_length of the decode
-    server (from /server_info; empty when it does not answer)."""
-    text = _get(decode_url.rstrip("/") + "/server_info", timeout)
+    """speculative_algorithm / speculative_num_draft_tokens / avg_spec_accept_length of the (first) decode
+    server (from /server_info; empty when it does not answer); replicas run the same flags."""
+    first = (urls(decode_url) or [""])[0]
+    text = _get(first + "/server_info", timeout) if first else None
     try:
         info = json.loads(text) if text else None
     except ValueError:

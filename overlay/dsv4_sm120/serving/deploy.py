@@ -60,10 +60,12 @@ def print_header(plan: Plan) -> None:
     for k, v, src in plan.common_env:
         _say(f"  {k}={v}   ({src})")
     for p in plan.procs:
-        _say(f"{p.role}: " + " ".join([f"{k}={v}" for k, v in p.env.items()] + p.argv))
+        _say(f"{p.label}: " + " ".join([f"{k}={v}" for k, v in p.env.items()] + p.argv))
     for p in plan.procs:
         if p.allreduce:
-            _say(f"all-reduce {p.role}: {p.allreduce}")
+            _say(f"all-reduce {p.label}: {p.allreduce}")
+    if plan.shape_reason:
+        _say(f"serving shape: {plan.shape_reason}")
 
 
 def dry_run(plan: Plan) -> int:

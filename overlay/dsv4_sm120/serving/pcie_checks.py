@@ -27,7 +27,12 @@ Result = Tuple[List[str], List[str]]
 
 
 def _servers(plan: Plan):
-    return {p.role: p for p in plan.procs if p.role in ("prefill", "decode")}
+    """{label: Proc} of the servers on this host (replicas by their own names)."""
+    return {p.label: p for p in plan.procs if p.role in ("prefill", "decode")}
+
+
+def _first(plan: Plan, role: str):
+    return next((p for p in plan.procs if p.role == role), None)
 
 
 def server_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -36,8 +41,8 @@ def server_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, s
     env = dict(os.environ if base is None else base)
     for k, v, _ in plan.common_env:
         env[k] = v
-    srv = _servers(plan)
-    for k, v in (srv.get("decode") or srv.get("prefill")).env.items() if srv else ():
+    srv = _first(plan, "decode") or _first(plan, "prefill")
+    for k, v in srv.env.items() if srv else ():
         if k != "CUDA_VISIBLE_DEVICES":
             env[k] = v
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -67,15 +72,16 @@ def probe_pairs(plan: Plan) -> Tuple[List[Tuple[int, int]], Dict[Tuple[int, int]
     """Ordered pairs within each server's TP group, and from every prefill GPU to every decode GPU."""
     srv = _servers(plan)
     pairs: Dict[Tuple[int, int], str] = {}
-    for role, p in srv.items():
+    for label, p in srv.items():
         for a in p.gpus:
             for b in p.gpus:
                 if a != b:
-                    pairs[(a, b)] = f"{role} TP"
-    if "prefill" in srv and "decode" in srv:
-        for a in srv["prefill"].gpus:
-            for b in srv["decode"].gpus:
-                pairs[(a, b)] = "prefill->decode"
+                    pairs[(a, b)] = f"{label} TP"
+    prefill = [g for p in srv.values() if p.role == "prefill" for g in p.gpus]
+    decode = [g for p in srv.values() if p.role == "decode" for g in p.gpus]
+    for a in prefill:
+        for b in decode:
+            pairs[(a, b)] = "prefill->decode"
     return list(pairs), pairs
 
 
@@ -223,10 +229,10 @@ def _report(text: str) -> dict:
 
 
 def check_ucx(plan: Plan, runner: Optional[Callable] = None, timeout_s: float = UCX_TIMEOUT_S) -> Result:
-    srv = _servers(plan)
-    if "prefill" not in srv or "decode" not in srv:
+    pre, dec = _first(plan, "prefill"), _first(plan, "decode")
+    if pre is None or dec is None:
         return [], ["prefill and decode are not both on this host: the GPU-to-GPU UCX path is checked where both run"]
-    src, dst = srv["prefill"].gpus[0], srv["decode"].gpus[0]
+    src, dst = pre.gpus[0], dec.gpus[0]
     run = runner or run_nixl_vram
     t0 = time.monotonic()
     rc, text = run(plan, src, dst, {}, timeout_s)

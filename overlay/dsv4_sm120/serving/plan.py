@@ -21,9 +21,10 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from .. import model_config, settings
 from ..moe_runner import MOE_FLAG, mxfp4_runner
 from ..paths import checkout_root
-from ..serve_variables import FP8_BACKENDS, ROLES, SERVE, VARIABLES, gpu_list, node_roles
+from ..serve_variables import FP8_BACKENDS, ROLES, SERVE, VARIABLES, gpu_groups, node_roles
 from . import extra_args
 from .envfiles import EnvFileError, load_env_dir
+from .plan_text import changed_settings, render_dry_run  # noqa: F401  (the dry run's text, where callers find it)
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -57,6 +58,12 @@ class Proc:
     numa: Dict = field(default_factory=dict)      # topology.NumaBinding.to_dict() of a server
     unset: List[str] = field(default_factory=list)   # variables the server must not inherit (serve/env, caller)
     allreduce: str = ""                           # a server's TP all-reduce choice and where it came from
+    name: str = ""                                # unique in the plan: the role, or prefill1, decode2, ... (replicas)
+
+    @property
+    def label(self) -> str:
+        """The part's name in commands, logs, state and messages (``cmd decode2:``): its role without replicas."""
+        return self.name or self.role
 
 
 @dataclass
@@ -75,6 +82,7 @@ class Plan:
     fp8_reason: str = ""
     moe_reason: str = ""
     spec_reason: str = ""
+    shape_reason: str = ""                   # which serving shape / draft length and why (the recorded one, yours)
     calibrate_argv: List[str] = field(default_factory=list)   # CALIBRATE=1: run before the preflight's checks
     calibrate_env: Dict[str, str] = field(default_factory=dict)
 
@@ -112,11 +120,23 @@ def typed_settings(s: Mapping[str, str]) -> Dict[str, object]:
     return out
 
 
-def parse_gpus(key: str, text: str) -> List[int]:
+def parse_groups(key: str, text: str) -> List[List[int]]:
+    """``PREFILL_GPUS`` / ``DECODE_GPUS``: one GPU group per server, ``;`` between replicas (``gpu_groups``)."""
     try:
-        return gpu_list(text)
+        return gpu_groups(text)
     except ValueError as e:
         raise ConfigError(f"{key}={text!r} is not valid: {e}") from None
+
+
+def parse_gpus(key: str, text: str) -> List[int]:
+    """The first server's GPUs of ``key`` (every replica of a role runs the same TP size: ``make calibrate`` measures
+    one of them)."""
+    return parse_groups(key, text)[0]
+
+
+def replica_names(role: str, n: int) -> List[str]:
+    """The names of ``n`` servers of ``role``: the role itself for one, ``role1`` .. ``roleN`` for replicas."""
+    return [role] if n == 1 else [f"{role}{i + 1}" for i in range(n)]
 
 
 def _split(key: str, text: str) -> List[str]:
@@ -180,8 +200,9 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
 
 
 def port_variable(what: str) -> str:
-    """The variable that sets the port of a bind named ``what`` (``Proc.binds``)."""
-    return PORT_VARIABLES.get(what, "the port's variable")
+    """The variable that sets the port of a bind named ``what`` (``Proc.binds``; replica i's port is that + i)."""
+    head, _, rest = what.partition(" ")
+    return PORT_VARIABLES.get(f"{head.rstrip('0123456789')} {rest}", "the port's variable")
 
 
 def user_moe_flag(s: Dict[str, str]) -> Optional[str]:
@@ -199,12 +220,14 @@ def _roles(s: Dict[str, str]) -> List[str]:
         raise ConfigError(f"NODE_ROLE={s['NODE_ROLE']!r} is not valid: {e}") from None
 
 
-def _gpus(s: Dict[str, str], roles: List[str]) -> Tuple[List[int], List[int]]:
-    pg = parse_gpus("PREFILL_GPUS", s["PREFILL_GPUS"])
-    dg = parse_gpus("DECODE_GPUS", s["DECODE_GPUS"])
-    if "prefill" in roles and "decode" in roles and set(pg) & set(dg):
+def _gpus(s: Dict[str, str], roles: List[str]) -> Tuple[List[List[int]], List[List[int]]]:
+    """(prefill groups, decode groups): one GPU group per server."""
+    pg = parse_groups("PREFILL_GPUS", s["PREFILL_GPUS"])
+    dg = parse_groups("DECODE_GPUS", s["DECODE_GPUS"])
+    both = {g for x in pg for g in x} & {g for x in dg for g in x}
+    if "prefill" in roles and "decode" in roles and both:
         raise ConfigError(f"PREFILL_GPUS={s['PREFILL_GPUS']} and DECODE_GPUS={s['DECODE_GPUS']} share GPUs "
-                          f"{sorted(set(pg) & set(dg))} on this host")
+                          f"{sorted(both)} on this host")
     return pg, dg
 
 
@@ -228,8 +251,8 @@ def _speculative(variant: str, s: Dict[str, str], environ: Mapping[str, str]) ->
     return spec + ["--enable-metrics"], spec_reason
 
 
-def _runners(s: Dict[str, str], environ: Mapping[str, str], roles: List[str], pg: List[int], dg: List[int],
-             repo: Path) -> Tuple[Optional[str], str, Optional[str], str]:
+def _runners(s: Dict[str, str], environ: Mapping[str, str], roles: List[str], pg: List[List[int]],
+             dg: List[List[int]], repo: Path) -> Tuple[Optional[str], str, Optional[str], str]:
     """(--fp8-gemm-backend, why, --moe-runner-backend, why) of the servers on this host."""
     dev = None
     servers = "decode" in roles or "prefill" in roles
@@ -237,7 +260,7 @@ def _runners(s: Dict[str, str], environ: Mapping[str, str], roles: List[str], pg
     model = model_config.read(s["MODEL_PATH"], environ) if servers else None
     want_moe = servers and user_moe is None and model.moe_format == "mxfp4"
     if servers and (s["FP8_GEMM_BACKEND"].strip().lower() in ("auto", "") or want_moe):
-        dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0])
+        dev = gpu_name(s["NVIDIA_SMI"] or "nvidia-smi", (dg if "decode" in roles else pg)[0][0])
     fp8, fp8_reason = fp8_gemm_backend(s["FP8_GEMM_BACKEND"], repo, dev)
     moe, moe_reason = (mxfp4_runner(s["MODEL_PATH"], dev, user_moe, model) if servers
                        else (None, "no server on this host"))
@@ -314,51 +337,85 @@ def _server_common(s: Dict[str, str], python: str, standin: bool, ctx: int, fp8:
 
 
 def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], spec: Optional[List[str]],
-           gpus: Dict[str, List[int]], ports: Dict[str, int], mem: Dict[str, float], v: Dict[str, object],
+           groups: Dict[str, List[List[int]]], ports: Dict[str, int], mem: Dict[str, float], v: Dict[str, object],
            urls: Dict[str, str], multi_node: bool, prof_dir: str) -> List[Proc]:
-    """The processes of ``roles`` on this host (logs and NUMA binding not yet set)."""
-    ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
-    pg, dg = gpus["prefill"], gpus["decode"]
+    """The processes of ``roles`` on this host, one server per GPU group (logs, NUMA binding and the all-reduce
+    environment not yet set). Replica i of a role listens on its role's ports + i."""
+    ph, dh = s["PREFILL_HOST"], s["DECODE_HOST"]
+    pg, dg = groups["prefill"], groups["decode"]
+    replicas = len(pg) > 1 or len(dg) > 1
     procs: List[Proc] = []
 
-    def server(role: str, argv: List[str], host: str, role_gpus: List[int], listens) -> Proc:
+    def server(role: str, name: str, argv: List[str], host: str, gpus: List[int], listens) -> Proc:
         """A server process: its argv plus speculation and the extra args, its GPUs, profiler dir and host IP."""
         var = f"{role.upper()}_EXTRA_ARGS"
         argv = argv + (spec or []) + _split("SERVER_EXTRA_ARGS", s["SERVER_EXTRA_ARGS"]) + _split(var, s[var])
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, role_gpus)), "SGLANG_TORCH_PROFILER_DIR": prof_dir}
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+               "SGLANG_TORCH_PROFILER_DIR": str(Path(prof_dir) / name) if replicas else prof_dir}
         if multi_node and host not in ("0.0.0.0", "::"):
             env["SGLANG_HOST_IP"] = host
-        return Proc(role, argv, env, urls[role] + "/health", listens, role_gpus)
+        return Proc(role, argv, env, urls[name] + "/health", listens, gpus, name=name)
 
     if "prefill" in roles:
-        argv = [*common, "--tp", str(len(pg)), "--host", ph, "--port", str(ports["PREFILL_PORT"]),
-                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["BOOTSTRAP_PORT"]),
-                "--mem-fraction-static", f"{mem['prefill']:g}"]
-        if v["PREFILL_MAX_RUNNING"] is not None:
-            argv += ["--max-running-requests", str(v["PREFILL_MAX_RUNNING"])]
-        if v["CHUNKED_PREFILL_SIZE"] is not None:
-            argv += ["--chunked-prefill-size", str(v["CHUNKED_PREFILL_SIZE"])]
-        procs.append(server(
-            "prefill", argv, ph, pg,
-            [(ph, ports["PREFILL_PORT"], "prefill HTTP"), (ph, ports["BOOTSTRAP_PORT"], "prefill bootstrap")]))
+        for i, (name, g) in enumerate(zip(replica_names("prefill", len(pg)), pg)):
+            port, boot = ports["PREFILL_PORT"] + i, ports["BOOTSTRAP_PORT"] + i
+            argv = [*common, "--tp", str(len(g)), "--host", ph, "--port", str(port), "--disaggregation-mode", "prefill",
+                    "--disaggregation-bootstrap-port", str(boot), "--mem-fraction-static", f"{mem['prefill']:g}"]
+            if v["PREFILL_MAX_RUNNING"] is not None:
+                argv += ["--max-running-requests", str(v["PREFILL_MAX_RUNNING"])]
+            if v["CHUNKED_PREFILL_SIZE"] is not None:
+                argv += ["--chunked-prefill-size", str(v["CHUNKED_PREFILL_SIZE"])]
+            procs.append(server("prefill", name, argv, ph, g, [(ph, port, f"{name} HTTP"),
+                                                               (ph, boot, f"{name} bootstrap")]))
     if "decode" in roles:
-        argv = [*common, "--tp", str(len(dg)), "--host", dh, "--port", str(ports["DECODE_PORT"]),
-                "--disaggregation-mode", "decode", "--mem-fraction-static", f"{mem['decode']:g}",
-                "--max-running-requests", str(v["MAX_RUNNING"]), "--cuda-graph-max-bs-decode", str(v["MAX_RUNNING"])]
-        procs.append(server("decode", argv, dh, dg, [(dh, ports["DECODE_PORT"], "decode HTTP")]))
+        for i, (name, g) in enumerate(zip(replica_names("decode", len(dg)), dg)):
+            port = ports["DECODE_PORT"] + i
+            argv = [*common, "--tp", str(len(g)), "--host", dh, "--port", str(port), "--disaggregation-mode", "decode",
+                    "--mem-fraction-static", f"{mem['decode']:g}", "--max-running-requests", str(v["MAX_RUNNING"]),
+                    "--cuda-graph-max-bs-decode", str(v["MAX_RUNNING"])]
+            procs.append(server("decode", name, argv, dh, g, [(dh, port, f"{name} HTTP")]))
     if "router" in roles:
-        argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--prefill", urls["prefill"], str(ports["BOOTSTRAP_PORT"]), "--decode", urls["decode"],
-                "--host", rh, "--port", str(ports["ROUTER_PORT"]),
-                "--prometheus-host", rh, "--prometheus-port", str(ports["ROUTER_PROMETHEUS_PORT"]),
-                "--log-level", "info",
-                # the router waits this long for in-flight requests on SIGTERM (its default, 180 s, outlasts
-                # the teardown's STOP_GRACE_S, so a stop with a dropped stream would end in SIGKILL)
-                "--shutdown-grace-period-secs", str(ROUTER_SHUTDOWN_GRACE_S)] + _split("ROUTER_EXTRA_ARGS", s["ROUTER_EXTRA_ARGS"])
-        procs.append(Proc("router", argv, {}, urls["router"] + "/health",
-                          [(rh, ports["ROUTER_PORT"], "router HTTP"),
-                           (rh, ports["ROUTER_PROMETHEUS_PORT"], "router metrics")]))
+        procs.append(_router(s, python, ports, urls, len(pg), len(dg)))
     return procs
+
+
+def _router(s: Dict[str, str], python: str, ports: Dict[str, int], urls: Dict[str, str], n_prefill: int,
+            n_decode: int) -> Proc:
+    """sglang_router in PD mode in front of every prefill server (with its bootstrap port) and every decode server.
+    Several decode servers are served round robin (their KV arrives from prefill: no prefix cache to be aware of),
+    unless ROUTER_EXTRA_ARGS names a policy."""
+    rh = s["ROUTER_HOST"]
+    extra = _split("ROUTER_EXTRA_ARGS", s["ROUTER_EXTRA_ARGS"])
+    argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for i, name in enumerate(replica_names("prefill", n_prefill)):
+        argv += ["--prefill", urls[name], str(ports["BOOTSTRAP_PORT"] + i)]
+    for name in replica_names("decode", n_decode):
+        argv += ["--decode", urls[name]]
+    argv += ["--host", rh, "--port", str(ports["ROUTER_PORT"]),
+             "--prometheus-host", rh, "--prometheus-port", str(ports["ROUTER_PROMETHEUS_PORT"]), "--log-level", "info",
+             # the router waits this long for in-flight requests on SIGTERM (its default, 180 s, outlasts
+             # the teardown's STOP_GRACE_S, so a stop with a dropped stream would end in SIGKILL)
+             "--shutdown-grace-period-secs", str(ROUTER_SHUTDOWN_GRACE_S)]
+    if n_decode > 1 and not any(t.split("=", 1)[0] in ("--policy", "--decode-policy") for t in extra):
+        argv += ["--decode-policy", "round_robin"]
+    return Proc("router", argv + extra, {}, urls["router"] + "/health",
+                [(rh, ports["ROUTER_PORT"], "router HTTP"), (rh, ports["ROUTER_PROMETHEUS_PORT"], "router metrics")],
+                name="router")
+
+
+def _urls(s: Dict[str, str], ports: Dict[str, int], pg: List[List[int]], dg: List[List[int]]) -> Dict[str, str]:
+    """Every server's URL by name, each role's first server under the role's name, and the router's."""
+    urls = {"router": f"http://{_url_host(s['ROUTER_HOST'])}:{ports['ROUTER_PORT']}"}
+    for role, groups, host, key in (("prefill", pg, s["PREFILL_HOST"], "PREFILL_PORT"),
+                                    ("decode", dg, s["DECODE_HOST"], "DECODE_PORT")):
+        names = replica_names(role, len(groups))
+        for i, name in enumerate(names):
+            if ports[key] + i > 65535 or (role == "prefill" and ports["BOOTSTRAP_PORT"] + i > 65535):
+                raise ConfigError(f"{role} replica {i + 1} would listen past port 65535 ({key} + {i}): set {key} / "
+                                  f"BOOTSTRAP_PORT lower")
+            urls[name] = f"http://{_url_host(host)}:{ports[key] + i}"
+        urls[role] = urls[names[0]]
+    return urls
 
 
 def _check_ports(procs: List[Proc]) -> None:
@@ -391,24 +448,22 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     problem = extra_args.check(s, roles, variant)
     if problem:
         raise ConfigError(problem)
+    shape_reason = _recorded_shape(s, environ, variant, standin, roles, v)
     pg, dg = _gpus(s, roles)
     ports, mem = _numbers(v)
     spec, spec_reason = _speculative(variant, s, environ)
     fp8, fp8_reason, moe, moe_reason = _runners(s, environ, roles, pg, dg, repo)
-    cal_argv, cal_env = calibrate_command(s, python, roles, pg, dg)
+    cal_argv, cal_env = calibrate_command(s, python, roles, pg[0], dg[0])
     run_dir = _run_dir(s, repo, variant, now)
     common_env = _common_env(repo, environ)
 
-    ph, dh, rh = s["PREFILL_HOST"], s["DECODE_HOST"], s["ROUTER_HOST"]
-    urls = {"prefill": f"http://{_url_host(ph)}:{ports['PREFILL_PORT']}",
-            "decode": f"http://{_url_host(dh)}:{ports['DECODE_PORT']}",
-            "router": f"http://{_url_host(rh)}:{ports['ROUTER_PORT']}"}
-    multi_node = not (ph in LOOPBACK and dh in LOOPBACK)
+    urls = _urls(s, ports, pg, dg)
+    multi_node = not (s["PREFILL_HOST"] in LOOPBACK and s["DECODE_HOST"] in LOOPBACK)
     prof_dir = environ.get("SGLANG_TORCH_PROFILER_DIR") or str(run_dir / "profile")
     procs = _procs(s, roles, python, _server_common(s, python, standin, v["CONTEXT_LEN"], fp8, moe), spec,
                    {"prefill": pg, "decode": dg}, ports, mem, v, urls, multi_node, prof_dir)
     for p in procs:
-        p.log = str(run_dir / f"{p.role}.log")
+        p.log = str(run_dir / f"{p.label}.log")
     _bind_numa(procs, s, environ)
     _bind_allreduce(procs, s, {**{k: v for k, v, _ in common_env}, **environ})
     if not multi_node and not s["IB_DEVICE"] and not any(k == "UCX_NET_DEVICES" for k, _, _ in common_env):
@@ -422,14 +477,31 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
 
     remote = {}
     if "router" in roles:
-        for r in ("prefill", "decode"):
+        for r, groups in (("prefill", pg), ("decode", dg)):
             if r not in roles:
-                remote[r] = urls[r] + "/health"
+                remote.update({n: urls[n] + "/health" for n in replica_names(r, len(groups))})
 
     return Plan(variant=variant, repo=str(repo), python=python, run_dir=str(run_dir), roles=roles, standin=standin,
                 settings=s, common_env=common_env, procs=procs, remote_health=remote, urls=urls,
                 fp8_reason=fp8_reason, moe_reason=moe_reason, spec_reason=spec_reason, calibrate_argv=cal_argv,
-                calibrate_env=cal_env)
+                calibrate_env=cal_env, shape_reason=shape_reason)
+
+
+def _recorded_shape(s: Dict[str, str], environ: Mapping[str, str], variant: str, standin: bool, roles: List[str],
+                    v: Dict[str, object]) -> str:
+    """The serving shape (``PREFILL_GPUS`` / ``DECODE_GPUS``) and, for the MTP variant, the draft length that
+    ``make verify ARGS='--stages shape'`` recorded in the machine profile as the winner at ``SHAPE_CONCURRENCY``
+    (empty: ``MAX_RUNNING``), put into ``s`` where you set none (``profile_choices.recorded_shape``); the line
+    saying which and why. A recorded shape is for a whole deployment on one host (``NODE_ROLE=all``)."""
+    from .profile_choices import recorded_shape
+
+    if roles != list(ROLES):
+        return f"yours (NODE_ROLE={s['NODE_ROLE']}: a recorded shape is for the whole deployment on one host)"
+    conc = v["SHAPE_CONCURRENCY"] or v["MAX_RUNNING"]
+    apply, why = recorded_shape(variant, environ, s, standin, s["NVIDIA_SMI"] or "nvidia-smi", int(conc),
+                                "SHAPE_CONCURRENCY" if v["SHAPE_CONCURRENCY"] else "MAX_RUNNING")
+    s.update(apply)
+    return why
 
 
 def calibrate_command(s: Dict[str, str], python: str, roles: List[str], pg: List[int],
@@ -457,9 +529,9 @@ def _bind_numa(procs: List[Proc], s: Dict[str, str], environ: Mapping[str, str])
         return
     enabled = settings.get("NUMA_BIND", s)
     sysfs = Path(settings.get("DSV4_SM120_SERVE_SYSFS_ROOT", environ) or "/sys")
-    binds = numa_bindings({p.role: p.gpus for p in servers}, s["NVIDIA_SMI"] or "nvidia-smi", sysfs, enabled)
+    binds = numa_bindings({p.label: p.gpus for p in servers}, s["NVIDIA_SMI"] or "nvidia-smi", sysfs, enabled)
     for p in servers:
-        b = binds[p.role]
+        b = binds[p.label]
         p.numa = b.to_dict()
         p.numa["text"] = b.describe()
         if not enabled:
@@ -482,57 +554,3 @@ def _bind_allreduce(procs: List[Proc], s: Dict[str, str], server_environ: Mappin
             p.unset = list(senv.unset)
             p.allreduce = senv.source
 
-
-def changed_settings(plan: Plan) -> List[Tuple[str, str]]:
-    """[(name, value)] of the variables whose value differs from their default (DRY_RUN left out)."""
-    return [(k, plan.settings[k]) for k, (d, _) in VARIABLES.items()
-            if k != "DRY_RUN" and plan.settings[k] != (d or "")]
-
-
-def render_dry_run(plan: Plan) -> str:
-    """The plan as text: the commands first (``cmd ROLE: ENV=... argv``, shell-quoted, one line each),
-    then the environment the servers get on top of the inherited one, the settings that differ from
-    their defaults, and where health checks, logs and the router are."""
-    out = [f"# dsv4_sm120 serve plan: variant={plan.variant} roles={','.join(plan.roles)}"
-           f"{' STANDIN' if plan.standin else ''} (dry run: nothing started; the preflight's checks that need no GPU, "
-           f"NIXL or running server follow the plan)"]
-    if plan.calibrate_argv:
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.calibrate_env.items())
-        out.append(f"cmd calibrate: {prefix} {shlex.join(plan.calibrate_argv)}")   # CALIBRATE=1: before preflight
-    for p in plan.procs:
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items())
-        out.append(f"cmd {p.role}: {prefix + ' ' if prefix else ''}{shlex.join(p.argv)}")
-    files = [(k, v, src) for k, v, src in plan.common_env if src != "environment"]
-    caller = [(k, v, src) for k, v, src in plan.common_env if src == "environment"]
-    if files:
-        out.append("# environment added for both servers by serve/env/*.env:")
-        out += [f"env {k}={shlex.quote(v)}  # {src}" for k, v, src in files]
-    if caller:
-        out.append("# from your environment (both servers inherit it; it wins over serve/env/*.env):")
-        out += [f"env {k}={shlex.quote(v)}  # {src}" for k, v, src in caller]
-    changed = changed_settings(plan)
-    if changed:
-        out.append("# settings that differ from their defaults (serve/serve_dsv4_tp4.sh --help-vars lists all):")
-        out += [f"setting {k}={shlex.quote(v)}" for k, v in changed]
-    else:
-        out.append("# every setting at its default (serve/serve_dsv4_tp4.sh --help-vars lists them)")
-    out.append(f"# fp8 gemm backend: {plan.fp8_reason}")
-    if plan.moe_reason:
-        out.append(f"# moe runner: {plan.moe_reason}")
-    if plan.spec_reason:
-        out.append(f"# speculative decoding: {plan.spec_reason}")
-    for p in plan.procs:
-        if p.allreduce:
-            out.append(f"all-reduce {p.role}: {p.allreduce}")
-    for p in plan.procs:
-        if p.numa:
-            out.append(f"numa {p.role}: {p.numa.get('text', '')}")
-    out.append(f"run_dir {plan.run_dir}")
-    for p in plan.procs:
-        out.append(f"health {p.role}: {p.health_url}")
-    for r, url in plan.remote_health.items():
-        out.append(f"health {r} (other host): {url}")
-    for p in plan.procs:
-        out.append(f"log {p.role}: {p.log}")
-    out.append(f"url router: {plan.urls['router']}")
-    return "\n".join(out)

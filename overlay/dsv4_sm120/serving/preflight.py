@@ -12,6 +12,9 @@ Checks (names usable in ``PREFLIGHT_SKIP``):
            match model.safetensors.index.json (every header read and checked, no tensor data), or a Hugging Face
            id (whose config.json, when it is in the local Hugging Face cache, must be DeepSeek-V4's;
            ``dsv4_sm120.model_config``)
+  memory   each server's share of the checkpoint's weights (its safetensors index) plus the KV cache of one
+           CONTEXT_LEN request fits its GPUs' memory at its MEM_FRACTION (``memory_check``); a TP size that
+           cannot hold them fails with the numbers
   patches  the environment's SGLang is patched with this repo's series (``dsv4_sm120.patching status``)
   nixl     ``import nixl`` works with a UCX backend and moves DSv4 KV pages intact (``nixl_check``)
   numa     prints each server's NUMA placement (``topology``; never fails)
@@ -32,10 +35,10 @@ Checks (names usable in ``PREFLIGHT_SKIP``):
            its failure stops the start
 
 A check may also print notes (``preflight NAME: ...``) that do not stop the start. ``p2p``, ``ucx`` and
-``profile`` need the ``gpu`` check: when it fails they are listed as not run, naming it (``NEEDS``). A dry run
-(``run_dry_checks``) runs every check whose inputs it has: all but ``nixl``, ``p2p`` and ``ucx`` (they move data
-through NIXL or between GPUs), and ``gpu`` / ``profile`` only where nvidia-smi answers; those it lists as not run,
-saying why.
+``profile`` (and ``memory``) need the ``gpu`` check: when it fails they are listed as not run, naming it
+(``NEEDS``). A dry run (``run_dry_checks``) runs every check whose inputs it has: all but ``nixl``, ``p2p`` and
+``ucx`` (they move data through NIXL or between GPUs), and ``gpu`` / ``memory`` / ``profile`` only where nvidia-smi
+answers; those it lists as not run, saying why.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from .plan import Plan, port_variable
 from .pcie_checks import check_numa, check_p2p, check_ucx, ipc_unverified
 
 CHECKS = PREFLIGHT_CHECKS
-STANDIN_DEFAULT_SKIP = ("gpu", "patches", "nixl", "p2p", "ucx")
+STANDIN_DEFAULT_SKIP = ("gpu", "memory", "patches", "nixl", "p2p", "ucx")
 MODEL_PROBLEMS_SHOWN = 5
 
 
@@ -149,31 +152,57 @@ def check_gpus_table(gpus: Dict[int, dict], wanted: Sequence[Tuple[str, List[int
     return out
 
 
-def check_gpu(plan: Plan) -> List[str]:
-    wanted = []
+def server_fractions(plan: Plan) -> List[Tuple[str, str, List[int], float]]:
+    """[(label, role, GPUs, memory fraction)] of the servers on this host."""
+    out = []
     for p in plan.procs:
         if p.role in ("prefill", "decode"):
-            key = f"{p.role.upper()}_MEM_FRACTION"
-            frac = float(plan.settings[key] or plan.settings["MEM_FRACTION"])
-            wanted.append((p.role, p.gpus, frac))
-    if not wanted:
-        return []
+            frac = float(plan.settings[f"{p.role.upper()}_MEM_FRACTION"] or plan.settings["MEM_FRACTION"])
+            out.append((p.label, p.role, p.gpus, frac))
+    return out
+
+
+def gpu_table(plan: Plan) -> Tuple[Dict[int, dict], Optional[str]]:
+    """(nvidia-smi's GPU table, ``parse_nvidia_smi``) or ({}, the failure line)."""
     smi = plan.settings.get("NVIDIA_SMI") or "nvidia-smi"
     try:
         r = subprocess.run([smi, "--query-gpu=index,name,compute_cap,memory.total,memory.free",
                             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
-        return [f"nvidia-smi not found ({smi}): no NVIDIA driver on this host?"]
+        return {}, f"nvidia-smi not found ({smi}): no NVIDIA driver on this host?"
     except subprocess.TimeoutExpired:
-        return ["nvidia-smi did not answer within 30 s"]
+        return {}, "nvidia-smi did not answer within 30 s"
     if r.returncode != 0:
         last = ((r.stderr or r.stdout).strip().splitlines() or ["no output"])[-1].strip()
-        return [f"nvidia-smi failed (exit {r.returncode}): {last}"]
+        return {}, f"nvidia-smi failed (exit {r.returncode}): {last}"
     try:
-        gpus = parse_nvidia_smi(r.stdout)
+        return parse_nvidia_smi(r.stdout), None
     except ValueError as e:
-        return [str(e)]
-    return check_gpus_table(gpus, wanted)
+        return {}, str(e)
+
+
+def check_gpu(plan: Plan) -> List[str]:
+    wanted = [(label, gpus, frac) for label, _, gpus, frac in server_fractions(plan)]
+    if not wanted:
+        return []
+    gpus, problem = gpu_table(plan)
+    return [problem] if problem else check_gpus_table(gpus, wanted)
+
+
+def check_memory(plan: Plan) -> Tuple[List[str], List[str]]:
+    """Each server's share of the checkpoint's weights plus one CONTEXT_LEN request's KV against its GPUs' memory
+    at its fraction (``memory_check``): a TP size that cannot hold them is refused with the numbers."""
+    from . import memory_check
+
+    servers = server_fractions(plan)
+    if not servers:
+        return [], []
+    mc = model_config.read(plan.settings["MODEL_PATH"])
+    table, problem = gpu_table(plan)
+    if problem:
+        return [], [f"not checked: {problem}"]
+    return memory_check.check(servers, mc.directory if not mc.problems() else None, mc.config,
+                              int(plan.settings["CONTEXT_LEN"]), memory_check.by_gpu(table))
 
 
 # ---------------------------------------------------------------------------- model
@@ -336,7 +365,7 @@ def server_gpu_names(plan: Plan) -> Tuple[Dict[str, str], Optional[str]]:
     for p in plan.procs:
         if p.role in ("prefill", "decode"):
             for i in p.gpus:
-                idx.setdefault(i, []).append(p.role)
+                idx.setdefault(i, []).append(p.label)
     if not idx:
         return {}, None
     smi = plan.settings.get("NVIDIA_SMI") or "nvidia-smi"
@@ -430,14 +459,14 @@ def check_model_notes(plan: Plan) -> Tuple[List[str], List[str]]:
 
 
 RUNNERS: Dict[str, Callable] = {
-    "ports": check_ports, "gpu": check_gpu, "model": check_model_notes,
+    "ports": check_ports, "gpu": check_gpu, "model": check_model_notes, "memory": check_memory,
     "patches": check_patches, "nixl": check_nixl, "router": check_router,
     "numa": check_numa, "p2p": check_p2p, "ucx": check_ucx, "profile": check_profile,
 }
 
 # A check that only means something once another one passed: when that one fails, it is not run and says why
 # (a box with no NVIDIA driver fails `gpu`, not `gpu`, `p2p` and `ucx`).
-NEEDS = {"p2p": "gpu", "ucx": "gpu", "profile": "gpu"}
+NEEDS = {"p2p": "gpu", "ucx": "gpu", "profile": "gpu", "memory": "gpu"}
 # Checks that run the serving environment's python (none can run without it).
 NEEDS_PYTHON = ("patches", "nixl", "router", "p2p", "ucx", "profile")
 # The checks a dry run leaves to the start, and why: each needs the GPUs, NIXL or processes running. A dry run runs
@@ -447,7 +476,7 @@ NOT_IN_DRY_RUN = {
     "p2p": "copies between the GPUs",
     "ucx": "moves KV pages between the GPUs through NIXL/UCX",
 }
-NEEDS_SMI = ("gpu", "profile")
+NEEDS_SMI = ("gpu", "memory", "profile")
 
 
 def smi_problem(plan: Plan) -> Optional[str]:

@@ -5,8 +5,8 @@ Selected by ``DSV4_SM120_SERVE_STANDIN=1`` in the serving scripts: it takes the 
 ``--model-path``, ``--served-model-name`` matter), binds the same ports (prefill also its
 bootstrap port), answers ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/server_info``, ``/v1/models``, ``/generate``, ``/v1/completions``, ``/v1/chat/completions``,
-``/start_profile``, ``/stop_profile``, and appends every request it receives (path + JSON body)
-to ``$DSV4_SM120_STANDIN_RECORD`` (JSONL) when set.
+``/start_profile``, ``/stop_profile``, and appends every request it receives (its role and port, the path, the JSON
+body) to ``$DSV4_SM120_STANDIN_RECORD`` (JSONL) when set.
 
 Failure injection (for orchestration tests), each applying to the role named in
 ``DSV4_SM120_STANDIN_ROLE`` (``prefill``/``decode``; empty = both):
@@ -147,7 +147,8 @@ class StandinHandler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = self.path.split("?")[0]
-        _record({"role": self.role, "method": "GET", "path": path, "t": time.time()})
+        _record({"role": self.role, "port": self.server.server_address[1], "method": "GET", "path": path,
+                 "t": time.time()})
         if path in ("/health", "/health_generate", "/ping"):
             if time.time() < self.ready_at:
                 return self._send(503, {"status": "starting"})
@@ -173,7 +174,8 @@ class StandinHandler(BaseHTTPRequestHandler):
     def do_POST(self):
         path = self.path.split("?")[0]
         body = self._body()
-        _record({"role": self.role, "method": "POST", "path": path, "body": body, "t": time.time()})
+        _record({"role": self.role, "port": self.server.server_address[1], "method": "POST", "path": path,
+                 "body": body, "t": time.time()})
         if path == "/start_profile":
             tp = settings.get("DSV4_SM120_STANDIN_TRACE_TP")
             if tp:

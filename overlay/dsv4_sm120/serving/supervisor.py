@@ -269,11 +269,14 @@ class Supervisor:
               "status": self.status, "message": self.message, "variant": self.plan.variant,
               "roles": self.plan.roles, "urls": self.plan.urls, "run_dir": str(self.run_dir),
               "updated": time.time(), "standin": self.plan.standin, "warmup_s": self.warmup_s,
-              "procs": [{"role": r, "pid": p.pid, "pgid": p.pid, "start": self.starts.get(r),
-                         "log": next(x.log for x in self.plan.procs if x.role == r),
-                         "health_url": next(x.health_url for x in self.plan.procs if x.role == r)}
+              "procs": [{"role": self.part(r).role, "name": r, "pid": p.pid, "pgid": p.pid,
+                         "start": self.starts.get(r), "log": self.part(r).log, "health_url": self.part(r).health_url}
                         for r, p in self.children.items()]}
         atomic_write_text(self.run_dir / "state.json", json.dumps(st, indent=2) + "\n")
+
+    def part(self, label: str):
+        """The plan's part named ``label`` (``Proc.label``: its role, or decode2 etc. for replicas)."""
+        return next(x for x in self.plan.procs if x.label == label)
 
     def _signal(self, signum, _frame) -> None:
         self.stop_requested = signum
@@ -295,7 +298,8 @@ class Supervisor:
         return env
 
     def start(self, role: str) -> None:
-        p = next(x for x in self.plan.procs if x.role == role)
+        """Start the part named ``role`` (its label)."""
+        p = self.part(role)
         if p.env.get("SGLANG_TORCH_PROFILER_DIR"):
             Path(p.env["SGLANG_TORCH_PROFILER_DIR"]).mkdir(parents=True, exist_ok=True)
         logf = open(p.log, "ab", buffering=0)
@@ -351,7 +355,7 @@ class Supervisor:
         say(f"FAILED: {line}")
         roles = [role] if role else [r for r in self.children]
         for r in roles:
-            log = next((x.log for x in self.plan.procs if x.role == r), None)
+            log = next((x.log for x in self.plan.procs if x.label == r), None)
             if log:
                 say(f"last lines of {log}:\n{tail(log)}")
         self.teardown()
@@ -377,11 +381,11 @@ class Supervisor:
             signal.signal(s, self._signal)
         self.write_state()
         timeout = float(self.plan.settings["HEALTH_TIMEOUT_S"])
-        servers = [p.role for p in self.plan.procs if p.role != "router"]
+        servers = [p.label for p in self.plan.procs if p.role != "router"]
         try:
             for r in servers:
                 self.start(r)
-            urls = {p.role: p.health_url for p in self.plan.procs if p.role in servers}
+            urls = {p.label: p.health_url for p in self.plan.procs if p.label in servers}
             if "router" in self.plan.roles:
                 urls.update(self.plan.remote_health)   # multi-node: the router waits for the other host's parts
             err = self.wait_healthy(urls, timeout)
@@ -460,10 +464,10 @@ class Supervisor:
             if fails_allowed and time.monotonic() >= next_check:
                 next_check = time.monotonic() + every
                 for p in self.plan.procs:
-                    fails[p.role] = 0 if http_ok(p.health_url, timeout=10) else fails.get(p.role, 0) + 1
-                    if fails[p.role] >= fails_allowed:
-                        return self.fail(f"{p.role} failed {fails[p.role]} health checks in a row ({p.health_url})",
-                                         p.role)
+                    fails[p.label] = 0 if http_ok(p.health_url, timeout=10) else fails.get(p.label, 0) + 1
+                    if fails[p.label] >= fails_allowed:
+                        return self.fail(f"{p.label} failed {fails[p.label]} health checks in a row ({p.health_url})",
+                                         p.label)
             time.sleep(POLL_S)
 
     def _stop(self) -> int:

@@ -29,7 +29,6 @@ Exit codes: 0 every stage passed, 1 a start or a stage failed, 2 bad arguments o
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -46,14 +45,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .. import settings
 from ..fileio import atomic_write_text
-from ..paths import OVERLAY_DIR, PACKAGE_DIR, cache_dir, checkout_root
+from ..paths import OVERLAY_DIR, checkout_root
 from . import supervisor as sv
 from . import verify_report as vr
 from .plan import VARIABLES, ConfigError, Plan, build_plan
+from .verify_data import (GSM8K_URL, UsageError, client_failure, decode_urls, fetch_gsm8k, gsm8k_cache_path,
+                          load_prompts, parse_list, preflight_refusal, read_json)
 
-PROMPTS = PACKAGE_DIR / "serving" / "verify_prompts.json"
-STAGES = ("greedy", "accuracy", "measure", "profile")
-GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/test.jsonl"
+STAGES = ("greedy", "accuracy", "measure", "profile", "shape")
+DEFAULT_STAGES = STAGES[:4]          # the shape stage starts a deployment per candidate: only when asked for
 
 # name: (serve variant, environment switches, what it is)
 VARIANTS: Dict[str, Tuple[str, Dict[str, str], str]] = {
@@ -73,10 +73,6 @@ SCRIPTS = {"base": "serve/serve_dsv4_tp4.sh", "mtp": "serve/serve_dsv4_mtp.sh"}
 # checkout's patches, the model): when one of them refuses a start, every later variant would be refused too.
 # "python" is the serving environment check, which the preflight runs before the named checks.
 BOX_WIDE_CHECKS = ("python", "ports", "gpu", "model", "patches", "nixl", "numa", "p2p", "ucx", "router")
-
-
-class UsageError(Exception):
-    pass
 
 
 class Interrupted(BaseException):
@@ -102,6 +98,10 @@ class Verify:
         self.gsm8k: Optional[Path] = None
         self.teardown_lines: List[str] = []
         self.skipped_variants: List[str] = []       # not started after a box-wide preflight refusal
+        # what each deployment runs: (serve variant, switches, what it is); the shape stage adds its candidates
+        self.table: Dict[str, Tuple[str, Dict[str, str], str]] = {v: VARIANTS[v] for v in variants}
+        self.variant_stages = [x for x in stages if x != "shape"]
+        self.study = None                           # shapes.Study with --stages shape
 
     # ---- output
     def say(self, msg: str) -> None:
@@ -178,7 +178,7 @@ class Verify:
 
     def variant_env(self, v: str) -> Dict[str, str]:
         env = dict(self.env)
-        env.update(VARIANTS[v][1])
+        env.update(self.table[v][1])
         env["RUN_DIR"] = str(self.serve_dir(v))
         env["LOG_DIR"] = str(self.log_dir)
         for k in ("DETACH", "DRY_RUN"):
@@ -186,7 +186,7 @@ class Verify:
         return env
 
     def start_cmd(self, v: str) -> List[str]:
-        return ["bash", str(Path(self.plans[v].repo) / SCRIPTS[VARIANTS[v][0]]), "--detach"]
+        return ["bash", str(Path(self.plans[v].repo) / SCRIPTS[self.table[v][0]]), "--detach"]
 
     def start(self, v: str) -> Optional[str]:
         """Start variant v's deployment (detached, healthy); None or the failure line."""
@@ -194,7 +194,7 @@ class Verify:
         vdir = self.run_dir / v
         t0 = time.monotonic()
         self.say(f"{v}: starting the deployment ({' '.join(self.start_cmd(v)[1:])}, "
-                 f"{' '.join(f'{k}={x}' for k, x in VARIANTS[v][1].items()) or 'no switches'})")
+                 f"{' '.join(f'{k}={x}' for k, x in self.table[v][1].items()) or 'no switches'})")
         important = re.compile(r"healthy|READY|FAILED|refused|error|preflight|warm-up")
         limit = float(self.plans[v].settings["HEALTH_TIMEOUT_S"]) * 2 + 300
         rc = self.run_cmd(self.start_cmd(v), vdir / "deploy.log", self.variant_env(v), limit, vdir,
@@ -348,7 +348,7 @@ class Verify:
     def measure_cmd(self, v: str) -> List[str]:
         a, plan = self.a, self.plans[v]
         cmd = [sys.executable, "-m", "dsv4_sm120.perf.measure", "--router", plan.urls["router"],
-               "--decode-url", plan.urls["decode"], "--concurrency", a.concurrency, "--input-len", str(a.input_len),
+               "--decode-url", decode_urls(plan), "--concurrency", a.concurrency, "--input-len", str(a.input_len),
                "--output-len", str(a.output_len), "--prompts-per-level", str(a.prompts_per_level),
                "--min-prompts", str(a.min_prompts), "--out-dir", str(self.run_dir / v / "measure"),
                "--log-dir", str(self.log_dir), "--label", f"verify {v}"]
@@ -390,8 +390,9 @@ class Verify:
         if self.gsm8k is None:
             self.say(f"accuracy: {self.accuracy_note}; the other stages go on")
 
-    def run_variant(self, v: str) -> None:
-        self.results[v] = {"serve_variant": VARIANTS[v][0], "switches": VARIANTS[v][1],
+    def run_variant(self, v: str, stages: Optional[List[str]] = None) -> None:
+        """Start deployment ``v``, run ``stages`` (default: the variant stages) against it, stop it."""
+        self.results[v] = {"serve_variant": self.table[v][0], "switches": self.table[v][1],
                            "run_dir": str(self.serve_dir(v)), "stages": {}}
         try:
             err = self.start(v)
@@ -399,7 +400,7 @@ class Verify:
                 self.failures.append(err)
                 self.say(f"FAILED: {err}")
                 return
-            for stage in self.stages:
+            for stage in self.variant_stages if stages is None else stages:
                 problem = self.deployment_problem(v)
                 if problem:
                     self.results[v]["stages"][stage] = {"status": "skipped", "error": problem}
@@ -436,6 +437,8 @@ class Verify:
                "interrupted": interrupted, "failures": list(self.failures), "not_started": self.skipped_variants}
         if interrupted:
             rep["failures"].append(f"interrupted by signal {interrupted}")
+        if self.study is not None:
+            rep["shape"] = self.study.report()
         rep["comparisons"] = vr.build_comparisons(self.results, descriptions, self.a.first_tokens, self.accuracy_note)
         rep["ok"] = not rep["failures"]
         rep["teardown"] = "; ".join(self.teardown_lines) or "nothing was started"
@@ -450,7 +453,7 @@ class Verify:
                      f"stages {', '.join(self.stages)}")
             if "accuracy" in self.stages:
                 self.prepare_gsm8k()
-            for i, v in enumerate(self.variants):
+            for i, v in enumerate(self.variants if self.variant_stages else []):
                 self.run_variant(v)
                 checks = self.box_wide_refusal(v)
                 rest = self.variants[i + 1:]
@@ -459,6 +462,8 @@ class Verify:
                              f"check{'s' if ',' in checks else ''} ({checks}), which no variant changes")
                     self.skipped_variants = rest
                     break
+            if self.study is not None and not self.skipped_variants:
+                self.study.run(self)
         except Interrupted as e:
             self.stopping = True
             interrupted = e.signum
@@ -491,13 +496,13 @@ class Verify:
                f"# stages: {', '.join(self.stages)}"]
         if "accuracy" in self.stages:
             out.append(f"# accuracy data: {self.a.gsm8k_data or 'downloaded once from ' + self.a.gsm8k_url}")
-        for v in self.variants:
-            env = VARIANTS[v][1]
-            out.append(f"variant {v}: {VARIANTS[v][2]}")
+        for v in self.variants if self.variant_stages else []:
+            env = self.table[v][1]
+            out.append(f"variant {v}: {self.table[v][2]}")
             sw = " ".join(f"{k}={shlex.quote(x)}" for k, x in env.items())
             out.append(f"  start: RUN_DIR={shlex.quote(str(self.serve_dir(v)))} {sw + ' ' if sw else ''}"
                        f"{shlex.join(self.start_cmd(v))}")
-            for s in self.stages:
+            for s in self.variant_stages:
                 if s == "greedy":
                     out.append(f"  greedy: POST {self.plans[v].urls['router']}/generate x {len(self.prompts())} prompts "
                                f"(temperature 0, max_new_tokens {self.a.greedy_tokens}; token ids compared)")
@@ -505,90 +510,10 @@ class Verify:
                     cmd = getattr(self, f"{s}_cmd")(v)
                     out.append(f"  {s}: {shlex.join(cmd)}")
             out.append(f"  stop: serve/stop.sh {shlex.quote(str(self.serve_dir(v)))}")
+        if self.study is not None:
+            out += self.study.dry_run_lines(self)
         out.append(f"report: {self.run_dir / 'report.md'} and report.json")
         return "\n".join(out)
-
-
-# ---- helpers
-
-def preflight_refusal(log: Path) -> Optional[dict]:
-    """What a start's output says when its preflight refused it: {"why": the first failure (+ how many more),
-    "checks": the failed checks' names ("python" when it failed before the named checks)}; None when the
-    preflight did not refuse it."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return None
-    if not re.search(r"^\[serve\] refused to start: \d+ preflight failure", text, re.M):
-        return None
-    lines = re.findall(r"^\[serve\] preflight: (.+)$", text, re.M)
-    checks = list(dict.fromkeys(re.findall(r"preflight (\w+): FAILED", text))) or ["python"]
-    why = (f"preflight: {lines[0]}" + (f" (and {len(lines) - 1} more)" if len(lines) > 1 else "")
-           if lines else "the preflight refused it")
-    return {"why": why, "checks": checks}
-
-def client_failure(what: str, rc: Optional[int], log: Path) -> str:
-    """The error of a client stage that did not succeed (``rc`` None: it ran out of time)."""
-    return f"{what} {'timed out' if rc is None else f'exited {rc}'}; see {log}"
-
-
-def read_json(p: Path) -> Optional[dict]:
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def load_prompts(path: Optional[str]) -> List[dict]:
-    p = Path(path) if path else PROMPTS
-    try:
-        data = json.loads(p.read_text())
-        prompts = data["prompts"] if isinstance(data, dict) else data
-        if not prompts or not all(isinstance(x.get("id"), str) and isinstance(x.get("text"), str) for x in prompts):
-            raise ValueError("expected a list of {\"id\": ..., \"text\": ...}")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UsageError(f"prompt file {p}: {e}")
-    return prompts
-
-
-def gsm8k_cache_path(url: str) -> Path:
-    return cache_dir() / "gsm8k" / f"{hashlib.sha256(url.encode()).hexdigest()[:12]}-test.jsonl"
-
-
-def fetch_gsm8k(data: Optional[str], url: str) -> Tuple[Optional[Path], str]:
-    """(the GSM8K test file, "") or (None, "GSM8K not reachable (<reason>)"): a given file, else the cached
-    download of ``url``, else one download (atomic)."""
-    def valid(p: Path) -> Optional[str]:
-        try:
-            first = json.loads(p.read_text().splitlines()[0])
-            return None if "question" in first and "answer" in first else "no question/answer fields"
-        except (OSError, ValueError, IndexError) as e:
-            return f"{type(e).__name__}: {e}"
-
-    if data:
-        problem = valid(Path(data))
-        return (Path(data), "") if problem is None else (None, f"GSM8K not readable from {data} ({problem})")
-    dest = gsm8k_cache_path(url)
-    if dest.is_file() and valid(dest) is None:
-        return dest, ""
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            raw = r.read()
-        atomic_write_text(dest, raw.decode())
-    except urllib.error.HTTPError as e:
-        return None, f"GSM8K not reachable (HTTP {e.code} from {url})"
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return None, f"GSM8K not reachable ({type(e).__name__}: {getattr(e, 'reason', e)}; {url})"
-    problem = valid(dest)
-    return (dest, "") if problem is None else (None, f"GSM8K not reachable ({url} gave no GSM8K data: {problem})")
-
-
-def parse_list(text: str, known, what: str) -> List[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in known]
-    if bad or not items:
-        raise UsageError(f"--{what} {text!r}: expected a comma list of {', '.join(known)}")
-    return list(dict.fromkeys(items))
 
 
 def default_variants(environ: Dict[str, str]) -> Tuple[List[str], str]:
@@ -612,7 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  + ". The deployment is configured by the serve variables (docs/serving.md).")
     ap.add_argument("--variants", help="comma list of " + ", ".join(VARIANTS) + " (default: ours,stock, plus mtp "
                     "when MODEL_PATH carries a draft); ours comes first, the others are compared with it")
-    ap.add_argument("--stages", default=",".join(STAGES), help="comma list of %s (default: all)" % ", ".join(STAGES))
+    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                    help="comma list of %s (default: all but shape)" % ", ".join(STAGES))
     ap.add_argument("--dry-run", action="store_true", help="print the stages and the commands each runs; start nothing")
     ap.add_argument("--out-dir", type=Path, help="run directory (default LOG_DIR/verify-<UTC time>-<pid>)")
     g = ap.add_argument_group("greedy")
@@ -641,6 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--python", help="python with sglang for the load generator and the GSM8K helper "
                    "(default: VENV's, else this one)")
     g.add_argument("--model", help="tokenizer path for the load generator (default: MODEL_PATH)")
+    g = ap.add_argument_group("shape (the serving layout and draft length, measured and recorded: docs/verify.md)")
+    g.add_argument("--shape", action="append", metavar="PREFILL/DECODE",
+                   help="a candidate: PREFILL_GPUS/DECODE_GPUS with ';' between replicas, e.g. '0,1,2,3/4,5;6,7'; "
+                        "repeatable (default: your prefill GPUs with the decode GPUs as one server, then as two halves)")
+    g.add_argument("--draft-lengths", help="MTP: the DSpark block sizes or EAGLE steps to try (default 3,5,7 / 1,2,3)")
     ap.add_argument("--stage-timeout", type=float, default=3600.0, help="seconds one stage may take (default 3600)")
     return ap
 
@@ -676,13 +607,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             if "router" not in plans[v].roles or "decode" not in plans[v].roles:
                 raise UsageError(f"variant {v}: make verify runs the whole deployment on this host "
                                  f"(NODE_ROLE={plans[v].settings['NODE_ROLE']}): use NODE_ROLE=all")
-    except UsageError as e:
-        print(f"verify: {e}", file=sys.stderr)
-        return 2
-    except settings.SettingsError as e:
+        study = None
+        if "shape" in stages:
+            from .shapes import Study
+            study = Study(a, env, variants, run_dir)
+    except (UsageError, settings.SettingsError) as e:
         print(f"verify: {e}", file=sys.stderr)
         return 2
     ver = Verify(a, env, variants, stages, plans, run_dir, log_dir)
+    ver.study = study
     if note:
         print(f"verify: {note}", flush=True)
     if a.dry_run:

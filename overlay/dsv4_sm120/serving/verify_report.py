@@ -259,6 +259,9 @@ def render_markdown(rep: dict) -> str:
         L += ["", *[f"- {n}: {prof[n]['bottleneck']}" for n in names if prof[n].get("bottleneck")], ""]
     else:
         L += ["not profiled", ""]
+    if rep.get("shape"):
+        from .shape_report import markdown as shape_markdown
+        L += shape_markdown(rep["shape"])
     L += ["## Teardown", "", rep.get("teardown", "-"), ""]
     return "\n".join(L)
 
