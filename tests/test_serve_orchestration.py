@@ -42,11 +42,12 @@ REPLICAS = 2     # ports held per server port variable: replica i of a server li
 
 
 def hold_ports(socks, n, k=1):
-    """``n`` blocks of ``k`` consecutive ports, each port bound with SO_REUSEADDR and never listening (the socket
-    appended to ``socks``, which the caller closes); the blocks' first ports. The stand-ins, the router and the
-    preflight's port check bind with SO_REUSEADDR too, so they take a held port; nothing else on the box does in
-    between (bind(0) and outgoing connections skip a bound port), as it could a port found free and released. Blocks
-    are picked below the ephemeral range, where nothing is handed out by bind(0)."""
+    """``n`` blocks of ``k`` consecutive ports, each port held by a socket that never listens (appended to ``socks``,
+    which the caller closes); the blocks' first ports. Each is bound first without SO_REUSEADDR (which fails on a
+    port anything else holds, another test's held ports included), then given SO_REUSEADDR: the stand-ins, the router
+    and the preflight's port check bind with SO_REUSEADDR too, so they take a held port, while nothing else on the box
+    does in between (bind(0) and outgoing connections skip a bound port), as it could a port found free and
+    released. Blocks are picked below the ephemeral range."""
     import random
 
     firsts = []
@@ -57,8 +58,8 @@ def hold_ports(socks, n, k=1):
             for port in range(base, base + k):
                 sk = socket.socket()
                 mine.append(sk)
-                sk.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sk.bind(("127.0.0.1", port))
+                sk.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         except OSError:
             for sk in mine:
                 sk.close()

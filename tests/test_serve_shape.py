@@ -5,9 +5,6 @@ servers, the real router and a stand-in load generator: start, measure, stop eac
 from __future__ import annotations
 
 import json
-import math
-import random
-import re
 import sys
 from pathlib import Path
 
@@ -152,6 +149,9 @@ def test_shape_stage_starts_measures_stops_compares_and_records(venv, tmp_path):
     names = [x["name"] for x in rec["candidates"]]
     assert names == ["p1-d1-eagle1", "p1-d1x2-eagle1"] and rec["standin"] is True
     assert all(x["status"] == "ok" and x["agrees"] is True for x in rec["candidates"]), rec
+    # each candidate ran in its own run directory, one after the other, and was stopped
+    states = [json.loads((out / "shape" / n / "serve" / "state.json").read_text()) for n in names]
+    assert [x["status"] for x in states] == ["stopped", "stopped"] and states[0]["run_dir"] != states[1]["run_dir"]
     # each candidate really ran its own layout: the second had two decode servers behind the router
     plan = json.loads((out / "shape" / "p1-d1x2-eagle1" / "serve" / "plan.json").read_text())
     assert [p["name"] for p in plan["procs"]] == ["prefill", "decode1", "decode2", "router"]
