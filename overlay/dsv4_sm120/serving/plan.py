@@ -4,6 +4,11 @@ Every knob is an environment variable with a default, declared typed in ``dsv4_s
 here through the settings registry (``settings.get``: kind, valid values, range; table in ``docs/serving.md``);
 a bad value is one line naming the variable. The plan is pure data, so ``DRY_RUN=1`` prints exactly what a real
 start would run.
+
+One server per GPU group: ``PREFILL_GPUS`` / ``DECODE_GPUS`` hold one group each by default (the servers ``prefill``
+and ``decode``), or several separated by ``;`` (replicas ``prefill1``, ``decode2``, ... on the role's ports + i), all
+behind the one router. Per server the plan also sets the TP all-reduce environment and, where you set no layout,
+takes the serving shape ``make verify --stages shape`` recorded (``profile_choices``).
 """
 
 from __future__ import annotations
