@@ -5,6 +5,7 @@ servers, the real router and a stand-in load generator: start, measure, stop eac
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -176,3 +177,32 @@ def test_shape_stage_starts_measures_stops_compares_and_records(venv, tmp_path):
     assert cmds["prefill"][0]["CUDA_VISIBLE_DEVICES"] == "0"
     assert [cmds[k][0]["CUDA_VISIBLE_DEVICES"] for k in cmds if k.startswith("decode")] == \
         win["decode_gpus"].split(";"), d.stdout
+
+
+def test_shape_stage_dry_run_lists_the_candidates_and_refuses_bad_ones(venv, tmp_path):
+    """The default candidates (one decode server, then two halves; for MTP each with EAGLE 3 / 1 / 2 steps, the
+    checkpoint's own first), every start command, where the record goes; the shape stage only when asked for."""
+    venv.update(MODEL_PATH=str(model_dir(tmp_path, mtp=True)), NVIDIA_SMI=fake_smi(tmp_path / "smi"),
+                DSV4_SM120_PROFILE_DIR=str(tmp_path / "prof"))
+    r = verify(venv, "--dry-run", "--stages", "shape", "--out-dir", str(tmp_path / "v"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = re.findall(r"^shape (\S+): (?!the winner)", r.stdout, re.M)
+    assert names == ["p4-d4", "p4-d2x2", "p4-d4-eagle3", "p4-d4-eagle1", "p4-d4-eagle2", "p4-d2x2-eagle3",
+                     "p4-d2x2-eagle1", "p4-d2x2-eagle2"], r.stdout
+    starts = re.findall(r"^  start: (.*)$", r.stdout, re.M)
+    assert "DECODE_GPUS='4,5;6,7'" in starts[1] and starts[1].endswith("serve_dsv4_tp4.sh --detach")
+    assert "SPEC_NUM_STEPS=1" in starts[3] and starts[3].endswith("serve_dsv4_mtp.sh --detach")
+    assert "not for stock" in r.stdout and not re.search(r"^variant ", r.stdout, re.M)
+    assert f"shape record: the winner per concurrency goes into {tmp_path / 'prof'}" in r.stdout
+    assert not (tmp_path / "v").exists()
+    # two layouts of one shape get distinct names (and run directories)
+    r = verify(venv, "--dry-run", "--stages", "shape", "--variants", "ours", "--shape", "0,1/2,3", "--shape", "4,5/6,7")
+    assert re.findall(r"^shape (p\S+): ", r.stdout, re.M) == ["p2-d2", "p2-d2-2"], r.stdout
+    # the default stages leave the shape stage out
+    assert "# stages: greedy, accuracy, measure, profile" in verify(venv, "--dry-run").stdout
+    for args, word in ((["--shape", "0,1,2,3"], "expected PREFILL_GPUS/DECODE_GPUS"),
+                       (["--shape", "0,1,2/4,5"], "TP size 3"), (["--variants", "stock"], "the ours and mtp variants"),
+                       (["--draft-lengths", "3,x"], "--draft-lengths")):
+        r = verify(venv, "--dry-run", "--stages", "shape", *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and word in lines[0] and "Traceback" not in r.stderr, (args, r.stderr)

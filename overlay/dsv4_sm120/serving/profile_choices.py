@@ -89,7 +89,7 @@ LAYOUT = ("PREFILL_GPUS", "DECODE_GPUS")
 DRAFT = ("SPEC_NUM_STEPS", "SPEC_NUM_DRAFT_TOKENS", "SPEC_DSPARK_BLOCK_SIZE")
 
 
-def _draft_algorithm(s: Mapping[str, str], environ: Mapping[str, str]) -> Optional[str]:
+def draft_algorithm(s: Mapping[str, str], environ: Mapping[str, str]) -> Optional[str]:
     """DSPARK / EAGLE as the MTP plan will serve it (SPEC_ALGORITHM, else the checkpoint's draft); None: unknown."""
     from .speculative import ALGORITHMS, SpecError, detect_draft
 
@@ -137,7 +137,7 @@ def recorded_shape(variant: str, environ: Mapping[str, str], s: Mapping[str, str
                     f"({shape_text(cand['prefill_gpus'], cand['decode_gpus'])})")
     spec = cand.get("spec")
     if variant == "mtp" and not mine_draft and spec:
-        algo = _draft_algorithm(s, environ)
+        algo = draft_algorithm(s, environ)
         if algo == spec["algorithm"]:
             key = "SPEC_DSPARK_BLOCK_SIZE" if algo == "DSPARK" else "SPEC_NUM_STEPS"
             apply[key] = str(spec["block_size" if algo == "DSPARK" else "steps"])

@@ -89,10 +89,10 @@ def parse_layouts(items: List[str]) -> List[Tuple[str, str]]:
 
 def draft_specs(a, s: Mapping[str, str], env: Mapping[str, str]) -> List[dict]:
     """The MTP variant's draft lengths (the checkpoint's default first, so a tie keeps it)."""
-    from .profile_choices import _draft_algorithm
+    from .profile_choices import draft_algorithm
     from .speculative import EAGLE_DEFAULT_STEPS, SpecError, detect_draft
 
-    algo = _draft_algorithm(s, env)
+    algo = draft_algorithm(s, env)
     if algo not in DRAFT_LENGTHS:
         raise UsageError("--stages shape, mtp variant: the draft of MODEL_PATH is not known here (set SPEC_ALGORITHM)")
     try:
@@ -135,7 +135,11 @@ class Study:
                 mr = int(s["MAX_RUNNING"]) if (env.get("MAX_RUNNING") or "").strip() else \
                     max(int(s["MAX_RUNNING"]), math.ceil(top / replicas))
                 for spec in specs[variant]:
-                    self.candidates.append(Candidate(candidate_name(pre, dec, spec), variant, pre, dec, spec, mr))
+                    name = candidate_name(pre, dec, spec)
+                    taken = {c.name for c in self.candidates}
+                    name = next(f"{name}-{i}" for i in range(2, 99) if f"{name}-{i}" not in taken) \
+                        if name in taken else name          # two layouts of one shape on other GPUs
+                    self.candidates.append(Candidate(name, variant, pre, dec, spec, mr))
         self.plans: Dict[str, Plan] = {}
         for c in self.candidates:
             penv = dict(env, **c.switches(), RUN_DIR=str(run_dir / c.key / "serve"))
