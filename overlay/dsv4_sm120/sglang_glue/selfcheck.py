@@ -256,6 +256,18 @@ def plan_attention(heads: Sequence[int], rows: Iterable[int], device, sizes: Dic
     return cases
 
 
+def _qk_is_fp8(qk: Optional[str]) -> bool:
+    """Whether our kernel runs block-scaled QK for a route's ``qk``: the route's own (a profile winner
+    ``dsv4+fp8qk``), else ``DSV4_SM120_ATTN_QK``, as the kernel resolves it (a bad setting, refused at start-up:
+    the route's own)."""
+    from dsv4_sm120.attention.config import DecodeInputError, qk_mode
+
+    try:
+        return qk_mode(qk) == "fp8"
+    except DecodeInputError:
+        return qk == "fp8"
+
+
 def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optional[dict] = None) -> dict:
     import torch
 
@@ -266,14 +278,15 @@ def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optio
     layout, H, T, r = case["layout"], case["H"], case["T"], case["route"]
     launch, qk = r.launch, r.qk
     t0 = time.monotonic()
-    tol = ATTN_TOL_FP8QK if qk == "fp8" else ATTN_TOL
+    fp8 = _qk_is_fp8(qk)
+    tol = ATTN_TOL_FP8QK if fp8 else ATTN_TOL
     res = {"kernel": "attention", "layout": layout, "H": H, "T": T, "rows": list(case["rows"]),
            "other_rows": list(case.get("other_rows", [])),
            "launches": len(case["new"]), "tol": tol, "err": None, "ok": False, "error": None}
 
     def shape(K1="?", K2=0):
         return (f"{layout} T={T} H={H} K={K1}" + (f"+{K2}" if K2 else "") + f" launch={launch or 'default'}"
-                + (" qk=fp8" if qk == "fp8" else ""))
+                + (" qk=fp8" if fp8 else ""))
 
     res["shape"] = shape()
     try:            # building the case is inside: a case that cannot be built fails the launch, never the server
