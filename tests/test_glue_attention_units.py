@@ -465,3 +465,34 @@ def test_stepping_aside_adopting_and_the_rows_of_a_launch(fresh, caplog):
         A.step_aside(2, "swa_c4", 8, r, "cpu", "quiet", during="self-check", log=False)
     assert caplog.messages == [] and A.stepped_aside()[("swa_c4", 8, b.replace("swa", "swa_c4", 1))] == \
         "self-check T=2: quiet"
+
+
+def test_the_row_count_each_stock_call_is_decided_by(fresh):
+    m = _stock(fresh, supports=lambda H, T: H >= 32 and T <= 4)
+    q, kw = _call(T=8, H=32)
+    A.stock_dispatch(q, kw)
+    assert m.calls[-1][1]["q"].shape[-2] == 64              # 8 rows: not taken at 32 heads
+    A._flashinfer(m, q, kw)
+    assert m.calls[-1][1][0].shape[-2] == 64
+    q, kw = _call(T=4, H=32)
+    A.stock_dispatch(q, kw)
+    assert m.calls[-1][1]["q"].shape[-2] == 32
+    routes = []
+    fresh.setattr(A, "call_route", lambda T, layout, H: routes.append((T, layout, H)) or A.Route("flashinfer"))
+    q, kw = _call(T=8, H=32, heads=64)
+    A.sparse_attention(DECODE, q=q, num_heads=32, **kw)
+    assert routes == [(8, "swa", 32)] and m.calls[-1][1][0] is q     # 8 rows: FlashInfer takes 64, not 32
+    q, kw = _call(T=16, H=8, heads=64)
+    m16 = _stock(fresh, supports=lambda H, T: False)
+    A.sparse_attention(DECODE, q=q, num_heads=8, **kw)
+    assert m16.calls[-1][1][0] is q                                   # the last decode row count keeps the padding
+    q, kw = _call(T=2, H=5)
+    kw["attn_sink"] = kw["attn_sink"].to(torch.bfloat16)
+    assert A._pad_heads(q, kw, 64)[1]["attn_sink"].dtype == torch.bfloat16
+
+
+def test_the_rows_of_a_launch_follow_their_layouts_route(fresh):
+    _profile(fresh, {"swa_c4": {64: "flashinfer"}})
+    b = A.launch_bucket(2, "swa_c4", 8, A.Route("dsv4"), A._device_facts("cpu"))
+    assert A.rows_of_launch([1, 2], "swa_c4", 8, b, "cpu") == []      # flashinfer serves them: no launch of ours
+    assert A.rows_of_launch([1, 2], "swa", 8, b.replace("swa_c4", "swa", 1), "cpu") == [1, 2]

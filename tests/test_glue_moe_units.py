@@ -327,3 +327,30 @@ def test_one_warning_per_bad_file_and_directory(fresh, tmp_path, caplog):
     seen = []
     fresh.setattr(F, "_project_config_path", lambda name, root: seen.append((name, root)) or "p")
     assert F.project_config_path("n", "root") == "p" and seen == [("n", "root")]
+
+
+def test_the_decision_is_logged_once(fresh, caplog):
+    fresh.setenv("DSV4_SM120_MOE_BACKEND", "flashinfer_cutlass")
+    with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
+        M.hybrid_nvfp4_moe_runner_backend(is_sm120=True)
+        M.hybrid_nvfp4_moe_runner_backend(is_sm120=True)
+    assert caplog.messages == ["dsv4_sm120 decision moe.nvfp4: flashinfer_cutlass (env DSV4_SM120_MOE_BACKEND)"]
+
+
+def test_a_dispatch_output_without_a_scale_field_and_both_paths_failing(fresh):
+    fresh.setattr(M, "run_experts", lambda layer, x, tw, ids: "out")
+    lay = _layer()
+    lay._dsv4_w13_scale_2 = 1
+    x = torch.zeros(2, 72)
+    d = types.SimpleNamespace(hidden_states=x, topk_output=types.SimpleNamespace(topk_weights=1, topk_ids=2))
+    assert M.apply(lay, d) == "out"                                   # no hidden_states_scale attribute at all
+
+    def always(layer, x, tw, ids):
+        raise ValueError("y" * 400)
+
+    fresh.setattr(M, "run_experts", always)
+    with pytest.raises(StopServer) as e:
+        M.apply(lay, d)
+    other = S.moe_fallback_path()
+    assert str(e.value) == (f"dsv4_sm120: our MoE kernel fails on this GPU at M=2 E=3 H=72 I=17 on its {other} path "
+                            f"too (ValueError: {'y' * 300}); restart with DSV4_SM120_MOE_BACKEND=flashinfer_cutlass")

@@ -474,3 +474,163 @@ def test_the_group_of_a_communicator(monkeypatch):
     monkeypatch.setattr(RA, "group_of", lambda pg: ("own", pg))
     assert G._group_of(types.SimpleNamespace(_cpu_group="cpu")) is tp
     assert G._group_of(types.SimpleNamespace(_cpu_group="other")) == ("own", "other")
+
+
+def test_the_recording_class_passes_every_argument_through():
+    got = {}
+
+    class Ws:
+        def __init__(self, a, b, c=0):
+            got["init"] = (a, b, c)
+
+        def tune(self, n, mode="x"):
+            got["tune"] = (n, mode)
+            return n
+
+    errors = {}
+    ws = G._recording(Ws, errors)(1, 2, c=3)
+    assert got["init"] == (1, 2, 3) and ws.tune(5, mode="y") == 5 and got["tune"] == (5, "y") and errors == {}
+
+    class NoTune:
+        def __init__(self, *a):
+            pass
+
+    assert isinstance(G._recording(NoTune, errors)(1), NoTune) and errors == {}
+
+
+def test_a_coordinator_without_its_fields_is_one_rank(monkeypatch):
+    monkeypatch.setattr(RA, "group_of", lambda *a, **k: "group")
+    ns = types.SimpleNamespace
+    assert G.of_coordinator(ns(cpu_group="pg", rank_in_group=0)) is RA.SINGLE            # no world_size: one rank
+    assert G.of_coordinator(ns(world_size=2, rank_in_group=0)) is RA.SINGLE              # no cpu_group
+    seen = []
+    monkeypatch.setattr(G, "of_coordinator", lambda c: seen.append(c) or Ranks(1))
+    G.agree_setup("the coordinator", None, None)
+    assert seen == ["the coordinator"]
+
+
+def test_the_workspace_agreement_runs_once_and_in_the_communicators_group(monkeypatch):
+    tp = Ranks(2, lambda t, m: [{"build": "RuntimeError: peer", "tune": None}], name="tp")
+    tp._pg = "cpu"
+    monkeypatch.setattr(G, "tp_group", lambda: tp)
+    c = _comm("cpu")
+    inputs = []
+    assert G.ensure_workspace(c, "inp", lambda inp: inputs.append(inp) or _stock()(c, inp)) is False
+    assert inputs == ["inp"] and tp.topics == ["PCIe-IPC all-reduce workspace"]     # the TP group's agreement
+    n = len(tp.topics)
+    assert G.ensure_workspace(c, "inp", lambda inp: inputs.append(inp)) is False
+    assert inputs == ["inp"] and len(tp.topics) == n                                 # decided: no stock, no agreement
+    # SGLang's own code raising before any build: this rank reports that error
+    told = []
+    grp = Ranks(2, lambda t, m: told.append(m) or [{"build": None, "tune": None}])
+    monkeypatch.setattr(G, "_group_of", lambda comm: grp)
+    c = _comm()
+    assert G.ensure_workspace(c, 1, lambda inp: (_ for _ in ()).throw(KeyError("ws"))) is False
+    assert told == [{"build": "KeyError: 'ws'", "tune": None}] and c._workspace_cls is _Workspace
+
+
+def test_the_group_of_a_communicator_without_a_tp_group(monkeypatch):
+    monkeypatch.setattr(G, "tp_group", lambda: RA.SINGLE)                 # the single group has no process group
+    monkeypatch.setattr(RA, "group_of", lambda pg: ("own", pg))
+    assert G._group_of(types.SimpleNamespace(_cpu_group="cpu")) == ("own", "cpu")
+
+
+def test_a_second_capture_that_leaves_the_ranks_apart_takes_the_union_again(fresh, caplog):
+    b = _bucket()
+
+    def others(topic, mine):
+        if topic.endswith("again"):      # rank 1 stepped aside during the second capture
+            return [dict(mine, state=_state([["swa", 8, b, "second"]]))]
+        return [{"error": "RuntimeError: x", "stepped": True, "stop": False, "state": _state()}]
+
+    _with_group(fresh, Ranks(2, others))
+    prefill = type("PrefillCudaGraphRunner", (), dict(model_runner=types.SimpleNamespace(device="cpu"),
+                                                      capture_num_tokens=[2, 4]))()
+    with caplog.at_level(logging.WARNING, logger="dsv4_sm120"):
+        assert GR.retrying(lambda size: "g", prefill)(4) == "g"
+    assert A.call_route(2, "swa", 8).backend == A.STOCK
+    assert (f"dsv4_sm120 prefill capture of size 4 again: our attention kernel failed on rank 1 (second) at launch "
+            f"{b}; rows 2,4 of swa H=8 run {STOCK} on every rank (agreed by all 2 ranks)") in caplog.messages
+    assert "dsv4_sm120 prefill: CUDA-graph capture of size 4 again succeeded on all 2 ranks" in caplog.messages
+
+
+def test_one_rank_whose_second_capture_raises_stops_without_naming_other_ranks(fresh):
+    r = A.attention_route(2, "swa")
+
+    def raises(size):
+        A.step_aside(2, "swa", 8, r, "cpu", "x")
+        raise RuntimeError("again")
+
+    with pytest.raises(RA.StopServer) as e:
+        GR.retrying(raises, RUNNER)(8)
+    assert str(e.value) == ("dsv4_sm120 decode: CUDA-graph capture of size 8 raised again on rank 0 (RuntimeError: "
+                            "again) after every rank took the fallbacks; every rank stops")
+
+
+def test_the_device_of_a_runner_and_its_fallbacks(fresh):
+    import torch
+
+    ns = types.SimpleNamespace
+    assert GR._device(ns(model_runner=ns(device="cuda", gpu_id=3))) == torch.device("cuda", 3)
+    assert GR._device(ns()) == torch.device("cuda")
+    assert GR._device(ns(model_runner=ns(device="no such device"))) == "cpu"
+    A.step_aside(2, "swa", 8, A.attention_route(2, "swa"), "cpu", "x", log=False)
+    S._switch_moe_path("bf16")
+    assert GR.fallbacks() == 2
+
+
+def test_before_capture_on_a_runner_without_a_model(fresh, caplog):
+    seen = []
+    fresh.setattr(S, "run_for_runner", lambda mr, rows=None, label="": seen.append((mr, rows, label)) or [])
+    _with_group(fresh, Ranks(1))
+    with caplog.at_level(logging.WARNING, logger="dsv4_sm120"):
+        GR.before_capture(type("DecodeCudaGraphRunner", (), {})())
+        GR.before_capture(type("DecodeCudaGraphRunner", (), dict(model_runner=types.SimpleNamespace()))())
+    assert caplog.messages == [] and seen == []
+    mr = types.SimpleNamespace(model=_model(_Layer(8, 0)), device="cpu")
+    GR.before_capture(type("X", (), dict(model_runner=mr, capture_bs=[3]))())
+    assert seen == [(mr, [3], "decode")]
+
+
+def test_before_capture_logs_the_union_with_its_rows(fresh, caplog):
+    fresh.setattr(S, "run_for_runner", lambda mr, rows=None, label="": [])
+    b = _bucket(4)
+    _with_group(fresh, Ranks(2, lambda t, mine: [_state([["swa", 8, b, "w"]])]))
+    mr = types.SimpleNamespace(model=_model(_Layer(8, 0)), device="cpu")
+    with caplog.at_level(logging.ERROR, logger="dsv4_sm120"):
+        GR.before_capture(type("DecodeCudaGraphRunner", (), dict(model_runner=mr, capture_bs=[1, 3]))())
+    assert caplog.messages == [f"dsv4_sm120 decode self-check: our attention kernel failed on rank 1 (w) at launch {b}; "
+                               f"rows 1,3 of swa H=8 run {STOCK} on every rank (agreed by all 2 ranks)"]
+
+
+def test_the_union_says_what_changed(fresh, caplog):
+    relogs = []
+    fresh.setattr(A, "relog", lambda: relogs.append(1))
+    b = _bucket()
+    GR.adopt_union([_state(), _state()], "x", "cpu")
+    assert relogs == []
+    GR.adopt_union([_state([["swa", 8, b, "a"]]), _state([["swa", 8, "other bucket", "b"]])], "x", "cpu")
+    assert relogs == [1]                              # both launches new here: the decisions are logged again
+    GR.adopt_union([_state([["swa", 8, b, "a"]]), _state([["swa", 8, "a new bucket", "c"]])], "x", "cpu")
+    assert relogs == [1, 1]                           # the first (in order) new, the second known
+    GR.adopt_union([_state([["swa", 8, b, "a"]])], "x", "cpu")
+    assert relogs == [1, 1]
+    A.disable("attention", "mine")
+    GR.adopt_union([_state(off="theirs")], "x", "cpu")
+    assert A.disabled("attention") == "mine" and relogs == [1, 1]
+    A.reset()
+    GR.adopt_union([_state(off="theirs")], "x", "cpu")
+    assert relogs == [1, 1, 1]
+    with caplog.at_level(logging.ERROR, logger="dsv4_sm120"):
+        lines = GR.adopt_union([_state(), _state([["swa_c4", 8, "B", "w"]], moe="bf16")], "x", "cpu")
+    assert lines[0] == (f"our attention kernel failed on rank 1 (w) at launch B; rows of that launch of swa_c4 H=8 "
+                        f"run {STOCK} on every rank")
+    assert lines[1] == "our MoE kernel switched to its bf16 path on rank 1 (); every rank serves on its bf16 path"
+    assert S._state["moe_fallback_why"] == "rank 1: "
+    assert GR._rows_text([]) == "-" and GR._rows_text([2, 1]) == "1,2"
+    assert GR._who([(3, "w" * 300)]) == f"rank 3 ({'w' * 200})"
+
+
+def test_a_disabled_kernel_is_part_of_the_ranks_state(fresh):
+    A.disable("attention", "every launch failed")
+    assert GR.ranks_state()["attention_off"] == "every launch failed"

@@ -501,3 +501,51 @@ def test_the_timing_command_reports_a_failure(fresh, capsys):
     assert seen[0]["rows"] == [1, 2] and seen[0]["device"] == torch.device("cpu")
     assert out[3] == "  FAIL swa T=2 H=16" + " " * 46 + " rows 2" + " " * 28 + "err None     0.500 s  RuntimeError: x"
     assert out[-1].startswith("self-check total: 2 launches, 1 failed, ")
+
+
+def test_the_runner_parts_a_stand_in_may_lack(fresh):
+    ns = types.SimpleNamespace
+    assert S._context_len(ns(model_config=ns(context_len=0, context_length=0))) is None
+    assert S._context_len(ns(model_config=ns(context_len=1))) == 1
+    assert S.run_for_runner(ns(device="cpu"), rows=[1]) == []         # no model attribute: nothing to check
+    seen = {}
+    fresh.setattr(S, "_moe_err", lambda layer, run_fn, device: seen.setdefault("device", device) and 0.0)
+    fresh.setattr(__import__("dsv4_sm120.moe.fused_moe", fromlist=["x"]), "default_path", lambda d: "fp4")
+    S.check_moe(_layer(), None, torch.device("meta"))
+    assert seen["device"] == torch.device("meta")
+
+
+def test_the_moe_inputs_of_a_layer_without_a_runner_config(monkeypatch):
+    import dsv4_sm120.moe.reference as R
+
+    got = {}
+    monkeypatch.setattr(R, "moe_reference", lambda *a, swiglu_limit="unset": got.update(limit=swiglu_limit) or
+                        torch.ones(2, 4, dtype=torch.float64))
+    lay = _layer()
+    del lay.moe_runner_config
+    S._moe_err(lay, lambda x, tw, ids: got.update(k=ids.shape[1]) or torch.ones(2, 4), torch.device("cpu"))
+    assert got == {"k": 2, "limit": None}
+    lay.moe_runner_config = types.SimpleNamespace()
+    S._moe_err(lay, lambda x, tw, ids: got.update(k=ids.shape[1]) or torch.ones(2, 4), torch.device("cpu"))
+    assert got == {"k": 2, "limit": None}
+
+
+def test_the_timing_commands_schedule_and_seconds(fresh, capsys):
+    seen = []
+    fresh.setattr(S, "run", _fake_run(seen))
+    fresh.setattr(A, "log_decisions", lambda: None)
+    for draft, rows in ((1, [1, 2, 4, 8, 10]), (2, [2, 4, 6, 8, 10, 12, 14, 16, 20])):
+        seen.clear()
+        S.reset()
+        S.main(["--device", "cpu", "--max-bs", "10", "--draft-tokens", str(draft)])
+        assert seen[0]["rows"] == rows, draft
+    out = capsys.readouterr().out
+    secs = [float(x.split(" launches in ")[1].split(" s")[0]) for x in out.splitlines() if " launches in " in x]
+    total = [float(x.split(", ")[-1].split(" s")[0]) for x in out.splitlines() if x.startswith("self-check total")]
+    assert secs and all(0 <= s < 60 for s in secs + total), out
+    S.reset()
+    fresh.setattr(S, "run", lambda *a, **k: S._state.update(attention=[
+        {"ok": True, "shape": "s", "rows": [1], "err": 1.5e-05, "seconds": 0.0, "error": None}]) or
+        S._state["attention"])
+    S.main(["--device", "cpu", "--capture-bs", "1"])
+    assert "err 1.5e-05 " in capsys.readouterr().out

@@ -170,8 +170,7 @@ def stock_reference(q, kw):
     except Exception:  # noqa: BLE001
         from dsv4_sm120.attention.reference import sparse_mla_decode_ref
 
-        args = {k: v for k, v in kw.items() if k != "head_dim_v"}
-        return sparse_mla_decode_ref(q, **args)[0]
+        return sparse_mla_decode_ref(q, **kw)[0]
     return _sm120_sparse_decode_fwd(q, kw["k_cache"], kw["indices"], kw.get("topk_length"), kw.get("attn_sink"),
                                     kw["head_dim_v"], kw["softmax_scale"], kw.get("extra_k_cache"),
                                     kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"))[0]
@@ -258,14 +257,13 @@ def plan_attention(heads: Sequence[int], rows: Iterable[int], device, sizes: Dic
 
 def _qk_is_fp8(qk: Optional[str]) -> bool:
     """Whether our kernel runs block-scaled QK for a route's ``qk``: the route's own (a profile winner
-    ``dsv4+fp8qk``), else ``DSV4_SM120_ATTN_QK``, as the kernel resolves it (a bad setting, refused at start-up:
-    the route's own)."""
+    ``dsv4+fp8qk``), else ``DSV4_SM120_ATTN_QK``, as the kernel resolves it."""
     from dsv4_sm120.attention.config import DecodeInputError, qk_mode
 
     try:
         return qk_mode(qk) == "fp8"
-    except DecodeInputError:
-        return qk == "fp8"
+    except DecodeInputError:    # an unknown QK mode: the kernel refuses it too, nothing runs block-scaled
+        return False
 
 
 def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optional[dict] = None) -> dict:
