@@ -496,3 +496,61 @@ def test_the_rows_of_a_launch_follow_their_layouts_route(fresh):
     b = A.launch_bucket(2, "swa_c4", 8, A.Route("dsv4"), A._device_facts("cpu"))
     assert A.rows_of_launch([1, 2], "swa_c4", 8, b, "cpu") == []      # flashinfer serves them: no launch of ours
     assert A.rows_of_launch([1, 2], "swa", 8, b.replace("swa_c4", "swa", 1), "cpu") == [1, 2]
+
+
+def test_reset_forgets_the_device_of_the_fallbacks(fresh):
+    A.step_aside(2, "swa", 8, A.attention_route(2, "swa"), H200, "x", log=False)
+    assert A._FAIL_STATE["device"] == H200
+    A.reset()
+    assert A._FAIL_STATE == {"device": None, "count": 0}
+
+
+def test_launch_buckets_and_call_routes_are_cached(fresh, monkeypatch):
+    from dsv4_sm120.attention import config as C
+
+    fresh.setenv("TRITON_INTERPRET", "0")
+    calls = []
+    real = C.table_entry
+    monkeypatch.setattr(C, "table_entry", lambda *a, **k: calls.append(a) or real(*a, **k))
+    r = A.Route("dsv4")
+    b = A.launch_bucket(4, "swa", 16, r, H200)
+    assert A.launch_bucket(4, "swa", 16, r, H200) == b and len(calls) == 1
+    A.step_aside(4, "swa", 16, r, H200, "x", log=False)
+    n = len(calls)
+    looked = []
+    real_bor = A._bucket_or_rows
+    monkeypatch.setattr(A, "_bucket_or_rows", lambda *a: looked.append(a) or real_bor(*a))
+    assert A.call_route(4, "swa", 16).backend == A.STOCK == A.call_route(4, "swa", 16).backend
+    assert len(looked) == 1 and len(calls) == n
+
+
+def test_the_programs_own_launch_overrides_count(fresh, monkeypatch):
+    from dsv4_sm120.attention import config as C
+    from dsv4_sm120.attention import launch as L
+
+    fresh.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setitem(L.CONFIG_OVERRIDE, "impl", "reg")
+    assert A.launch_bucket(1, "swa", 16, A.Route("dsv4"), H200) == \
+        f"swa H=16 qk=bf16 {C.table_entry(16, 1, 'bf16', H200, 'reg')[1]}"
+
+
+def test_a_route_not_ours_is_never_stepped_aside(fresh):
+    _profile(fresh, {"swa": {4: "flashinfer", 64: "dsv4"}, "swa_c4": {64: "dsv4+fp8qk"}})
+    r = A.attention_route(64, "swa")
+    A.step_aside(64, "swa", 8, r, "cpu", "x", log=False)      # under the interpreter one bucket holds every row
+    assert A.call_route(2, "swa", 8).backend == "flashinfer" and A.call_route(64, "swa", 8).backend == A.STOCK
+    b = A.launch_bucket(2, "swa_c4", 8, A.attention_route(2, "swa_c4"), A._device_facts("cpu"))
+    assert "qk=fp8" in b and A.rows_of_launch([2, 8], "swa_c4", 8, b, "cpu") == [2, 8]
+
+
+def test_the_decision_line_names_each_source_once(fresh):
+    _profile(fresh, {"swa": {4: "flashinfer", 64: "dsv4"}})
+    A.disable("attention", "broken")
+    assert A.describe_attention("swa") == ("flashinfer for T<=4, stock for T>4 (profile P.json; our kernel disabled "
+                                           "by the self-check: broken)")
+
+
+def test_more_heads_than_the_stock_shape_are_never_padded(fresh):
+    m = _stock(fresh, supports=lambda H, T: False)
+    A.stock_dispatch(*_call(T=2, H=128))
+    assert m.calls[-1][1]["q"].shape[-2] == 128

@@ -302,3 +302,57 @@ def test_a_run_with_nothing_to_check(fresh, caplog):
     with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
         S.run([8], "cpu", rows=[2])
     assert caplog.messages == []                                           # cases from before: no such line
+
+
+def test_the_launches_under_the_interpreter_and_near_the_workspace_cap(fresh):
+    from dsv4_sm120 import settings
+
+    fresh.setenv("TRITON_INTERPRET", "1")
+    want = []
+    for _, _, la in L.row_chunks(8, 4, 16, 16, H200, "bf16", {}, True,
+                                 int(settings.get("DSV4_SM120_ATTN_WS_MB") * 1048576 / 4)):
+        S_ = la.plan[0] + la.plan[2]
+        want.append(("split", "swa_c4", 8, "bf16", tuple(sorted((k, v) for k, v in la.config.items()
+                                                                  if k not in C.COMBINE_KEYS)), S_ == 1, S_ % 16 == 0))
+    assert S.call_launches("swa_c4", 4, 8, 16, 16, A.Route("dsv4"), H200)[0] == want[0]
+    fresh.setenv("TRITON_INTERPRET", "0")
+    # a cap where 4/5 of it chunks the rows differently: the exact cap counts
+    for mb in range(1, 400):
+        full, less = (_expected("swa_c4", 2048, 16, 128, 512, "bf16", {}, mb=mb * f) for f in (1, 0.8))
+        if full != less:
+            break
+    else:
+        pytest.fail("no workspace size chunks differently at 4/5 of it")
+    fresh.setenv("DSV4_SM120_ATTN_WS_MB", str(mb))
+    assert S.call_launches("swa_c4", 2048, 16, 128, 512, A.Route("dsv4"), H200) == full
+
+
+def test_a_split_count_of_16_over_both_caches(fresh):
+    fresh.setenv("TRITON_INTERPRET", "0")
+    r = A.Route("dsv4", "spanning_splits=0")
+    got = S.call_launches("swa_c4", 24, 16, 128, 4096, r, PRO6000)
+    assert got == _expected("swa_c4", 24, 16, 128, 4096, "bf16", {"spanning_splits": 0}, dev=PRO6000)
+    assert got[0][-1] is True                            # 1 main + 15 extra splits
+
+
+def test_a_failed_launch_steps_aside_by_its_layouts_route(fresh):
+    _profile(fresh, {"swa": {64: "dsv4+fp8qk"}})
+    fresh.setattr(S, "plan_attention", _plan([_case("swa", 4, 16, ["s4"])]))
+    check, _ = _results({("swa", 4): "E"})
+    fresh.setattr(S, "_check_one", check)
+    steps = []
+    fresh.setattr(A, "step_aside", lambda *a, **k: steps.append(a))
+    before = A.attention_route(4, "swa")
+    S.run([16], "cpu", rows=[4])
+    assert steps[0][3] == before and before.qk == "fp8" and before.backend == "dsv4"
+
+
+def test_an_earlier_disable_keeps_its_reason(fresh, caplog):
+    A.disable("attention", "earlier")
+    fresh.setattr(S, "plan_attention", _plan([_case("swa", 2, 8, ["a"])]))
+    check, _ = _results({("swa", 2): "E1"})
+    fresh.setattr(S, "_check_one", check)
+    with caplog.at_level(logging.ERROR, logger="dsv4_sm120"):
+        S.run([8], "cpu", rows=[2])
+    assert A.disabled("attention") == "earlier"
+    assert not any("every launch of our attention kernel failed" in m for m in caplog.messages)

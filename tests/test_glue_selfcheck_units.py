@@ -549,3 +549,53 @@ def test_the_timing_commands_schedule_and_seconds(fresh, capsys):
         S._state["attention"])
     S.main(["--device", "cpu", "--capture-bs", "1"])
     assert "err 1.5e-05 " in capsys.readouterr().out
+
+
+def test_the_case_sizes_come_from_its_device(fresh):
+    seen = []
+    fresh.setattr(S, "_sizes", lambda device, context_len=None: seen.append(device) or SMALL)
+    S.attention_case("swa", 1, 8, "cpu")
+    assert seen == [torch.device("cpu")]
+
+
+def test_the_stock_reference_reads_the_lengths_and_the_sink():
+    c = S.attention_case("swa_c4", 3, 8, "cpu", seed=9, sizes=SMALL)
+    kw = dict(c["kw"], topk_length=torch.tensor([4, 9, 16], dtype=torch.int32))
+    lse = sparse_mla_decode_ref(c["q"], **kw)[1]                  # [T, H, 1]: a sink of that size halves the output
+    kw["attn_sink"] = lse.mean(dim=0).reshape(-1).float()
+    ref = sparse_mla_decode_ref(c["q"], **kw)[0]
+    assert rel_fro(S.stock_reference(c["q"], kw), ref) < 1e-2
+    for k in ("topk_length", "attn_sink"):           # each matters here: dropping it moves the result
+        other = sparse_mla_decode_ref(c["q"], **dict(kw, **{k: None}))[0]
+        assert rel_fro(other, ref) > 5e-2, k
+
+
+def test_a_row_slice_takes_every_per_row_tensor():
+    kw = {"indices": torch.arange(4), "topk_length": None, "extra_indices_in_kvcache": torch.arange(4) * 10,
+          "extra_topk_length": None}
+    out = S._row_slice(kw, torch.tensor([2]))
+    assert out["extra_indices_in_kvcache"].tolist() == [20] and out["indices"].tolist() == [2]
+    assert S._rows_text(range(1, 14)) == "1,2,3,4,5,6,...,13 (13 counts)"
+
+
+def test_the_moe_tolerance_bound_is_inclusive_and_the_lines_time_it(fresh, caplog):
+    import dsv4_sm120.moe.fused_moe as F
+
+    fresh.setattr(F, "default_path", lambda device: "fp4")
+    fresh.setattr(S, "_moe_err", lambda layer, run_fn, device: 0.3)
+    with caplog.at_level(logging.INFO, logger="dsv4_sm120"):
+        assert S.check_moe(_layer(), None, torch.device("cpu"))["ok"] is True
+    assert float(caplog.messages[0].split(") in ")[1].split(" s")[0]) < 60
+
+
+def test_two_ranks_log_the_agreed_switch(fresh, caplog):
+    import dsv4_sm120.moe.fused_moe as F
+    from dsv4_sm120.sglang_glue import allreduce as G
+
+    fresh.setattr(F, "default_path", lambda device: "fp4")
+    fresh.setattr(S, "_moe_err", lambda layer, run_fn, device: 0.01)
+    fresh.setattr(G, "tp_group", lambda: _Ranks(2, [["RuntimeError: y"], [None]]))
+    with caplog.at_level(logging.ERROR, logger="dsv4_sm120"):
+        S.check_moe(_layer(), None, torch.device("cpu"))
+    assert caplog.messages == ["dsv4_sm120 self-check: our MoE kernel (path fp4) failed at M=2 E=6 H=64 I=32 on rank 1 "
+                               "(RuntimeError: y); agreed by all 2 ranks: every rank tries its bf16 path"]

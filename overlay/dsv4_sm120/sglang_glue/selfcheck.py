@@ -469,7 +469,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
         res = {"kernel": "moe", "shape": shape, "tol": MOE_TOL, "path": first, "err": None, "ok": False,
                "error": None, "fallback": None}
 
-        def attempt(path):
+        def attempt():           # the path in force: DSV4_SM120_MOE_PATH (auto: the first)
             try:
                 err = _moe_err(layer, run_fn, device)
             except Exception as e:  # noqa: BLE001
@@ -477,7 +477,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
             return err, (None if err <= MOE_TOL else f"relative error {err:.3g} > tolerance {MOE_TOL:g}")
 
         group = G.tp_group()
-        res["err"], res["error"] = attempt(first)
+        res["err"], res["error"] = attempt()
         res["ok"] = res["error"] is None
         if res["error"] is not None:
             logger.error("dsv4_sm120 self-check: our MoE kernel (path %s) FAILED at %s: %s; trying its %s path",
@@ -492,7 +492,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
             logger.error("dsv4_sm120 self-check: our MoE kernel (path %s) failed at %s on %s; agreed by all %d ranks: "
                          "every rank tries its %s path", first, shape, G.who(failed), group.size, other)
         _switch_moe_path(other, f"self-check on {G.who(failed)}")
-        err2, why2 = attempt(other)
+        err2, why2 = attempt()
         res.update(fallback=other, fallback_err=err2, fallback_error=why2)
         failed2 = [(r, e) for r, e in enumerate(group.agree(f"MoE self-check, path {other}", why2)) if e]
         _state["moe"] = res
