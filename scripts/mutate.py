@@ -126,7 +126,10 @@ def run_bounded(cmd, cwd: Path, env: dict, log: Path, timeout: float) -> int:
 
 def base_env(work: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MUTANT_UNDER_TEST", "PYTEST_ADDOPTS")}
-    env.update(PYTHONDONTWRITEBYTECODE="1", TEST_FORK_SERVER="0",
+    # OMP_NUM_THREADS=1: mutmut forks each mutant's run from a process whose tests already ran torch's OpenMP
+    # thread pool, and GNU OpenMP is not fork-safe (the child hangs at its next parallel op until mutmut's time
+    # limit, a false "timeout"); one thread per job also fits the 2-core box
+    env.update(PYTHONDONTWRITEBYTECODE="1", TEST_FORK_SERVER="0", OMP_NUM_THREADS="1",
                DSV4_SM120_TEST_DURATIONS=str(work / "test-durations.json"))
     return env
 

@@ -180,6 +180,7 @@ def test_a_config_dir_setting_that_cannot_be_expanded_never_reaches_sglang(tmp_p
     assert len(problems) == 1 and problems[0].startswith(f"{fc.ENV_CONFIG_DIR}='{bad}' is not valid: "
                                                          "~nosuchuser_dsv4 is not a user's home directory"), problems
     monkeypatch.setenv(fc.ENV_CONFIG_DIR, bad)
+    monkeypatch.setattr(glue_fp8, "_warned", set())            # warned once per process: a fresh process here
     name = fc.config_file_name(1024, 4096, "Fake GPU")
     with caplog.at_level("WARNING"):
         assert glue_fp8.project_config_path(name) is None       # SGLang's own configs; no RuntimeError

@@ -170,8 +170,7 @@ def stock_reference(q, kw):
     except Exception:  # noqa: BLE001
         from dsv4_sm120.attention.reference import sparse_mla_decode_ref
 
-        args = {k: v for k, v in kw.items() if k != "head_dim_v"}
-        return sparse_mla_decode_ref(q, **args)[0]
+        return sparse_mla_decode_ref(q, **kw)[0]
     return _sm120_sparse_decode_fwd(q, kw["k_cache"], kw["indices"], kw.get("topk_length"), kw.get("attn_sink"),
                                     kw["head_dim_v"], kw["softmax_scale"], kw.get("extra_k_cache"),
                                     kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"))[0]
@@ -256,6 +255,17 @@ def plan_attention(heads: Sequence[int], rows: Iterable[int], device, sizes: Dic
     return cases
 
 
+def _qk_is_fp8(qk: Optional[str]) -> bool:
+    """Whether our kernel runs block-scaled QK for a route's ``qk``: the route's own (a profile winner
+    ``dsv4+fp8qk``), else ``DSV4_SM120_ATTN_QK``, as the kernel resolves it."""
+    from dsv4_sm120.attention.config import DecodeInputError, qk_mode
+
+    try:
+        return qk_mode(qk) == "fp8"
+    except DecodeInputError:    # an unknown QK mode: the kernel refuses it too, nothing runs block-scaled
+        return False
+
+
 def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optional[dict] = None) -> dict:
     import torch
 
@@ -266,14 +276,15 @@ def _check_one(case: dict, device, seed: int, sizes: Dict[str, int], pool: Optio
     layout, H, T, r = case["layout"], case["H"], case["T"], case["route"]
     launch, qk = r.launch, r.qk
     t0 = time.monotonic()
-    tol = ATTN_TOL_FP8QK if qk == "fp8" else ATTN_TOL
+    fp8 = _qk_is_fp8(qk)
+    tol = ATTN_TOL_FP8QK if fp8 else ATTN_TOL
     res = {"kernel": "attention", "layout": layout, "H": H, "T": T, "rows": list(case["rows"]),
            "other_rows": list(case.get("other_rows", [])),
            "launches": len(case["new"]), "tol": tol, "err": None, "ok": False, "error": None}
 
     def shape(K1="?", K2=0):
         return (f"{layout} T={T} H={H} K={K1}" + (f"+{K2}" if K2 else "") + f" launch={launch or 'default'}"
-                + (" qk=fp8" if qk == "fp8" else ""))
+                + (" qk=fp8" if fp8 else ""))
 
     res["shape"] = shape()
     try:            # building the case is inside: a case that cannot be built fails the launch, never the server
@@ -458,7 +469,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
         res = {"kernel": "moe", "shape": shape, "tol": MOE_TOL, "path": first, "err": None, "ok": False,
                "error": None, "fallback": None}
 
-        def attempt(path):
+        def attempt():           # the path in force: DSV4_SM120_MOE_PATH (auto: the first)
             try:
                 err = _moe_err(layer, run_fn, device)
             except Exception as e:  # noqa: BLE001
@@ -466,7 +477,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
             return err, (None if err <= MOE_TOL else f"relative error {err:.3g} > tolerance {MOE_TOL:g}")
 
         group = G.tp_group()
-        res["err"], res["error"] = attempt(first)
+        res["err"], res["error"] = attempt()
         res["ok"] = res["error"] is None
         if res["error"] is not None:
             logger.error("dsv4_sm120 self-check: our MoE kernel (path %s) FAILED at %s: %s; trying its %s path",
@@ -481,7 +492,7 @@ def check_moe(layer, run_fn, device) -> Optional[dict]:
             logger.error("dsv4_sm120 self-check: our MoE kernel (path %s) failed at %s on %s; agreed by all %d ranks: "
                          "every rank tries its %s path", first, shape, G.who(failed), group.size, other)
         _switch_moe_path(other, f"self-check on {G.who(failed)}")
-        err2, why2 = attempt(other)
+        err2, why2 = attempt()
         res.update(fallback=other, fallback_err=err2, fallback_error=why2)
         failed2 = [(r, e) for r, e in enumerate(group.agree(f"MoE self-check, path {other}", why2)) if e]
         _state["moe"] = res

@@ -1,0 +1,311 @@
+"""The sm_120 compile coverage's checks in this process (tests/test_sm120_compile.py compiles in a child, where `make
+mutate` cannot see the checks run): every enumerated launch against what its compiled kernel reported
+(tests/data/sm120_compile_facts.json: shared memory, registers, stack and local memory, LDL/STL count, MMA opcodes,
+setmaxnreg of Triton's own ptxas, recorded by launch), the summary a family run gives with those facts, the needs
+each launch carries (CTAs per SM of the spanning register body from its table entry, the block-scaled MMA of every
+fp8 QK body and MoE fp4 GEMM), the spill bounds against the recorded counts (tight), and each broken rule on its own.
+
+When the tables or kernels change, the enumeration and the recording part: run the compile test
+(``make test`` or ``scripts/run_tests.sh tests/test_sm120_compile.py``), then
+``python tests/test_sm120_coverage_units.py --record`` writes the facts again from its cache."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+if __name__ != "__main__":
+    from dsv4_sm120 import launch_tables as lt
+    from dsv4_sm120.devtools import sm120_compile as SC
+    from dsv4_sm120.devtools import sm120_launches as SL
+
+FACTS_FILE = HERE / "data" / "sm120_compile_facts.json"
+FIELDS = ("shared", "static_shared", "regs", "stack", "local", "local_ops", "mma", "setmaxnreg")
+RERECORD = ("the enumeration and tests/data/sm120_compile_facts.json part (tables or kernels changed): compile them "
+            "(scripts/run_tests.sh tests/test_sm120_compile.py), then python tests/test_sm120_coverage_units.py "
+            "--record")
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return json.loads(FACTS_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def launches():
+    return SL.enumerate_launches()
+
+
+def _facts_of(facts, la):
+    r = facts[la.family].get(la.key)
+    assert r is not None, f"{la.key}: {RERECORD}"
+    return dict(r)
+
+
+def test_every_launch_passes_with_what_its_kernel_reported(facts, launches):
+    for fam, ls in launches.items():
+        assert set(facts[fam]) == {la.key for la in ls}, f"{fam}: {RERECORD}"
+        for la in ls:
+            assert SC.problems(la, _facts_of(facts, la)) == [], la.key
+
+
+def test_a_family_run_with_the_recorded_compiles(facts, launches, monkeypatch, tmp_path):
+    monkeypatch.setattr(SC, "cache_file", lambda family: tmp_path / f"{family}.json")
+    inspected = []
+
+    def inspect(la, src):
+        inspected.append(la.key)
+        return _facts_of(facts, la)
+
+    monkeypatch.setattr(SC, "inspect", inspect)
+    for fam in ("attention", "moe_bf16"):
+        inspected.clear()
+        s = SC.check_family(fam)
+        want = launches[fam]
+        assert s["launches"] == len(want) == len(inspected) == s["compiled"], fam
+        assert s["problems"] == [] and s["kernels"] == sorted({la.kernel for la in want})
+        assert s["max_shared"] == max(f["shared"] for f in facts[fam].values())
+        assert s["max_regs"] == max(f["regs"] or 0 for f in facts[fam].values())
+        cached = json.loads((tmp_path / f"{fam}.json").read_text())
+        assert len(cached) == len(want) and sorted(cached.values(), key=json.dumps) == sorted(
+            (_facts_of(facts, la) for la in want), key=json.dumps)
+        inspected.clear()
+        again = SC.check_family(fam)
+        assert again["compiled"] == 0 and inspected == [] and again["launches"] == len(want)
+    # a launch the cache holds broken is reported from the cache, named by its table file and key
+    fam = "moe_bf16"
+    cached = json.loads((tmp_path / f"{fam}.json").read_text())
+    key = next(iter(cached))
+    cached[key] = dict(cached[key], local_ops=cached[key]["local_ops"] + 100)
+    (tmp_path / f"{fam}.json").write_text(json.dumps(cached))
+    s = SC.check_family(fam)
+    assert s["compiled"] == 0 and len(s["problems"]) == 1 and "spills to local memory" in s["problems"][0]
+    assert s["problems"][0].startswith("moe/")
+    (tmp_path / f"{fam}.json").write_text("[not a dict]")
+    assert SC.check_family(fam)["compiled"] == len(launches[fam])
+    monkeypatch.setattr(SC, "inspect", lambda la, src: {"error": "CompilationError: x"})
+    (tmp_path / f"{fam}.json").unlink()
+    s = SC.check_family(fam)
+    assert len(s["problems"]) == len(launches[fam]) and s["max_shared"] == 0 and s["max_regs"] == 0
+
+
+def test_the_needs_each_launch_carries(launches):
+    """The spanning register body needs its table entry's ``waves`` CTAs per SM (one when a variant turns spanning
+    off or sets one wave); every fp8 QK split body and every MoE fp4 GEMM needs its native block-scaled MMA; nothing
+    else claims either."""
+    entry = lt.read_table(lt.lookup("attention", "impl=reg", 1, lt.DEFAULT_DEVICE, SL.CAPABILITY).path)[1]
+    assert entry["impl"] == "reg" and entry["spanning_splits"] and int(entry["waves"]) > 1
+    reg = [la for la in launches["attention"] if la.kernel == "attention.split_kernel_reg"]
+    for la in launches["attention"]:
+        split = la.kernel.startswith("attention.split_kernel_")
+        assert la.need.get("mma") == ("fp8" if split and la.constexprs["FP8_QK"] else None), la.key
+        if la not in reg:
+            assert la.need.get("ctas", 1) == 1, la.key
+    one = [la for la in reg if all("spanning_splits=0" in o or "waves=1" in o for o in la.origins)]
+    table = [la for la in reg if any(o.endswith("[1] (qk=bf16)") for o in la.origins)]
+    assert one and table
+    assert all(la.need["ctas"] == 1 for la in one)
+    assert all(la.need["ctas"] == int(entry["waves"]) for la in table)
+    for path in ("fp4", "bf16"):
+        for la in launches[f"moe_{path}"]:
+            gemm = "_gemm" in la.kernel
+            assert la.need.get("mma") == ("fp4" if gemm and path == "fp4" else None), la.key
+            assert la.need.get("ctas", 1) == 1
+
+
+def test_every_fp8_table_key_has_an_fp8_launch(launches):
+    fp8 = [la for la in launches["attention"] if la.constexprs.get("FP8_QK")]
+    names = " | ".join(o for la in fp8 for o in la.origins)
+    for h in (16, 32, 64):
+        found = lt.lookup("attention", f"H={h},qk=fp8", 1, lt.DEFAULT_DEVICE, SL.CAPABILITY)
+        for key in lt.read_table(found.path):
+            assert f"{found.path.name}[{key}] (qk=fp8)" in names, (h, key)
+    quant = [la for la in launches["attention"] if la.kernel == "attention.q_fp8_kernel"]
+    assert quant and all(la.options == {"num_warps": 4} for la in quant)
+
+
+def test_the_spill_bounds_are_close_to_the_recorded_counts(facts, launches):
+    for rule in SL.ACCEPTED_SPILLS:
+        fam = "attention" if rule["kernel"].startswith("attention.") else None
+        ls = [la for f, ls in launches.items() for la in ls if la.kernel == rule["kernel"] and (fam is None or f == fam)]
+        hit = [la for la in ls if all(dict(la.constexprs, **la.options).get(k) == v for k, v in rule["match"].items())]
+        assert hit, rule["kernel"]
+        counts = [facts[la.family][la.key]["local_ops"] for la in hit]
+        assert all(la.need["spills"] == rule["max_ldl_stl"] for la in hit)
+        assert max(counts) <= rule["max_ldl_stl"] < max(counts) * 1.25 + 2, (rule["kernel"], counts)
+    others = [la for ls in launches.values() for la in ls if not SL.accepted_spills(la)]
+    assert all("spills" not in la.need for la in others)
+    assert all(facts[la.family][la.key]["local_ops"] == 0 for la in others)
+
+
+def test_each_spill_rule_on_its_own(facts, launches):
+    la = next(la for la in launches["moe_fp4"] if la.need.get("spills"))
+    r = _facts_of(facts, la)
+    bound = la.need["spills"]
+    assert SC.problems(la, dict(r, local_ops=bound)) == []
+    got = SC.problems(la, dict(r, local_ops=bound + 1))
+    assert len(got) == 1 and got[0].endswith(f"spills to local memory ({bound + 1} LDL/STL in its SASS, {bound} "
+                                             f"accepted (sm120_launches.ACCEPTED_SPILLS); stack frame {r['stack']} B, "
+                                             f"{r['regs']} registers per thread)")
+    got = SC.problems(la, dict(r, local=64, local_ops=0))             # local memory alone is a spill
+    assert len(got) == 1 and "spills to local memory (0 LDL/STL" in got[0]
+    plain = next(la for la in launches["moe_fp4"] if not la.need.get("spills") and la.kernel == "moe._reduce_kernel")
+    rp = _facts_of(facts, plain)
+    got = SC.problems(plain, dict(rp, local_ops=1))
+    assert len(got) == 1 and f"(1 LDL/STL in its SASS; stack frame {rp['stack']} B" in got[0]
+
+
+def test_each_resource_rule_on_its_own(facts, launches):
+    fp8 = next(la for la in launches["attention"] if la.need.get("mma") == "fp8")
+    r = _facts_of(facts, fp8)
+    assert any(op.startswith("QMMA.SF") for op in r["mma"])
+    got = SC.problems(fp8, dict(r, mma=[op for op in r["mma"] if not op.startswith("QMMA")]))
+    assert len(got) == 1 and "has no the native block-scaled FP8 MMA (QMMA.SF ... E4M3) in its SASS" in got[0]
+    got = SC.problems(fp8, dict(r, mma=["QMMA.SF.16832.F32.E5M2.E5M2.E8"]))
+    assert len(got) == 1
+    got = SC.problems(fp8, dict(r, mma=[]))
+    assert got[0].endswith("(MMA opcodes: none)")
+    fp4 = next(la for la in launches["moe_fp4"] if la.need.get("mma") == "fp4")
+    r4 = _facts_of(facts, fp4)
+    assert SC.problems(fp4, dict(r4, mma=["OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"])) == []
+    assert len(SC.problems(fp4, dict(r4, mma=["HMMA.16816.F32.BF16", "QMMA.SF.16832.F32.E4M3.E4M3.E8"]))) == 1
+    # shared memory: the block limit and the CTAs per SM a launch needs
+    assert SC.problems(fp4, dict(r4, shared=SC.SMEM_PER_BLOCK)) == []
+    got = SC.problems(fp4, dict(r4, shared=SC.SMEM_PER_BLOCK + 1))
+    assert len(got) == 2 and got[0].endswith(f"asks for {SC.SMEM_PER_BLOCK + 1} B of shared memory per block; sm_120 "
+                                             "allows 101376")
+    assert " fits 0 CTA(s) per SM (shared 0, " in got[1] and got[1].endswith("the launch needs 1")
+    la = copy.deepcopy(fp4)
+    la.need["ctas"] = 2
+    half = (SC.SMEM_PER_SM // 2) - 1024
+    assert SC.problems(la, dict(r4, shared=half, static_shared=0, regs=32)) == []
+    got = SC.problems(la, dict(r4, shared=half + 1, static_shared=0, regs=32))
+    w = la.options["num_warps"]                     # 32 registers x 32 threads: 1024 per warp, 64 warps per SM
+    assert len(got) == 1 and f" fits 1 CTA(s) per SM (shared 1, threads {1536 // (32 * w)}, registers {64 // w}; " \
+        in got[0]
+    assert got[0].endswith(f"{half + 1} B shared, 32 registers per thread), the launch needs 2")
+    # the origin: the table file and key, and how many more places ask for the same launch
+    la.origins = ["moe/a.json[8]", "moe/b.json[16]", "moe/c.json[1]"]
+    assert SC.problems(la, dict(r4, shared=SC.SMEM_PER_BLOCK + 1))[0].startswith(
+        f"moe/a.json[8] (and 2 more): {la.kernel} [num_stages={la.options['num_stages']}, num_warps="
+        f"{la.options['num_warps']}]")
+
+
+def test_occupancy_by_shared_memory_registers_and_threads():
+    base = {"shared": 0, "static_shared": 0, "regs": None}
+    assert SC.ctas_per_sm(base, 4) == {"shared": 100, "threads": 12, "all": 12}
+    assert SC.ctas_per_sm(dict(base, static_shared=4096), 4)["shared"] == 25       # more than the reserved 1 KiB
+    assert SC.ctas_per_sm(dict(base, shared=48 * 1024), 8) == {"shared": 2, "threads": 6, "all": 2}
+    assert SC.ctas_per_sm(dict(base, regs=255), 8) == {"shared": 100, "threads": 6, "registers": 1, "all": 1}
+    assert SC.ctas_per_sm(dict(base, regs=129), 4)["registers"] == 3               # 129 x 32 -> 4352 per warp
+    assert SC.ctas_per_sm(dict(base, regs=128), 4)["registers"] == 4
+    assert SC.ctas_per_sm(dict(base, shared=0, regs=16), 1)["all"] == 32 == SC.CTAS_PER_SM
+    assert (SC.SMEM_PER_BLOCK, SC.SMEM_PER_SM, SC.SMEM_RESERVED, SC.REGS_PER_SM, SC.THREADS_PER_SM) == (
+        99 * 1024, 100 * 1024, 1024, 65536, 1536)
+
+
+def test_the_command_line(monkeypatch, capsys):
+    monkeypatch.setattr(SC, "toolchain_problem", lambda: "no ptxas in the Triton wheel (/x)")
+    assert SC.main(["attention"]) == 2
+    assert capsys.readouterr().err == "sm120_compile: no ptxas in the Triton wheel (/x)\n"
+    assert SC.main(["--json"]) == 0
+    assert capsys.readouterr().out == 'RESULT{"toolchain": {"error": "no ptxas in the Triton wheel (/x)"}}\n'
+    with pytest.raises(SystemExit):
+        SC.main(["attention", "bogus", "other"])
+    assert "unknown families bogus, other; known: attention, combine, moe_fp4, moe_bf16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        SC.main(["bogus"])
+    assert "unknown family bogus; known:" in capsys.readouterr().err
+    monkeypatch.setattr(SC, "toolchain_problem", lambda: "")
+    summary = {"launches": 3, "compiled": 1, "seconds": 0.5, "problems": ["p1", "p2"], "max_shared": 10,
+               "max_regs": 20}
+    ran = []
+    monkeypatch.setattr(SC, "check_family", lambda f: ran.append(f) or dict(summary, problems=list(summary["problems"])
+                                                                            if f == "moe_bf16" else []))
+    assert SC.main(["moe_bf16", "combine"]) == 1 and ran == ["moe_bf16", "combine"]
+    assert capsys.readouterr().out == ("p1\np2\nmoe_bf16: 3 launches (1 compiled, the rest cached), 2 problem(s), "
+                                       "0.5 s; max shared 10 B, max registers 20\ncombine: 3 launches (1 compiled, "
+                                       "the rest cached), 0 problem(s), 0.5 s; max shared 10 B, max registers 20\n")
+    ran.clear()
+    assert SC.main(["combine"]) == 0
+    assert SC.main([]) == 1 and ran[1:] == list(SL.FAMILIES)
+    capsys.readouterr()
+    assert SC.main(["--json", "combine"]) == 0
+    assert json.loads(capsys.readouterr().out[len("RESULT"):]) == {"combine": dict(summary, problems=[])}
+
+
+def test_a_launch_asked_for_twice_keeps_every_origin_and_the_stricter_need():
+    def la(origin, **need):
+        return SL.Launch("attention", "attention.split_kernel_reg", {"B": 1, "A": True}, {"num_warps": 4},
+                         {"acc_ws": "*fp32"}, dict(need), [origin])
+
+    assert la("o").key == "attention.split_kernel_reg,A=True,B=1,num_warps=4,acc_ws:*fp32"
+    s = SL._Set()
+    first = la("t.json[1]", ctas=1)
+    s.add(first)
+    s.add(la("t.json[1]", ctas=4))                   # the same origin again: nothing changes
+    assert first.need == {"ctas": 1} and first.origins == ["t.json[1]"]
+    s.add(la("t.json[2]", ctas=1, mma="fp8"))
+    assert first.origins == ["t.json[1]", "t.json[2]"] and first.need == {"ctas": 1, "mma": "fp8"}
+    s.add(la("u.json[8]", ctas=2))                   # asks for more: named first, its need wins
+    assert first.origins == ["u.json[8]", "t.json[1]", "t.json[2]"] and first.need["ctas"] == 2
+    s.add(la("v.json[1]"))
+    assert first.origins[-1] == "v.json[1]" and first.need["ctas"] == 2 and list(s.by_key) == [first.key]
+
+
+def test_rows_per_key_and_powers_of_two():
+    # ceil(T * hg / nsm) is each key: the smallest T of each (hg 1: T itself; hg 4 on 188 SMs)
+    assert SL._rows_for_keys([1, 2, 5], 1, 188) == [1, 189, 753]
+    for hg, nsm in ((1, 188), (4, 188), (2, 84), (3, 170)):
+        for key in (1, 2, 7, 64):
+            T = SL._rows_for_keys([key], hg, nsm)[0]
+            assert -(-T * hg // nsm) == key and (T == 1 or -(-(T - 1) * hg // nsm) < key), (hg, nsm, key)
+    assert [SL._pow2(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024)] == [1, 1, 2, 4, 4, 8, 1024, 1024]
+
+
+def test_the_rules_match_by_kernel_and_constexprs():
+    def la(kernel, **cst):
+        return SL.Launch("x", kernel, cst, {"num_warps": 8}, {})
+
+    assert SL.accepted_spills(la("attention.split_kernel_tiled", BLOCK_H=32)) == 40
+    assert SL.accepted_spills(la("attention.split_kernel_tiled", BLOCK_H=16)) == 0
+    assert SL.accepted_spills(la("attention.split_kernel_flat", BLOCK_H=32)) == 74
+    assert SL.accepted_spills(la("moe._gemm1_kernel", BM=64, PATH_FP4=True, APRE=False)) == 81
+    assert SL.accepted_spills(la("moe._gemm1_kernel", BM=64, PATH_FP4=True, APRE=True)) == 0
+    assert SL.accepted_spills(la("moe._gemm2_kernel", BM=64, BN=128, PATH_FP4=False)) == 24
+    assert SL.resource_bounds(la("attention.split_kernel_wspec", BLOCK_H=64)) == {
+        "max_shared": 100388, "max_regs": 168, "partition_regs": (208, 88)}
+    assert SL.resource_bounds(la("attention.split_kernel_tiled", BLOCK_H=32)) == {}
+    with pytest.raises(ValueError) as e:
+        SL.enumerate_launches(["attention", "bogus", "alsobad"])
+    assert str(e.value) == ("unknown launch families ['alsobad', 'bogus']; known: attention, combine, moe_fp4, "
+                            "moe_bf16")
+    assert list(SL.enumerate_launches(["moe_bf16"])) == ["moe_bf16"]
+
+
+def record() -> None:
+    """tests/data/sm120_compile_facts.json from the compile cache (DSV4_SM120_CACHE/sm120-compile/)."""
+    import triton
+
+    from dsv4_sm120.devtools import sm120_compile as SC
+    from dsv4_sm120.devtools import sm120_launches as SL
+
+    out = {"_": f"what Triton {triton.__version__} (ptxas of its wheel) reports of each sm_120 launch of "
+                "dsv4_sm120.devtools.sm120_launches, by Launch.key; recorded from the sm120_compile cache by "
+                "tests/test_sm120_coverage_units.py --record"}
+    for fam, ls in SL.enumerate_launches().items():
+        cache = json.loads(SC.cache_file(fam).read_text())
+        out[fam] = {la.key: {k: cache[SC.compile_key(la, SC.source(la))].get(k) for k in FIELDS} for la in ls}
+    FACTS_FILE.write_text(json.dumps(out, indent=0, sort_keys=True) + "\n")
+    print(f"wrote {FACTS_FILE}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: PYTHONPATH=overlay python tests/test_sm120_coverage_units.py --record")
+    record()
