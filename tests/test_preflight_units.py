@@ -77,11 +77,11 @@ def test_the_skip_list_and_the_overlay_environment():
     assert pf.overlay_env(p, {"A": "1"}) == {"A": "1", "PYTHONPATH": "/r/overlay"}
     assert pf.overlay_env(p, {"PYTHONPATH": "/x"})["PYTHONPATH"] == "/r/overlay" + os.pathsep + "/x"
     assert pf.overlay_env(p, {"PYTHONPATH": ""})["PYTHONPATH"] == "/r/overlay"
-    os.environ["DSV4_TEST_MARK"] = "m"
+    os.environ["OVERLAY_ENV_TEST_MARK"] = "m"
     try:
-        assert pf.overlay_env(p)["DSV4_TEST_MARK"] == "m"
+        assert pf.overlay_env(p)["OVERLAY_ENV_TEST_MARK"] == "m"
     finally:
-        del os.environ["DSV4_TEST_MARK"]
+        del os.environ["OVERLAY_ENV_TEST_MARK"]
 
 
 # ---------------------------------------------------------------------------- ports
