@@ -53,6 +53,13 @@ class Run:
         return types.SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
+def _each_answer(run, check, cases):
+    """``check(_plan())`` with every command answering ``answer``, for each ``(answer, expected)`` in turn."""
+    for answer, want in cases:
+        run({"*": answer})
+        assert check(_plan()) == want, answer
+
+
 @pytest.fixture
 def run(monkeypatch):
     def install(answers):
@@ -72,7 +79,7 @@ def test_the_skip_list_and_the_overlay_environment():
     with pytest.raises(ValueError) as e:
         pf.skipped_checks(_plan(PREFLIGHT_SKIP="gpu,bogus"))
     assert str(e.value) == ("PREFLIGHT_SKIP='gpu,bogus' is not valid: unknown check(s) bogus (known: ports, gpu, model, "
-                            "patches, nixl, numa, p2p, ucx, router, profile)")
+                            "memory, patches, nixl, numa, p2p, ucx, router, profile)")
     p = _plan(repo="/r")
     assert pf.overlay_env(p, {"A": "1"}) == {"A": "1", "PYTHONPATH": "/r/overlay"}
     assert pf.overlay_env(p, {"PYTHONPATH": "/x"})["PYTHONPATH"] == "/r/overlay" + os.pathsep + "/x"
@@ -171,18 +178,13 @@ def test_the_gpu_check_asks_nvidia_smi(run):
     assert pf.check_gpu(_plan(roles=("router",))) == [] and len(r.calls) == 2
     r.answers["nvidia-smi"] = r.answers["/opt/smi"]
     assert pf.check_gpu(_plan(NVIDIA_SMI="")) and r.calls[-1][0][0] == "nvidia-smi"
-    run({"*": (9, "", "NVIDIA-SMI has failed\nbecause no driver\n")})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi failed (exit 9): because no driver"]
-    run({"*": (9, "out only\n", "")})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi failed (exit 9): out only"]
-    run({"*": (9, "", "")})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi failed (exit 9): no output"]
-    run({"*": FileNotFoundError("x")})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi not found (/opt/smi): no NVIDIA driver on this host?"]
-    run({"*": subprocess.TimeoutExpired("smi", 30)})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi did not answer within 30 s"]
-    run({"*": (0, "garbage\n", "")})
-    assert pf.check_gpu(_plan()) == ["unexpected nvidia-smi line: 'garbage'"]
+    _each_answer(run, pf.check_gpu, [
+        ((9, "", "NVIDIA-SMI has failed\nbecause no driver\n"), ["nvidia-smi failed (exit 9): because no driver"]),
+        ((9, "out only\n", ""), ["nvidia-smi failed (exit 9): out only"]),
+        ((9, "", ""), ["nvidia-smi failed (exit 9): no output"]),
+        (FileNotFoundError("x"), ["nvidia-smi not found (/opt/smi): no NVIDIA driver on this host?"]),
+        (subprocess.TimeoutExpired("smi", 30), ["nvidia-smi did not answer within 30 s"]),
+        ((0, "garbage\n", ""), ["unexpected nvidia-smi line: 'garbage'"])])
 
 
 # ---------------------------------------------------------------------------- patches, nixl, router, python
@@ -214,12 +216,10 @@ def test_the_patch_status(run):
     assert kw["timeout"] == 120 and kw["cwd"] == "/r" and kw["env"]["PYTHONPATH"].startswith("/r/overlay")
     assert kw["capture_output"] and kw["text"]
     assert pf.check_patches(_plan(roles=("router",))) == [] and len(r.calls) == 1
-    run({"*": (1, "", "Traceback\nImportError: x\n")})
-    assert pf.check_patches(_plan()) == ["could not read the patch status: ImportError: x"]
-    run({"*": (3, "", "")})
-    assert pf.check_patches(_plan()) == ["could not read the patch status: exit 3"]
-    run({"*": subprocess.TimeoutExpired("x", 120)})
-    assert pf.check_patches(_plan()) == ["patch status check timed out after 120 s"]
+    _each_answer(run, pf.check_patches, [
+        ((1, "", "Traceback\nImportError: x\n"), ["could not read the patch status: ImportError: x"]),
+        ((3, "", ""), ["could not read the patch status: exit 3"]),
+        (subprocess.TimeoutExpired("x", 120), ["patch status check timed out after 120 s"])])
 
 
 def test_the_nixl_check(run):
@@ -230,18 +230,13 @@ def test_the_nixl_check(run):
     assert kw["timeout"] == 90 and kw["cwd"] == "/r" and kw["env"]["NCCL_X"] == "1"
     assert kw["env"]["PYTHONPATH"].startswith("/r/overlay")
     assert pf.check_nixl(_plan(roles=("router",))) == [] and len(r.calls) == 1
-    run({"*": (1, "nixl check: first\nother\n", "nixl check: UCX backend missing\n")})
-    assert pf.check_nixl(_plan()) == ["nixl check: first"]
-    run({"*": (1, "", "nixl check: a\nnixl check: UCX backend missing\n")})
-    assert pf.check_nixl(_plan()) == ["nixl check: UCX backend missing"]
-    run({"*": (2, "out\n", "some error\nlast line\n")})
-    assert pf.check_nixl(_plan()) == ["NIXL check failed (exit 2): last line"]
-    run({"*": (2, "out tail\n", "")})
-    assert pf.check_nixl(_plan()) == ["NIXL check failed (exit 2): out tail"]
-    run({"*": (2, "", "")})
-    assert pf.check_nixl(_plan()) == ["NIXL check failed (exit 2): "]
-    run({"*": subprocess.TimeoutExpired("x", 90)})
-    assert pf.check_nixl(_plan()) == ["NIXL check timed out after 90 s"]
+    _each_answer(run, pf.check_nixl, [
+        ((1, "nixl check: first\nother\n", "nixl check: UCX backend missing\n"), ["nixl check: first"]),
+        ((1, "", "nixl check: a\nnixl check: UCX backend missing\n"), ["nixl check: UCX backend missing"]),
+        ((2, "out\n", "some error\nlast line\n"), ["NIXL check failed (exit 2): last line"]),
+        ((2, "out tail\n", ""), ["NIXL check failed (exit 2): out tail"]),
+        ((2, "", ""), ["NIXL check failed (exit 2): "]),
+        (subprocess.TimeoutExpired("x", 90), ["NIXL check timed out after 90 s"])])
 
 
 def test_the_router_and_python_checks(run, tmp_path):
@@ -410,12 +405,10 @@ def test_nvidia_smi_answering(run):
     assert pf.smi_problem(_plan()) == "/opt/smi failed (exit 0)"
     run({"*": (6, "x", "")})
     assert pf.smi_problem(_plan(NVIDIA_SMI="")) == "nvidia-smi failed (exit 6)"
-    run({"*": FileNotFoundError()})
-    assert pf.smi_problem(_plan()) == "/opt/smi not found"
-    run({"*": PermissionError()})
-    assert pf.smi_problem(_plan()) == "/opt/smi did not run (PermissionError)"
-    run({"*": subprocess.TimeoutExpired("x", 30)})
-    assert pf.smi_problem(_plan()) == "/opt/smi did not run (TimeoutExpired)"
+    _each_answer(run, pf.smi_problem, [
+        (FileNotFoundError(), "/opt/smi not found"),
+        (PermissionError(), "/opt/smi did not run (PermissionError)"),
+        (subprocess.TimeoutExpired("x", 30), "/opt/smi did not run (TimeoutExpired)")])
 
 
 def test_why_a_check_does_not_run():
@@ -452,7 +445,8 @@ def test_a_start_runs_every_check_in_order_and_stops_at_a_missing_python(monkeyp
     assert out == ["no gpu", "bad model"] and cal == [1]
     assert ran == ["ports", "gpu", "model", "patches", "nixl", "numa"]
     assert said == ["preflight env: ok", "preflight ports: ok", "preflight gpu: FAILED", "  no gpu",
-                    "preflight model: FAILED", "  bad model", "preflight model: a note", "preflight patches: ok",
+                    "preflight model: FAILED", "  bad model", "preflight model: a note",
+                    "preflight memory: not run (needs the gpu check, which failed)", "preflight patches: ok",
                     "preflight nixl: ok", "preflight numa: ok", "preflight numa: node 1",
                     "preflight p2p: not run (needs the gpu check, which failed)",
                     "preflight ucx: not run (needs the gpu check, which failed)", "preflight router: skipped",
@@ -485,6 +479,7 @@ def test_a_dry_run_runs_what_it_has_inputs_for(monkeypatch):
                     "preflight env: ok", "preflight python: FAILED", "  no python at /venv", "preflight ports: ok",
                     "preflight gpu: not run (dry run: needs nvidia-smi, which does not answer here: smi gone)",
                     "preflight model: ok (the note)",
+                    "preflight memory: not run (dry run: needs nvidia-smi, which does not answer here: smi gone)",
                     "preflight patches: not run (needs the python check, which failed)",
                     "preflight nixl: not run (needs the python check, which failed)",
                     "preflight numa: ok (the numa lines above)",
@@ -499,7 +494,7 @@ def test_a_dry_run_runs_what_it_has_inputs_for(monkeypatch):
     p = _plan()
     p.procs[1].numa = {}
     assert pf.run_dry_checks(p, said.append) == []
-    assert ran == ["ports", "gpu", "model", "patches", "numa", "router", "profile"]
+    assert ran == ["ports", "gpu", "model", "memory", "patches", "numa", "router", "profile"]
     assert "preflight numa: ok" in said and "preflight nixl: not run (dry run: moves KV pages through NIXL)" in said
     assert "preflight p2p: not run (dry run: copies between the GPUs)" in said
     assert "preflight ucx: not run (dry run: moves KV pages between the GPUs through NIXL/UCX)" in said
