@@ -232,16 +232,16 @@ def refresh_tree(run: L.Run, tree: Path) -> bool:
 
 def retest_mutmut(run: L.Run, work: Path, previous: Path, python: Path, tool: Path, jobs: int, timeout: float,
                   equivalents) -> Dict[str, list]:
-    """--retest: the last run's survivors (those not listed as equivalent) tested again against the checkout's
-    tests, and the mutants of functions changed since; the other results (constant mutants included) stand.
-    mutmut collects coverage for the tests that are new since its last run."""
+    """--retest: the last run's survivors (those not listed as equivalent) and the mutants no test reached, tested
+    again against the checkout's tests, and the mutants of functions changed since; the other results (constant
+    mutants included) stand. mutmut collects coverage for the tests that are new since its last run."""
     tree = work / "tree"
     if not (tree / "mutants").is_dir():
         raise L.MutateError(f"--retest: no earlier run of {run.name} in {work} (run it once without --retest)")
     old = read_results(run, work, work / "none.json")
     L.apply_equivalents(old, equivalents)
-    names = sorted(m.name for ms in old.values() for m in ms if m.status == L.SURVIVED and m.file in run.files
-                   and not m.name.startswith("const:"))
+    names = sorted(m.name for ms in old.values() for m in ms if m.status in (L.SURVIVED, L.NO_TESTS)
+                   and m.file in run.files and not m.name.startswith("const:"))
     env = base_env(work)
     env["PYTHONPATH"] = os.pathsep.join([str(tree / "mutants" / "overlay"), str(tool)])
     log = work / "mutmut.log"
@@ -321,7 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--report-only", action="store_true",
                     help="report the last run's results again (after editing scripts/mutate_equivalent.txt)")
     ap.add_argument("--retest", action="store_true",
-                    help="test again only the last run's survivors and the mutants of functions changed since "
+                    help="test again only the last run's survivors (and mutants no test reached), and the mutants of "
+                         "functions changed since "
                          "(after adding tests; the scratch tree of the last run is reused)")
     a = ap.parse_args(argv)
     try:
