@@ -394,3 +394,80 @@ def test_the_status_command(clean, tmp_path, capsys):
     with pytest.raises(SystemExit):
         P.main(["status"])
     assert P.now_iso().endswith("Z") and len(P.now_iso()) == 20
+
+
+# ---------------------------------------------------------------------------- torch's CUDA version, the command line
+
+class _Dist:
+    def __init__(self, root, asked):
+        self.root, self.asked = root, asked
+
+    def locate_file(self, rel):
+        self.asked.append(rel)
+        return self.root / rel
+
+
+def test_torchs_cuda_version_with_and_without_torch_imported(monkeypatch, tmp_path):
+    import importlib.metadata as md
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.8")))
+    assert P._torch_cuda() == "12.8"
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())          # a torch without .version
+    assert P._torch_cuda() is None
+    monkeypatch.delitem(sys.modules, "torch")
+    asked, names = [], []
+    monkeypatch.setattr(md, "distribution", lambda name: names.append(name) or _Dist(tmp_path, asked))
+    (tmp_path / "torch").mkdir()
+    version = tmp_path / "torch" / "version.py"
+    for text, want in (("__version__ = '2.14.0'\ngit_version = 'abc'\ncuda: Optional[str] = '12.9'\n", "12.9"),
+                       ('cuda = "13.0"\nhip = None\n', "13.0"),
+                       ("cuda = ''\n", None),                  # a CPU build
+                       ("hip = '6.2'\n", None),
+                       ("CUDA = '12.1'\n  cuda = '12.2'\n", None)):
+        version.write_text(text)
+        assert P._torch_cuda() == want, text
+    assert names[0] == "torch" and asked[0] == "torch/version.py"
+    version.unlink()
+    assert P._torch_cuda() is None
+
+
+@pytest.fixture
+def logger_level():
+    """main() quiets the module's logger (it prints the reasons instead); put its level back for the other tests."""
+    lg = logging.getLogger(P.__name__)
+    old = lg.level
+    yield
+    lg.setLevel(old)
+
+
+def test_the_status_command(monkeypatch, tmp_path, capsys, logger_level):
+    with pytest.raises(SystemExit) as e:
+        P.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and out.startswith("usage: python -m dsv4_sm120.calibrate.machine_profile [-h] {status}")
+    assert ("Whether a machine profile applies to a GPU with this environment's versions (the serve preflight's "
+            "profile check).") in out
+    assert "status print whether a profile matches GPU (JSON with --json)" in out
+    with pytest.raises(SystemExit):
+        P.main(["status", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--gpu GPU GPU name as nvidia-smi prints it (repeatable)" in out
+    assert "--dir DIR profile directory (default: the one the patched SGLang reads)" in out
+    assert "--json one JSON object per GPU name, one per line" in out
+    with pytest.raises(SystemExit) as e:
+        P.main([])
+    assert e.value.code == 2 and "the following arguments are required: cmd" in capsys.readouterr().err
+    mine = {"cuda": "12.8"}
+    monkeypatch.setattr(P, "running_versions", lambda: mine)
+    calls = []
+
+    def status(g, versions, directory):
+        calls.append((g, versions, directory))
+        return {"gpu": g, "usable": g == "A", "path": "/p/A.json" if g == "A" else None,
+                "reasons": [] if g == "A" else ["no profile /p/B.json", "warning: x"]}
+
+    monkeypatch.setattr(P, "status", status)
+    assert P.main(["status", "--gpu", "A", "--gpu", "B", "--gpu", "A", "--dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "A: profile /p/A.json\nB: no usable profile\n  no profile /p/B.json\n  warning: x\n"
+    assert calls == [("A", mine, tmp_path), ("B", mine, tmp_path)] and isinstance(calls[0][2], Path)
