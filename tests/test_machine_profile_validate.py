@@ -27,7 +27,13 @@ def clean(monkeypatch):
     monkeypatch.delenv("DSV4_SM120_TEST_GPU_NAME", raising=False)
     P.clear_cache()
     monkeypatch.setattr(P, "_VERSIONS", {})
+    # the status command quiets the module's logger (it prints the reasons instead): a test that ran it in this
+    # process before must not hide the warnings these tests read
+    lg = logging.getLogger(P.__name__)
+    level = lg.level
+    lg.setLevel(logging.NOTSET)
     yield monkeypatch
+    lg.setLevel(level)
     P.clear_cache()
 
 
