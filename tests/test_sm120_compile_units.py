@@ -156,3 +156,13 @@ def test_the_command_help(capsys):
     assert " ".join(SC.__doc__.split("\n")[0].split()) in out        # the module doc's first line
     assert "default: all (attention, combine, moe_fp4, moe_bf16)" in out
     assert "--json print the summary as RESULT<json>" in out
+
+
+def test_the_cache_key_ignores_the_order_options_were_written_in():
+    src = types.SimpleNamespace(hash=lambda: "h1")
+    a = SL.Launch("attention", "attention.split_kernel_reg", {}, {"num_warps": 4, "num_stages": 1}, {}, {}, ["a"])
+    b = SL.Launch("attention", "attention.split_kernel_reg", {}, {"num_stages": 1, "num_warps": 4}, {}, {}, ["b"])
+    c = SL.Launch("attention", "attention.split_kernel_reg", {}, {"num_stages": 2, "num_warps": 4}, {}, {}, ["c"])
+    assert SC.compile_key(a, src) == SC.compile_key(b, src) != SC.compile_key(c, src)
+    assert SC.compile_key(a, types.SimpleNamespace(hash=lambda: "h2")) != SC.compile_key(a, src)
+    assert len(SC.compile_key(a, src)) == 64
