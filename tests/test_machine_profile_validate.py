@@ -477,3 +477,69 @@ def test_the_status_command(monkeypatch, tmp_path, capsys, logger_level):
     assert P.main(["status", "--gpu", "A", "--gpu", "B", "--gpu", "A", "--dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out == "A: profile /p/A.json\nB: no usable profile\n  no profile /p/B.json\n  warning: x\n"
     assert calls == [("A", mine, tmp_path), ("B", mine, tmp_path)] and isinstance(calls[0][2], Path)
+
+
+def test_the_allreduce_and_shape_decisions_are_checked_by_their_own_rules():
+    from dsv4_sm120.calibrate.shape_decision import VARIANTS
+
+    ok = _profile({"allreduce": {"servers": {}}})
+    assert P.validate(ok) is ok                              # no buckets: the all-reduce entry has its own form
+    with pytest.raises(P.ProfileError) as e:                 # the entries after it are still checked
+        P.validate(_profile({"allreduce": {"servers": {}}, "attention.swa": {}}), "/p.json")
+    assert str(e.value) == "/p.json: decision 'attention.swa' has no buckets"
+    with pytest.raises(P.ProfileError) as e:
+        P.validate(_profile({"allreduce": {}}), "/p.json")
+    assert str(e.value) == "/p.json: decision 'allreduce': no servers object"
+    with pytest.raises(P.ProfileError) as e:
+        P.validate(_profile({"shape": {"variants": {"bogus": {}}}}), "/p.json")
+    assert str(e.value) == f"/p.json: decision 'shape': variant 'bogus': expected one of {', '.join(VARIANTS)}"
+
+
+def test_the_driver_version_and_the_process_versions_found_once(clean):
+    answers = []
+    clean.setattr(P.subprocess, "run", lambda *a, **k: answers.pop(0))
+    answers.append(types.SimpleNamespace(returncode=0, stdout=" 580.95.05 \n"))
+    assert P._driver() == "580.95.05"
+    answers.append(types.SimpleNamespace(returncode=9, stdout="580\n"))
+    assert P._driver() is None
+    answers.append(types.SimpleNamespace(returncode=0, stdout="\n"))
+    assert P._driver() is None
+    calls = []
+    clean.setattr(P, "running_versions", lambda: calls.append(1) or dict(VERS))
+    assert P._process_versions() == VERS and P._process_versions() == VERS and calls == [1]
+
+
+def test_the_versions_asked_for_not_the_process_ones(clean, tmp_path, caplog):
+    clean.setattr(P, "running_versions", lambda: dict(VERS, torch="0.0"))     # this process would not match
+    path = _write(tmp_path, _profile({"attention.swa": _decision({4: "flashinfer", 64: "dsv4"}),
+                                      "moe.mxfp4": _decision({1: "z", 8: "a"})}))
+    assert P.bucket_winners("attention.swa", gpu=GPU, versions=VERS, directory=tmp_path) == (
+        [(4, "flashinfer"), (64, "dsv4")], f"profile {path}")
+    # a tie between winners other than the default: the winner of the larger buckets, whatever their names
+    assert P.overall("moe.mxfp4", "other", gpu=GPU, versions=VERS, directory=tmp_path)[0] == "a"
+    with pytest.raises(KeyError) as e:
+        P.overall("nope", gpu=GPU, versions=VERS, directory=tmp_path)
+    assert e.value.args[0] == f"unknown decision 'nope'; known: {', '.join(sorted(P.DEFAULTS))}"
+    usable, why = P.match(_profile(), GPU, dict(VERS, torch="0.0"))
+    assert usable is False and why == ["torch 2.14.1 in profile, 0.0 running (rerun `make calibrate`)"]
+    P.clear_cache()
+    clean.setenv("DSV4_SM120_PROFILE_DIR", "~nosuchuser_dsv4/x")
+    with caplog.at_level(logging.WARNING, logger="dsv4_sm120"):
+        P.active_profile(GPU, VERS)
+    assert "nosuchuser_dsv4" in caplog.messages[-1]          # the warning says what could not be read
+
+
+def test_the_creation_time_is_utc(monkeypatch):
+    import time
+
+    monkeypatch.setenv("TZ", "XYZ-9")                           # nine hours east of UTC
+    time.tzset()
+    try:
+        before = time.gmtime()
+        got = P.now_iso()
+        # the UTC hour (local time would be nine hours on); the clock may pass the full hour in between
+        assert got[:13] in (time.strftime("%Y-%m-%dT%H", before), time.strftime("%Y-%m-%dT%H", time.gmtime())), got
+        assert got.endswith("Z") and len(got) == 20
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
