@@ -512,3 +512,58 @@ def test_the_dry_runs_model_note(monkeypatch):
         monkeypatch.setattr(model_config, "read", lambda mp, w=where: answers[w])
         assert pf._model_note(_plan()) == want
     assert pf._model_note(_plan(roles=("router",))) == "no server on this host"
+
+
+# ---------------------------------------------------------------------------- the memory check, one-role hosts
+
+SMI_4 = "".join(f"{i}, NVIDIA RTX PRO 6000, 12.0, 97887, 97000\n" for i in range(4))
+
+
+def test_the_memory_check_hands_each_server_and_the_model_to_memory_check(run, monkeypatch):
+    from dsv4_sm120 import model_config
+    from dsv4_sm120.serving import memory_check
+
+    mc = types.SimpleNamespace(directory="/models/x", config={"layers": 43}, problems=lambda: [])
+    read, got = [], []
+    monkeypatch.setattr(model_config, "read", lambda path: read.append(path) or mc)
+    monkeypatch.setattr(memory_check, "check", lambda *a: got.append(a) or (["too big"], ["a note"]))
+    monkeypatch.setattr(memory_check, "by_gpu", lambda table: ("by", sorted(table)))
+    run({"/opt/smi": (0, SMI_4, "")})
+    assert pf.check_memory(_plan(CONTEXT_LEN="65536")) == (["too big"], ["a note"])
+    assert read == ["/models/x"]
+    assert got == [([("prefill", "prefill", [0, 1], 0.8), ("decode", "decode", [2, 3], 0.7)], "/models/x",
+                     {"layers": 43}, 65536, ("by", [0, 1, 2, 3]))]
+    mc.problems = lambda: ["a shard is missing"]              # the weights cannot be sized: config only
+    pf.check_memory(_plan(CONTEXT_LEN="65536"))
+    assert got[-1][1] is None and got[-1][2] == {"layers": 43}
+    got.clear()
+    read.clear()
+    assert pf.check_memory(_plan(roles=("router",), CONTEXT_LEN="1")) == ([], []) and got == [] and read == []
+    run({"*": (9, "", "no driver\n")})
+    assert pf.check_memory(_plan(CONTEXT_LEN="1")) == ([], ["not checked: nvidia-smi failed (exit 9): no driver"])
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_host_with_one_server_runs_the_server_checks(run, monkeypatch, role):
+    from dsv4_sm120 import model_config
+
+    r = run({"dsv4_sm120.patching": (0, json.dumps({"patched": True, "matches_repo": True}), ""),
+             "dsv4_sm120.serving.nixl_check": (0, "", "")})
+    assert pf.check_patches(_plan(roles=(role,))) == [] and pf.check_nixl(_plan(roles=(role,))) == []
+    assert [c[0][2] for c in r.calls] == ["dsv4_sm120.patching", "dsv4_sm120.serving.nixl_check"]
+    read = []
+    monkeypatch.setattr(model_config, "read", lambda path: read.append(path) or types.SimpleNamespace(
+        where="hub-cache", source="config.json in the cache"))
+    assert pf._model_note(_plan(roles=(role,))) == "config.json in the cache" and read == ["/models/x"]
+
+
+def test_what_the_commands_are_asked(run):
+    r = run({"*": (0, SMI_4, "")})
+    assert pf.smi_problem(_plan()) is None
+    assert r.calls[-1][0] == ["/opt/smi", "--query-gpu=index,name,compute_cap,memory.total,memory.free",
+                              "--format=csv,noheader,nounits"]
+    r = run({"/py": (0, "", "")})
+    pf.check_router(_plan(python="/py"))
+    assert r.calls[0][1] == {"capture_output": True, "text": True, "timeout": 60}
+    run({"*": (1, "", "Traceback\n  File x\nImportError: the last line\n")})
+    assert pf.check_patches(_plan()) == ["could not read the patch status: ImportError: the last line"]
