@@ -567,3 +567,73 @@ def test_what_the_commands_are_asked(run):
     assert r.calls[0][1] == {"capture_output": True, "text": True, "timeout": 60}
     run({"*": (1, "", "Traceback\n  File x\nImportError: the last line\n")})
     assert pf.check_patches(_plan()) == ["could not read the patch status: ImportError: the last line"]
+
+
+def test_the_attention_body_named_for_sm120():
+    # the split bodies for sm_120 (docs/attention.md): tiled, flat, reg, wspec; the warpgroup-MMA ones are Hopper's
+    assert pf.check_attention_arch({"DSV4_SM120_ATTN_CONFIG": "impl=reg"}) == []
+    assert pf.check_attention_arch({}) == []
+    assert pf.check_attention_arch({"DSV4_SM120_ATTN_CONFIG": "impl=wgmma"}) == [
+        "DSV4_SM120_ATTN_CONFIG='impl=wgmma' names impl=wgmma, which runs on sm_90 only, and the servers' GPUs are "
+        "sm_120: remove impl=wgmma (or name one of tiled, flat, reg, wspec)"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_one_server_hosts_get_the_allocator_and_model_checks(monkeypatch, role):
+    from dsv4_sm120 import model_config
+
+    bad = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert len(pf.check_alloc_conf(_plan(roles=(role,)), bad)) == 1
+    assert pf.check_alloc_conf(_plan(roles=("router",)), bad) == []
+    monkeypatch.setattr(pf, "check_model", lambda plan: [])
+    monkeypatch.setattr(model_config, "read", lambda path: types.SimpleNamespace(warnings=lambda: ["unknown id"]))
+    assert pf.check_model_notes(_plan(roles=(role,))) == ([], ["unknown id"])
+    assert pf.check_model_notes(_plan(roles=("router",))) == ([], [])
+    monkeypatch.setattr(pf, "check_model", lambda plan: ["no weights"])
+    assert pf.check_model_notes(_plan(roles=(role,))) == (["no weights"], [])
+
+
+def test_the_p2p_notes_when_it_does_not_run_and_a_start_asks_no_nvidia_smi(monkeypatch):
+    seen = []
+    monkeypatch.setattr(pf, "ipc_unverified", lambda plan, why: seen.append(plan) or [f"IPC server: {why}"])
+    monkeypatch.setattr(pf, "check_overlay_env", lambda plan: [])
+    monkeypatch.setattr(pf, "check_python", lambda plan: [])
+    monkeypatch.setattr(pf, "calibrate_first", lambda plan, say: [])
+    monkeypatch.setattr(pf, "smi_problem", lambda plan: (_ for _ in ()).throw(AssertionError("a start asks smi")))
+    _runners(monkeypatch, {})
+    said = []
+    p = _plan(PREFLIGHT_SKIP="p2p,ucx")
+    assert pf.run_preflight(p, said.append) == [] and seen == [p]
+    assert said[said.index("preflight p2p: skipped") + 1] == "preflight p2p: IPC server: not verified (the p2p check " \
+                                                              "is skipped)"
+    assert said[-2:] == ["preflight router: ok", "preflight profile: ok"] and "preflight ucx: skipped" in said
+    _runners(monkeypatch, {"gpu": ["no gpu"]})
+    said.clear()
+    pf.run_preflight(_plan(), said.append)
+    assert said[said.index("preflight p2p: not run (needs the gpu check, which failed)") + 1] == (
+        "preflight p2p: IPC server: not verified (needs the gpu check, which failed)")
+    monkeypatch.setattr(pf, "smi_problem", lambda plan: None)
+    _runners(monkeypatch, {})
+    said.clear()
+    pf.run_dry_checks(_plan(), said.append)
+    assert said[said.index("preflight p2p: not run (dry run: copies between the GPUs)") + 1] == (
+        "preflight p2p: IPC server: a start's p2p check verifies it (the server runs NCCL where it is missing)")
+    assert [x for x in said if "IPC server" in x and not x.startswith("preflight p2p: ")] == []
+
+
+def test_table_and_profile_edges(run, monkeypatch):
+    gpus = {0: {"name": "G", "cc": "12.0", "total_mib": 10240, "free_mib": 5120}}
+    # a missing GPU does not stop the rows after it; the GiB shown are MiB / 1024
+    assert pf.check_gpus_table(gpus, [("prefill", [7, 0], 0.9)]) == [
+        "prefill: GPU 7 not found (nvidia-smi lists 1 GPU(s): 0)",
+        "prefill: GPU 0 has 5.0 GiB free of 10.0 GiB; mem fraction 0.9 needs 9.0 GiB (another process is using it?)"]
+    r = run({"/opt/smi": (0, "0, NVIDIA RTX PRO 6000, Blackwell\n", "")})
+    assert pf.server_gpu_names(_plan())[0] == {"NVIDIA RTX PRO 6000, Blackwell": "prefill GPU 0"}
+    assert r.calls
+    assert pf.interpret_profile_status([{"gpu": "Z", "usable": True, "path": "/p"}], {}) == [
+        "machine profile /p applies to Z ()"]
+    assert pf.interpret_profile_status([{"gpu": "Z", "usable": False}], {})[0].startswith(
+        "WARNING: no matching machine profile for Z (): no reason given;")
+    monkeypatch.setattr(pf, "server_gpu_names", lambda plan: ({"G": "decode GPU 2"}, None))
+    run({"*": (1, "", "first\nsecond\nthe last\n")})
+    assert pf.check_profile(_plan()) == ([], ["WARNING: could not check the machine profile: the last"])
