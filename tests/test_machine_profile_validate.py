@@ -543,3 +543,18 @@ def test_the_creation_time_is_utc(monkeypatch):
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
+
+
+def test_the_entries_after_a_valid_shape_decision_are_checked():
+    from dsv4_sm120.calibrate import shape_decision as sd
+
+    cands = [{"name": "p4-d4", "prefill_gpus": "0,1,2,3", "decode_gpus": "4,5,6,7", "spec": None, "max_running": 16,
+              "status": "ok", "agrees": True, "per_concurrency": {"1": {"output_tok_s": 1000.0}}}]
+    shape = {"variants": {"base": {"standin": False, "candidates": cands, "winners": {"1": "p4-d4"},
+                                   "measured_at": "2026-01-01T00:00:00Z"}}}
+    assert sd.validate_entry(shape) is None
+    ok = _profile({"shape": shape})
+    assert P.validate(ok) is ok
+    with pytest.raises(P.ProfileError) as e:
+        P.validate(_profile({"shape": shape, "attention.swa": {}}), "/p.json")
+    assert str(e.value) == "/p.json: decision 'attention.swa' has no buckets"
