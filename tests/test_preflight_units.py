@@ -637,3 +637,24 @@ def test_table_and_profile_edges(run, monkeypatch):
     monkeypatch.setattr(pf, "server_gpu_names", lambda plan: ({"G": "decode GPU 2"}, None))
     run({"*": (1, "", "first\nsecond\nthe last\n")})
     assert pf.check_profile(_plan()) == ([], ["WARNING: could not check the machine profile: the last"])
+
+
+def test_a_bind_error_without_an_errno_still_counts_as_busy(monkeypatch):
+    class Sock:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def setsockopt(self, *a):
+            pass
+
+        def bind(self, addr):
+            raise OSError("refused, no errno")
+
+    monkeypatch.setattr(socket, "socket", Sock)
+    assert pf.bind_problem("127.0.0.1", 1) == -1 and pf.port_in_use("127.0.0.1", 1)
