@@ -336,6 +336,10 @@ def main(argv=None) -> int:
                       + (f"\n  constants: {' '.join(r.constants)}" if r.constants else ""))
             return 0
         out = Path(a.out)
+        for r in runs if a.retest else []:
+            if not (out / "work" / r.slug / "tree" / "mutants").is_dir():
+                raise L.MutateError(f"--retest: no earlier run of {r.name} in {out / 'work' / r.slug} (run it once "
+                                    "without --retest)")
         if not a.report_only:
             python = test_venv() / "bin" / "python"
             tool = tool_dir(python)
