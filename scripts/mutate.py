@@ -230,14 +230,27 @@ def refresh_tree(run: L.Run, tree: Path) -> bool:
     return changed
 
 
+def retest_problem(run: L.Run, work: Path) -> str:
+    """Why --retest cannot reuse the last run of ``run`` ("" when it can): no such run, or other test files (mutmut
+    resets every result when its test selection changes)."""
+    cfg = work / "tree" / "setup.cfg"
+    if not (work / "tree" / "mutants").is_dir() or not cfg.is_file():
+        return f"no earlier run of {run.name} in {work} (run it once without --retest)"
+    text = cfg.read_text()
+    block = text.split("pytest_add_cli_args_test_selection =", 1)[-1]
+    last = [w.strip() for w in block.splitlines() if w.startswith("    ")]
+    if last != list(run.tests):
+        return (f"the test files of {run.name} changed since its last run ({' '.join(last)} -> {' '.join(run.tests)}): "
+                "run it in full, without --retest")
+    return ""
+
+
 def retest_mutmut(run: L.Run, work: Path, previous: Path, python: Path, tool: Path, jobs: int, timeout: float,
                   equivalents) -> Dict[str, list]:
     """--retest: the last run's survivors (those not listed as equivalent) and the mutants no test reached, tested
     again against the checkout's tests, and the mutants of functions changed since; the other results (constant
     mutants included) stand. mutmut collects coverage for the tests that are new since its last run."""
     tree = work / "tree"
-    if not (tree / "mutants").is_dir():
-        raise L.MutateError(f"--retest: no earlier run of {run.name} in {work} (run it once without --retest)")
     old = read_results(run, work, work / "none.json")
     L.apply_equivalents(old, equivalents)
     names = sorted(m.name for ms in old.values() for m in ms if m.status in (L.SURVIVED, L.NO_TESTS)
@@ -337,9 +350,9 @@ def main(argv=None) -> int:
             return 0
         out = Path(a.out)
         for r in runs if a.retest else []:
-            if not (out / "work" / r.slug / "tree" / "mutants").is_dir():
-                raise L.MutateError(f"--retest: no earlier run of {r.name} in {out / 'work' / r.slug} (run it once "
-                                    "without --retest)")
+            why = retest_problem(r, out / "work" / r.slug)
+            if why:
+                raise L.MutateError(f"--retest: {why}")
         if not a.report_only:
             python = test_venv() / "bin" / "python"
             tool = tool_dir(python)
