@@ -658,3 +658,38 @@ def test_a_bind_error_without_an_errno_still_counts_as_busy(monkeypatch):
 
     monkeypatch.setattr(socket, "socket", Sock)
     assert pf.bind_problem("127.0.0.1", 1) == -1 and pf.port_in_use("127.0.0.1", 1)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_one_server_hosts_get_the_python_and_model_checks(run, monkeypatch, tmp_path, role):
+    from dsv4_sm120 import model_config
+
+    py = tmp_path / "python"
+    py.write_text("#!/bin/sh\n")
+    py.chmod(0o755)
+    r = run({str(py): (3, "", "")})
+    assert pf.check_python(_plan(roles=(role,), python=str(py))) == [
+        f"sglang is not installed in {py}: run `make setup`"]
+    assert r.calls[0][1] == {"capture_output": True, "text": True, "timeout": 60}
+    assert pf.check_python(_plan(roles=("router",), python=str(py))) == [] and len(r.calls) == 1
+    # the model: a local directory without weights is a failure (not for stand-ins); shard problems are capped
+    (tmp_path / "m").mkdir()
+    mc = types.SimpleNamespace(problems=lambda: [], where="local", directory=tmp_path / "m")
+    monkeypatch.setattr(model_config, "read", lambda path: mc)
+    assert pf.check_model(_plan(roles=(role,), MODEL_PATH="/m")) == [
+        "MODEL_PATH=/m: no *.safetensors weights in the directory"]
+    assert pf.check_model(_plan(roles=(role,), standin=True, MODEL_PATH="/m")) == []
+    assert pf.check_model(_plan(roles=("router",), MODEL_PATH="/m")) == []
+    (tmp_path / "m" / "a.safetensors").write_bytes(b"")
+    asked = []
+    monkeypatch.setattr(pf, "scan_checkpoint", lambda path, **kw: asked.append(kw) or (None, ["shard a: empty"]))
+    assert pf.check_model(_plan(roles=(role,), MODEL_PATH="/m")) == ["MODEL_PATH=/m: shard a: empty"]
+    assert asked == [{"max_problems": 5}]
+
+
+def test_a_plan_without_a_skip_setting_skips_nothing():
+    p = _plan()
+    del p.settings["PREFLIGHT_SKIP"]
+    assert pf.skipped_checks(p) == []
+    p.standin = True
+    assert pf.skipped_checks(p) == ["gpu", "memory", "patches", "nixl", "p2p", "ucx"]
