@@ -125,13 +125,31 @@ def run_bounded(cmd, cwd: Path, env: dict, log: Path, timeout: float) -> int:
 
 
 def base_env(work: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MUTANT_UNDER_TEST", "PYTEST_ADDOPTS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MUTANT_UNDER_TEST", "PYTEST_ADDOPTS",
+                                                                "MUTATE_FIRST_PYTHON_PID")}
     # OMP_NUM_THREADS=1: mutmut forks each mutant's run from a process whose tests already ran torch's OpenMP
     # thread pool, and GNU OpenMP is not fork-safe (the child hangs at its next parallel op until mutmut's time
     # limit, a false "timeout"); one thread per job also fits the 2-core box
-    env.update(PYTHONDONTWRITEBYTECODE="1", TEST_FORK_SERVER="0", OMP_NUM_THREADS="1",
-               DSV4_SM120_TEST_DURATIONS=str(work / "test-durations.json"))
+    # no DSV4_SM120_* variable of the tool's own: the serve scripts' dry runs pass DSV4_SM120_* through to the
+    # servers and list each one (tests/test_serve_dryrun.py counts those lines); nothing here runs pytest-xdist,
+    # whose controller alone writes DSV4_SM120_TEST_DURATIONS
+    env.update(PYTHONDONTWRITEBYTECODE="1", TEST_FORK_SERVER="0", OMP_NUM_THREADS="1")
     return env
+
+
+# mutmut's coverage pass ("stats") runs the tests in its own process with MUTANT_UNDER_TEST=stats in the
+# environment, which a test's child process (a serve script's dry run, `python -m dsv4_sm120...`) inherits: there a
+# mutated function's trampoline records the hit for a process nobody reads and first loads mutmut's config from the
+# child's working directory, where there is none, so the child fails where the tests expect it to work (and the
+# coverage pass stops). This sitecustomize (mutants/overlay, on every such child's PYTHONPATH) lets the first Python
+# process (mutmut's) mark the environment, and turns the marker "stats" off in any later Python process: a child runs
+# the original code then, as it does in the test run without mutmut. A child of a mutant's run keeps the mutant.
+CHILD_STATS_GUARD = """import os
+if "MUTATE_FIRST_PYTHON_PID" not in os.environ:
+    os.environ["MUTATE_FIRST_PYTHON_PID"] = str(os.getpid())
+elif os.environ.get("MUTANT_UNDER_TEST") in ("stats", "list_all_tests"):
+    os.environ["MUTANT_UNDER_TEST"] = ""
+"""
 
 
 def prepare_tree(run: L.Run, work: Path, tool: Path) -> Path:
@@ -153,12 +171,14 @@ def prepare_tree(run: L.Run, work: Path, tool: Path) -> Path:
     for p in tool.iterdir():
         if p.name == "mutmut" or (p.name.startswith("mutmut-") and p.name.endswith(".dist-info")):
             (ov / p.name).symlink_to(p)
+    (ov / "sitecustomize.py").write_text(CHILD_STATS_GUARD)
     # a git work tree, for the tests that list the checkout's files (git ls-files -co); mutmut's own files unlisted
     if subprocess.run(["git", "init", "-q", str(mutants)], stdout=subprocess.DEVNULL,
                       stderr=subprocess.DEVNULL).returncode == 0:
         excl = mutants / ".git" / "info" / "exclude"
         excl.parent.mkdir(parents=True, exist_ok=True)
-        excl.write_text("*.meta\n*.spans\nmutmut-*.json\nmutmut-*.log\n/dsv4_sm120\n/overlay/mutmut*\n")
+        excl.write_text("*.meta\n*.spans\nmutmut-*.json\nmutmut-*.log\n/dsv4_sm120\n/overlay/mutmut*\n"
+                        "/overlay/sitecustomize.py\n")
     return tree
 
 
@@ -188,6 +208,70 @@ def run_mutmut(run: L.Run, work: Path, python: Path, tool: Path, jobs: int, time
         raise L.MutateError(f"mutmut exited with {rc} on {run.name} ({'time limit' if rc == 124 else 'see below'}); "
                             f"log: {log}\n{tail}")
     return results
+
+
+def refresh_tree(run: L.Run, tree: Path) -> bool:
+    """The last run's scratch tree brought up to the checkout (--retest): each file that differs is copied to the
+    tree's own copy (mutmut copies the tree's top-level items into mutants/ at its start) and, but for the
+    modules under test, into mutants/; a changed module under test is then newer than its mutated copy, and
+    mutmut mutates again the functions whose text changed. Returns whether a module under test changed."""
+    changed = False
+    for f in checkout_files():
+        src = ROOT / f
+        top = tree / (f[len("overlay/"):] if f.startswith(L.PACKAGE_DIR) else f)
+        dests = [top] if f in run.files else [top, tree / "mutants" / f]
+        for dest in dests:
+            if dest.is_file() and dest.read_bytes() == src.read_bytes():
+                continue
+            changed = changed or f in run.files
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest)
+            os.utime(dest)                             # newer than the mutated copy, whatever the checkout's mtime
+    return changed
+
+
+def retest_problem(run: L.Run, work: Path) -> str:
+    """Why --retest cannot reuse the last run of ``run`` ("" when it can): no such run, or other test files (mutmut
+    resets every result when its test selection changes)."""
+    cfg = work / "tree" / "setup.cfg"
+    if not (work / "tree" / "mutants").is_dir() or not cfg.is_file():
+        return f"no earlier run of {run.name} in {work} (run it once without --retest)"
+    text = cfg.read_text()
+    block = text.split("pytest_add_cli_args_test_selection =", 1)[-1]
+    last = [w.strip() for w in block.splitlines() if w.startswith("    ")]
+    if last != list(run.tests):
+        return (f"the test files of {run.name} changed since its last run ({' '.join(last)} -> {' '.join(run.tests)}): "
+                "run it in full, without --retest")
+    return ""
+
+
+def retest_mutmut(run: L.Run, work: Path, previous: Path, python: Path, tool: Path, jobs: int, timeout: float,
+                  equivalents) -> Dict[str, list]:
+    """--retest: the last run's survivors (those not listed as equivalent) and the mutants no test reached, tested
+    again against the checkout's tests, and the mutants of functions changed since; the other results (constant
+    mutants included) stand. mutmut collects coverage for the tests that are new since its last run."""
+    tree = work / "tree"
+    old = read_results(run, work, work / "none.json")
+    L.apply_equivalents(old, equivalents)
+    names = sorted(m.name for ms in old.values() for m in ms if m.status in (L.SURVIVED, L.NO_TESTS)
+                   and m.file in run.files and not m.name.startswith("const:"))
+    env = base_env(work)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / "mutants" / "overlay"), str(tool)])
+    log = work / "mutmut.log"
+    cmd = [str(python), "-c", MUTMUT_MAIN, "run", "--max-children", str(jobs)]
+    t_end = time.time() + timeout
+    if refresh_tree(run, tree):                        # mutants of changed functions: mutmut's plain run
+        say(f"{run.name}: module changed; testing the mutants of its changed functions")
+        rc = run_bounded(cmd, tree, env, log, timeout)
+        if rc != 0:
+            raise L.MutateError(f"mutmut exited with {rc} on {run.name}; log: {log}")
+    if names:
+        say(f"{run.name}: testing {len(names)} survivor(s) of the last run again")
+        rc = run_bounded(cmd + names, tree, env, log, max(1.0, t_end - time.time()))
+        if rc != 0:
+            tail = log.read_text(errors="replace")[-2500:].replace("\r", "\n")
+            raise L.MutateError(f"mutmut exited with {rc} on {run.name}; log: {log}\n{tail}")
+    return read_results(run, work, previous)
 
 
 def read_results(run: L.Run, work: Path, previous: Path) -> Dict[str, list]:
@@ -249,6 +333,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="list each item's files and test files; run nothing")
     ap.add_argument("--report-only", action="store_true",
                     help="report the last run's results again (after editing scripts/mutate_equivalent.txt)")
+    ap.add_argument("--retest", action="store_true",
+                    help="test again only the last run's survivors (and mutants no test reached), and the mutants of "
+                         "functions changed since "
+                         "(after adding tests; the scratch tree of the last run is reused)")
     a = ap.parse_args(argv)
     try:
         targets = L.parse_targets((ROOT / L.TARGETS_FILE).read_text())
@@ -261,6 +349,10 @@ def main(argv=None) -> int:
                       + (f"\n  constants: {' '.join(r.constants)}" if r.constants else ""))
             return 0
         out = Path(a.out)
+        for r in runs if a.retest else []:
+            why = retest_problem(r, out / "work" / r.slug)
+            if why:
+                raise L.MutateError(f"--retest: {why}")
         if not a.report_only:
             python = test_venv() / "bin" / "python"
             tool = tool_dir(python)
@@ -272,6 +364,8 @@ def main(argv=None) -> int:
             t0 = time.time()
             if a.report_only:
                 res = read_results(r, work, out / f"{r.slug}.json")
+            elif a.retest:
+                res = retest_mutmut(r, work, out / f"{r.slug}.json", python, tool, a.jobs, a.timeout, equivalents)
             else:
                 say(f"{r.name}: {len(r.files)} file(s), tests: {' '.join(r.tests)}")
                 shutil.rmtree(work, ignore_errors=True)
@@ -280,7 +374,8 @@ def main(argv=None) -> int:
                 for f, ms in run_constants(r, work, python, a.timeout).items():
                     res[f] = res.get(f, []) + ms
             secs = time.time() - t0
-            took = "reported again from the last run" if a.report_only else f"{secs:.0f} s"
+            took = ("reported again from the last run" if a.report_only
+                    else f"{secs:.0f} s, survivors retested" if a.retest else f"{secs:.0f} s")
             timing.append(f"{r.name}: {took}")
             stale = L.apply_equivalents(res, equivalents)
             all_stale += stale

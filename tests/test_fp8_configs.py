@@ -15,6 +15,7 @@ import pytest
 
 from dsv4_sm120 import fp8_configs as fc
 from dsv4_sm120.sglang_glue import fp8 as glue_fp8
+from glue_fixtures import sglang_with_manifest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -137,11 +138,7 @@ def test_validate_accepts_hopper_keys():
 
 
 def test_project_dir_order(tmp_path, monkeypatch):
-    repo = tmp_path / "repo"
-    (repo / "configs" / "fp8").mkdir(parents=True)
-    root = tmp_path / "site" / "sglang"
-    (root / ".dsv4_sm120").mkdir(parents=True)
-    (root / ".dsv4_sm120" / "manifest.json").write_text(json.dumps({"repo_root": str(repo)}))
+    repo, root = sglang_with_manifest(tmp_path)
     monkeypatch.delenv(fc.ENV_CONFIG_DIR, raising=False)
     # fixed at apply time: the manifest's repo_root wins over the overlay's own checkout
     assert fc.project_config_dir(root) == repo / "configs" / "fp8"

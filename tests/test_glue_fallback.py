@@ -36,6 +36,7 @@ from dsv4_sm120.sglang_glue import graphs as G  # noqa: E402
 from dsv4_sm120.sglang_glue import moe as M  # noqa: E402
 from dsv4_sm120.rank_agreement import StopServer  # noqa: E402
 from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
+from glue_fixtures import fresh_glue  # noqa: E402
 
 DECODE = types.SimpleNamespace(is_decode=lambda: True)
 H200 = Device("NVIDIA H200", (9, 0), 132)
@@ -43,16 +44,7 @@ H200 = Device("NVIDIA H200", (9, 0), 132)
 
 @pytest.fixture
 def fresh(monkeypatch):
-    for k in ("DSV4_SM120_TEST_SELFCHECK_FAULT", "DSV4_SM120_SELFCHECK", "DSV4_SM120_ATTN_BACKEND",
-              "DSV4_SM120_ATTN_CONFIG", "DSV4_SM120_ATTN_QK"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("DSV4_SM120_MOE_PATH", "auto")
-    monkeypatch.setenv("DSV4_SM120_PROFILE_DIR", "")
-    S.reset()
-    A.reset()
-    yield monkeypatch
-    S.reset()
-    A.reset()
+    yield from fresh_glue(monkeypatch)
 
 
 def _stock_recorder(monkeypatch):

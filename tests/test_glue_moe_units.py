@@ -23,6 +23,7 @@ from dsv4_sm120.rank_agreement import StopServer
 from dsv4_sm120.sglang_glue import fp8 as F
 from dsv4_sm120.sglang_glue import moe as M
 from dsv4_sm120.sglang_glue import selfcheck as S
+from glue_fixtures import sglang_with_manifest  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 NAME = "dsv4_triton_nvfp4"
@@ -277,11 +278,7 @@ GOOD = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_
 
 
 def test_the_configs_of_the_checkout_the_patches_came_from(fresh, tmp_path):
-    repo = tmp_path / "repo"
-    (repo / "configs" / "fp8").mkdir(parents=True)
-    root = tmp_path / "site" / "sglang"
-    (root / ".dsv4_sm120").mkdir(parents=True)
-    (root / ".dsv4_sm120" / "manifest.json").write_text(json.dumps({"repo_root": str(repo)}))
+    repo, root = sglang_with_manifest(tmp_path)
     name = fc.config_file_name(1024, 4096, "Fake GPU", block_k=64)
     (repo / "configs" / "fp8" / name).write_text(json.dumps({"1": GOOD}))
     assert F.project_config_path(name, root) == str(repo / "configs" / "fp8" / name)

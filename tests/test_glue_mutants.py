@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from dsv4_sm120.rank_agreement import StopServer  # noqa: E402
 from dsv4_sm120.sglang_glue import attention as A  # noqa: E402
 from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
+from glue_fixtures import fresh_glue  # noqa: E402
 
 # the documented bounds (docs/attention.md, the self-check's module doc): independent of dsv4_sm120.tolerances
 BF16_TOL, FP8QK_TOL, MOE_NVFP4_TOL = 2e-2, 5e-2, 0.3
@@ -36,16 +37,7 @@ SIZES = {"K1": 16, "swa_c4": 16, "swa_c128": 8}
 
 @pytest.fixture
 def fresh(monkeypatch):
-    for k in ("DSV4_SM120_TEST_SELFCHECK_FAULT", "DSV4_SM120_SELFCHECK", "DSV4_SM120_ATTN_BACKEND",
-              "DSV4_SM120_ATTN_CONFIG", "DSV4_SM120_ATTN_QK", "DSV4_SM120_TEST_FAULT_RANKS"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("DSV4_SM120_MOE_PATH", "auto")
-    monkeypatch.setenv("DSV4_SM120_PROFILE_DIR", "")
-    S.reset()
-    A.reset()
-    yield monkeypatch
-    S.reset()
-    A.reset()
+    yield from fresh_glue(monkeypatch, also_unset=("DSV4_SM120_TEST_FAULT_RANKS",))
 
 
 def _case(layout="swa", T=2, H=8, qk=None, launch=None):

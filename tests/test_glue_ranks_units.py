@@ -18,6 +18,7 @@ from dsv4_sm120.sglang_glue import allreduce as G
 from dsv4_sm120.sglang_glue import attention as A
 from dsv4_sm120.sglang_glue import graphs as GR
 from dsv4_sm120.sglang_glue import selfcheck as S
+from glue_fixtures import AttnLayer, fresh_glue, toy_model  # noqa: E402
 
 STOCK = "SGLang's stock dispatcher"
 
@@ -39,18 +40,9 @@ class Ranks:
 
 @pytest.fixture
 def fresh(monkeypatch):
-    for k in ("DSV4_SM120_TEST_SELFCHECK_FAULT", "DSV4_SM120_SELFCHECK", "DSV4_SM120_ATTN_BACKEND",
-              "DSV4_SM120_ATTN_CONFIG", "DSV4_SM120_ATTN_QK"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("DSV4_SM120_MOE_PATH", "auto")
-    monkeypatch.setenv("DSV4_SM120_PROFILE_DIR", "")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(A, "stock_name", lambda: STOCK)
-    S.reset()
-    A.reset()
-    yield monkeypatch
-    S.reset()
-    A.reset()
+    yield from fresh_glue(monkeypatch)
 
 
 def _with_group(monkeypatch, group):
@@ -206,18 +198,7 @@ def test_runner_labels_and_capture_rows():
     assert GR.capture_rows(ns(capture_bs=[1, 2], captured_req_width=3)) == [3, 6]
 
 
-class _Layer(__import__("torch").nn.Module):
-    def __init__(self, heads, ratio):
-        super().__init__()
-        self.n_local_heads, self.compress_ratio = heads, ratio
-
-
-def _model(*layers):
-    import torch
-
-    m = torch.nn.Module()
-    m.layers = torch.nn.ModuleList(layers)
-    return m
+_Layer, _model = AttnLayer, toy_model
 
 
 def test_before_capture_checks_the_captured_rows_then_takes_the_union(fresh):

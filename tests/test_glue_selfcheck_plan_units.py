@@ -22,21 +22,14 @@ from dsv4_sm120.attention import launch as L  # noqa: E402
 from dsv4_sm120.attention.config import Device  # noqa: E402
 from dsv4_sm120.sglang_glue import attention as A  # noqa: E402
 from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
+from glue_fixtures import fresh_glue  # noqa: E402
 
 H200 = Device("NVIDIA H200", (9, 0), 132)
 
 
 @pytest.fixture
 def fresh(monkeypatch):
-    for k in ("DSV4_SM120_TEST_SELFCHECK_FAULT", "DSV4_SM120_SELFCHECK", "DSV4_SM120_ATTN_BACKEND",
-              "DSV4_SM120_ATTN_CONFIG", "DSV4_SM120_ATTN_QK", "DSV4_SM120_ATTN_WS_MB"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("DSV4_SM120_PROFILE_DIR", "")
-    S.reset()
-    A.reset()
-    yield monkeypatch
-    S.reset()
-    A.reset()
+    yield from fresh_glue(monkeypatch, also_unset=("DSV4_SM120_ATTN_WS_MB",), moe_path=None)
 
 
 PRO6000 = Device("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188)

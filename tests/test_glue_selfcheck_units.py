@@ -31,6 +31,7 @@ from dsv4_sm120.attention.cache import random_cache  # noqa: E402
 from dsv4_sm120.attention.reference import rel_fro, sparse_mla_decode_ref  # noqa: E402
 from dsv4_sm120.sglang_glue import attention as A  # noqa: E402
 from dsv4_sm120.sglang_glue import selfcheck as S  # noqa: E402
+from glue_fixtures import AttnLayer, fresh_glue, toy_model  # noqa: E402
 
 PAGES = {"swa": 256, "swa_c4": 64, "swa_c128": 2}
 SMALL = {"K1": 16, "swa_c4": 16, "swa_c128": 8}
@@ -38,16 +39,7 @@ SMALL = {"K1": 16, "swa_c4": 16, "swa_c128": 8}
 
 @pytest.fixture
 def fresh(monkeypatch):
-    for k in ("DSV4_SM120_TEST_SELFCHECK_FAULT", "DSV4_SM120_SELFCHECK", "DSV4_SM120_ATTN_BACKEND",
-              "DSV4_SM120_ATTN_CONFIG", "DSV4_SM120_ATTN_QK"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("DSV4_SM120_MOE_PATH", "auto")
-    monkeypatch.setenv("DSV4_SM120_PROFILE_DIR", "")
-    S.reset()
-    A.reset()
-    yield monkeypatch
-    S.reset()
-    A.reset()
+    yield from fresh_glue(monkeypatch)
 
 
 # ---------------------------------------------------------------------------- the attention case
@@ -177,18 +169,11 @@ def test_capture_batch_sizes_are_sglangs():
 # ---------------------------------------------------------------------------- the runner's model
 
 
-class _Attn(torch.nn.Module):
-    def __init__(self, heads, ratio):
-        super().__init__()
-        self.n_local_heads, self.compress_ratio = heads, ratio
+_Attn = AttnLayer
 
 
 def _model(*layers):
-    m = torch.nn.Module()
-    m.layers = torch.nn.ModuleList(layers)
-    m.other = torch.nn.Linear(1, 1)
-    m.other.n_local_heads = 99                     # not an attention layer: no compress_ratio
-    return m
+    return toy_model(*layers, other=True)          # with a module that has heads but no compress_ratio
 
 
 def test_the_heads_layouts_device_and_context_of_a_runner(monkeypatch):

@@ -27,7 +27,13 @@ def clean(monkeypatch):
     monkeypatch.delenv("DSV4_SM120_TEST_GPU_NAME", raising=False)
     P.clear_cache()
     monkeypatch.setattr(P, "_VERSIONS", {})
+    # the status command quiets the module's logger (it prints the reasons instead): a test that ran it in this
+    # process before must not hide the warnings these tests read
+    lg = logging.getLogger(P.__name__)
+    level = lg.level
+    lg.setLevel(logging.NOTSET)
     yield monkeypatch
+    lg.setLevel(level)
     P.clear_cache()
 
 
@@ -394,3 +400,161 @@ def test_the_status_command(clean, tmp_path, capsys):
     with pytest.raises(SystemExit):
         P.main(["status"])
     assert P.now_iso().endswith("Z") and len(P.now_iso()) == 20
+
+
+# ---------------------------------------------------------------------------- torch's CUDA version, the command line
+
+class _Dist:
+    def __init__(self, root, asked):
+        self.root, self.asked = root, asked
+
+    def locate_file(self, rel):
+        self.asked.append(rel)
+        return self.root / rel
+
+
+def test_torchs_cuda_version_with_and_without_torch_imported(monkeypatch, tmp_path):
+    import importlib.metadata as md
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.8")))
+    assert P._torch_cuda() == "12.8"
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())          # a torch without .version
+    assert P._torch_cuda() is None
+    monkeypatch.delitem(sys.modules, "torch")
+    asked, names = [], []
+    monkeypatch.setattr(md, "distribution", lambda name: names.append(name) or _Dist(tmp_path, asked))
+    (tmp_path / "torch").mkdir()
+    version = tmp_path / "torch" / "version.py"
+    for text, want in (("__version__ = '2.14.0'\ngit_version = 'abc'\ncuda: Optional[str] = '12.9'\n", "12.9"),
+                       ('cuda = "13.0"\nhip = None\n', "13.0"),
+                       ("cuda = ''\n", None),                  # a CPU build
+                       ("hip = '6.2'\n", None),
+                       ("CUDA = '12.1'\n  cuda = '12.2'\n", None)):
+        version.write_text(text)
+        assert P._torch_cuda() == want, text
+    assert names[0] == "torch" and asked[0] == "torch/version.py"
+    version.unlink()
+    assert P._torch_cuda() is None
+
+
+@pytest.fixture
+def logger_level():
+    """main() quiets the module's logger (it prints the reasons instead); put its level back for the other tests."""
+    lg = logging.getLogger(P.__name__)
+    old = lg.level
+    yield
+    lg.setLevel(old)
+
+
+def test_the_status_command(monkeypatch, tmp_path, capsys, logger_level):
+    with pytest.raises(SystemExit) as e:
+        P.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and out.startswith("usage: python -m dsv4_sm120.calibrate.machine_profile [-h] {status}")
+    assert ("Whether a machine profile applies to a GPU with this environment's versions (the serve preflight's "
+            "profile check).") in out
+    assert "status print whether a profile matches GPU (JSON with --json)" in out
+    with pytest.raises(SystemExit):
+        P.main(["status", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--gpu GPU GPU name as nvidia-smi prints it (repeatable)" in out
+    assert "--dir DIR profile directory (default: the one the patched SGLang reads)" in out
+    assert "--json one JSON object per GPU name, one per line" in out
+    with pytest.raises(SystemExit) as e:
+        P.main([])
+    assert e.value.code == 2 and "the following arguments are required: cmd" in capsys.readouterr().err
+    mine = {"cuda": "12.8"}
+    monkeypatch.setattr(P, "running_versions", lambda: mine)
+    calls = []
+
+    def status(g, versions, directory):
+        calls.append((g, versions, directory))
+        return {"gpu": g, "usable": g == "A", "path": "/p/A.json" if g == "A" else None,
+                "reasons": [] if g == "A" else ["no profile /p/B.json", "warning: x"]}
+
+    monkeypatch.setattr(P, "status", status)
+    assert P.main(["status", "--gpu", "A", "--gpu", "B", "--gpu", "A", "--dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "A: profile /p/A.json\nB: no usable profile\n  no profile /p/B.json\n  warning: x\n"
+    assert calls == [("A", mine, tmp_path), ("B", mine, tmp_path)] and isinstance(calls[0][2], Path)
+
+
+def test_the_allreduce_and_shape_decisions_are_checked_by_their_own_rules():
+    from dsv4_sm120.calibrate.shape_decision import VARIANTS
+
+    ok = _profile({"allreduce": {"servers": {}}})
+    assert P.validate(ok) is ok                              # no buckets: the all-reduce entry has its own form
+    with pytest.raises(P.ProfileError) as e:                 # the entries after it are still checked
+        P.validate(_profile({"allreduce": {"servers": {}}, "attention.swa": {}}), "/p.json")
+    assert str(e.value) == "/p.json: decision 'attention.swa' has no buckets"
+    with pytest.raises(P.ProfileError) as e:
+        P.validate(_profile({"allreduce": {}}), "/p.json")
+    assert str(e.value) == "/p.json: decision 'allreduce': no servers object"
+    with pytest.raises(P.ProfileError) as e:
+        P.validate(_profile({"shape": {"variants": {"bogus": {}}}}), "/p.json")
+    assert str(e.value) == f"/p.json: decision 'shape': variant 'bogus': expected one of {', '.join(VARIANTS)}"
+
+
+def test_the_driver_version_and_the_process_versions_found_once(clean):
+    answers = []
+    clean.setattr(P.subprocess, "run", lambda *a, **k: answers.pop(0))
+    answers.append(types.SimpleNamespace(returncode=0, stdout=" 580.95.05 \n"))
+    assert P._driver() == "580.95.05"
+    answers.append(types.SimpleNamespace(returncode=9, stdout="580\n"))
+    assert P._driver() is None
+    answers.append(types.SimpleNamespace(returncode=0, stdout="\n"))
+    assert P._driver() is None
+    calls = []
+    clean.setattr(P, "running_versions", lambda: calls.append(1) or dict(VERS))
+    assert P._process_versions() == VERS and P._process_versions() == VERS and calls == [1]
+
+
+def test_the_versions_asked_for_not_the_process_ones(clean, tmp_path, caplog):
+    clean.setattr(P, "running_versions", lambda: dict(VERS, torch="0.0"))     # this process would not match
+    path = _write(tmp_path, _profile({"attention.swa": _decision({4: "flashinfer", 64: "dsv4"}),
+                                      "moe.mxfp4": _decision({1: "z", 8: "a"})}))
+    assert P.bucket_winners("attention.swa", gpu=GPU, versions=VERS, directory=tmp_path) == (
+        [(4, "flashinfer"), (64, "dsv4")], f"profile {path}")
+    # a tie between winners other than the default: the winner of the larger buckets, whatever their names
+    assert P.overall("moe.mxfp4", "other", gpu=GPU, versions=VERS, directory=tmp_path)[0] == "a"
+    with pytest.raises(KeyError) as e:
+        P.overall("nope", gpu=GPU, versions=VERS, directory=tmp_path)
+    assert e.value.args[0] == f"unknown decision 'nope'; known: {', '.join(sorted(P.DEFAULTS))}"
+    usable, why = P.match(_profile(), GPU, dict(VERS, torch="0.0"))
+    assert usable is False and why == ["torch 2.14.1 in profile, 0.0 running (rerun `make calibrate`)"]
+    P.clear_cache()
+    clean.setenv("DSV4_SM120_PROFILE_DIR", "~nosuchuser_dsv4/x")
+    with caplog.at_level(logging.WARNING, logger="dsv4_sm120"):
+        P.active_profile(GPU, VERS)
+    assert "nosuchuser_dsv4" in caplog.messages[-1]          # the warning says what could not be read
+
+
+def test_the_creation_time_is_utc(monkeypatch):
+    import time
+
+    monkeypatch.setenv("TZ", "XYZ-9")                           # nine hours east of UTC
+    time.tzset()
+    try:
+        before = time.gmtime()
+        got = P.now_iso()
+        # the UTC hour (local time would be nine hours on); the clock may pass the full hour in between
+        assert got[:13] in (time.strftime("%Y-%m-%dT%H", before), time.strftime("%Y-%m-%dT%H", time.gmtime())), got
+        assert got.endswith("Z") and len(got) == 20
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
+def test_the_entries_after_a_valid_shape_decision_are_checked():
+    from dsv4_sm120.calibrate import shape_decision as sd
+
+    cands = [{"name": "p4-d4", "prefill_gpus": "0,1,2,3", "decode_gpus": "4,5,6,7", "spec": None, "max_running": 16,
+              "status": "ok", "agrees": True, "per_concurrency": {"1": {"output_tok_s": 1000.0}}}]
+    shape = {"variants": {"base": {"standin": False, "candidates": cands, "winners": {"1": "p4-d4"},
+                                   "measured_at": "2026-01-01T00:00:00Z"}}}
+    assert sd.validate_entry(shape) is None
+    ok = _profile({"shape": shape})
+    assert P.validate(ok) is ok
+    with pytest.raises(P.ProfileError) as e:
+        P.validate(_profile({"shape": shape, "attention.swa": {}}), "/p.json")
+    assert str(e.value) == "/p.json: decision 'attention.swa' has no buckets"

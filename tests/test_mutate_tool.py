@@ -158,3 +158,28 @@ def test_the_command_lists_without_running_and_refuses_in_one_line():
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "mutate.py"), "--dry-run", "--modules",
                         f"{PKG}fileio.py"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no line of scripts/mutate_targets.txt" in r.stderr
+
+
+def test_children_of_the_coverage_pass_run_the_original_code(tmp_path):
+    """The sitecustomize the scratch tree gets: the first Python process (mutmut's) keeps MUTANT_UNDER_TEST, a
+    later one (a test's child) drops "stats" but keeps a mutant's name."""
+    import mutate as M
+
+    (tmp_path / "sitecustomize.py").write_text(M.CHILD_STATS_GUARD)
+    child = "import os; print(repr(os.environ.get('MUTANT_UNDER_TEST')))"
+    parent = ("import os, subprocess, sys; print(repr(os.environ.get('MUTANT_UNDER_TEST')), flush=True); "
+              f"subprocess.run([sys.executable, '-c', {child!r}])")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("MUTATE_FIRST_PYTHON_PID",)}
+    env["PYTHONPATH"] = str(tmp_path)
+    for marker, in_child in (("stats", "''"), ("list_all_tests", "''"), ("dsv4_sm120.x.x_f__mutmut_3",
+                                                                          "'dsv4_sm120.x.x_f__mutmut_3'")):
+        r = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60,
+                           env=dict(env, MUTANT_UNDER_TEST=marker))
+        assert r.stdout.split() == [repr(marker), in_child], (marker, r.stdout, r.stderr)
+
+
+def test_retest_needs_an_earlier_run(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "mutate.py"), "--retest", "--out", str(tmp_path),
+                        "--modules", f"{PKG}tolerances.py"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "[mutate] error: --retest: no earlier run of overlay/dsv4_sm120/tolerances.py"), r.stderr

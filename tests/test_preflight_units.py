@@ -53,6 +53,13 @@ class Run:
         return types.SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
+def _each_answer(run, check, cases):
+    """``check(_plan())`` with every command answering ``answer``, for each ``(answer, expected)`` in turn."""
+    for answer, want in cases:
+        run({"*": answer})
+        assert check(_plan()) == want, answer
+
+
 @pytest.fixture
 def run(monkeypatch):
     def install(answers):
@@ -171,18 +178,13 @@ def test_the_gpu_check_asks_nvidia_smi(run):
     assert pf.check_gpu(_plan(roles=("router",))) == [] and len(r.calls) == 2
     r.answers["nvidia-smi"] = r.answers["/opt/smi"]
     assert pf.check_gpu(_plan(NVIDIA_SMI="")) and r.calls[-1][0][0] == "nvidia-smi"
-    run({"*": (9, "", "NVIDIA-SMI has failed\nbecause no driver\n")})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi failed (exit 9): because no driver"]
-    run({"*": (9, "out only\n", "")})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi failed (exit 9): out only"]
-    run({"*": (9, "", "")})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi failed (exit 9): no output"]
-    run({"*": FileNotFoundError("x")})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi not found (/opt/smi): no NVIDIA driver on this host?"]
-    run({"*": subprocess.TimeoutExpired("smi", 30)})
-    assert pf.check_gpu(_plan()) == ["nvidia-smi did not answer within 30 s"]
-    run({"*": (0, "garbage\n", "")})
-    assert pf.check_gpu(_plan()) == ["unexpected nvidia-smi line: 'garbage'"]
+    _each_answer(run, pf.check_gpu, [
+        ((9, "", "NVIDIA-SMI has failed\nbecause no driver\n"), ["nvidia-smi failed (exit 9): because no driver"]),
+        ((9, "out only\n", ""), ["nvidia-smi failed (exit 9): out only"]),
+        ((9, "", ""), ["nvidia-smi failed (exit 9): no output"]),
+        (FileNotFoundError("x"), ["nvidia-smi not found (/opt/smi): no NVIDIA driver on this host?"]),
+        (subprocess.TimeoutExpired("smi", 30), ["nvidia-smi did not answer within 30 s"]),
+        ((0, "garbage\n", ""), ["unexpected nvidia-smi line: 'garbage'"])])
 
 
 # ---------------------------------------------------------------------------- patches, nixl, router, python
@@ -214,12 +216,10 @@ def test_the_patch_status(run):
     assert kw["timeout"] == 120 and kw["cwd"] == "/r" and kw["env"]["PYTHONPATH"].startswith("/r/overlay")
     assert kw["capture_output"] and kw["text"]
     assert pf.check_patches(_plan(roles=("router",))) == [] and len(r.calls) == 1
-    run({"*": (1, "", "Traceback\nImportError: x\n")})
-    assert pf.check_patches(_plan()) == ["could not read the patch status: ImportError: x"]
-    run({"*": (3, "", "")})
-    assert pf.check_patches(_plan()) == ["could not read the patch status: exit 3"]
-    run({"*": subprocess.TimeoutExpired("x", 120)})
-    assert pf.check_patches(_plan()) == ["patch status check timed out after 120 s"]
+    _each_answer(run, pf.check_patches, [
+        ((1, "", "Traceback\nImportError: x\n"), ["could not read the patch status: ImportError: x"]),
+        ((3, "", ""), ["could not read the patch status: exit 3"]),
+        (subprocess.TimeoutExpired("x", 120), ["patch status check timed out after 120 s"])])
 
 
 def test_the_nixl_check(run):
@@ -230,18 +230,13 @@ def test_the_nixl_check(run):
     assert kw["timeout"] == 90 and kw["cwd"] == "/r" and kw["env"]["NCCL_X"] == "1"
     assert kw["env"]["PYTHONPATH"].startswith("/r/overlay")
     assert pf.check_nixl(_plan(roles=("router",))) == [] and len(r.calls) == 1
-    run({"*": (1, "nixl check: first\nother\n", "nixl check: UCX backend missing\n")})
-    assert pf.check_nixl(_plan()) == ["nixl check: first"]
-    run({"*": (1, "", "nixl check: a\nnixl check: UCX backend missing\n")})
-    assert pf.check_nixl(_plan()) == ["nixl check: UCX backend missing"]
-    run({"*": (2, "out\n", "some error\nlast line\n")})
-    assert pf.check_nixl(_plan()) == ["NIXL check failed (exit 2): last line"]
-    run({"*": (2, "out tail\n", "")})
-    assert pf.check_nixl(_plan()) == ["NIXL check failed (exit 2): out tail"]
-    run({"*": (2, "", "")})
-    assert pf.check_nixl(_plan()) == ["NIXL check failed (exit 2): "]
-    run({"*": subprocess.TimeoutExpired("x", 90)})
-    assert pf.check_nixl(_plan()) == ["NIXL check timed out after 90 s"]
+    _each_answer(run, pf.check_nixl, [
+        ((1, "nixl check: first\nother\n", "nixl check: UCX backend missing\n"), ["nixl check: first"]),
+        ((1, "", "nixl check: a\nnixl check: UCX backend missing\n"), ["nixl check: UCX backend missing"]),
+        ((2, "out\n", "some error\nlast line\n"), ["NIXL check failed (exit 2): last line"]),
+        ((2, "out tail\n", ""), ["NIXL check failed (exit 2): out tail"]),
+        ((2, "", ""), ["NIXL check failed (exit 2): "]),
+        (subprocess.TimeoutExpired("x", 90), ["NIXL check timed out after 90 s"])])
 
 
 def test_the_router_and_python_checks(run, tmp_path):
@@ -411,12 +406,10 @@ def test_nvidia_smi_answering(run):
     assert pf.smi_problem(_plan()) == "/opt/smi failed (exit 0)"
     run({"*": (6, "x", "")})
     assert pf.smi_problem(_plan(NVIDIA_SMI="")) == "nvidia-smi failed (exit 6)"
-    run({"*": FileNotFoundError()})
-    assert pf.smi_problem(_plan()) == "/opt/smi not found"
-    run({"*": PermissionError()})
-    assert pf.smi_problem(_plan()) == "/opt/smi did not run (PermissionError)"
-    run({"*": subprocess.TimeoutExpired("x", 30)})
-    assert pf.smi_problem(_plan()) == "/opt/smi did not run (TimeoutExpired)"
+    _each_answer(run, pf.smi_problem, [
+        (FileNotFoundError(), "/opt/smi not found"),
+        (PermissionError(), "/opt/smi did not run (PermissionError)"),
+        (subprocess.TimeoutExpired("x", 30), "/opt/smi did not run (TimeoutExpired)")])
 
 
 def test_why_a_check_does_not_run():
@@ -520,3 +513,184 @@ def test_the_dry_runs_model_note(monkeypatch):
         monkeypatch.setattr(model_config, "read", lambda mp, w=where: answers[w])
         assert pf._model_note(_plan()) == want
     assert pf._model_note(_plan(roles=("router",))) == "no server on this host"
+
+
+# ---------------------------------------------------------------------------- the memory check, one-role hosts
+
+SMI_4 = "".join(f"{i}, NVIDIA RTX PRO 6000, 12.0, 97887, 97000\n" for i in range(4))
+
+
+def test_the_memory_check_hands_each_server_and_the_model_to_memory_check(run, monkeypatch):
+    from dsv4_sm120 import model_config
+    from dsv4_sm120.serving import memory_check
+
+    mc = types.SimpleNamespace(directory="/models/x", config={"layers": 43}, problems=lambda: [])
+    read, got = [], []
+    monkeypatch.setattr(model_config, "read", lambda path: read.append(path) or mc)
+    monkeypatch.setattr(memory_check, "check", lambda *a: got.append(a) or (["too big"], ["a note"]))
+    monkeypatch.setattr(memory_check, "by_gpu", lambda table: ("by", sorted(table)))
+    run({"/opt/smi": (0, SMI_4, "")})
+    assert pf.check_memory(_plan(CONTEXT_LEN="65536")) == (["too big"], ["a note"])
+    assert read == ["/models/x"]
+    assert got == [([("prefill", "prefill", [0, 1], 0.8), ("decode", "decode", [2, 3], 0.7)], "/models/x",
+                     {"layers": 43}, 65536, ("by", [0, 1, 2, 3]))]
+    mc.problems = lambda: ["a shard is missing"]              # the weights cannot be sized: config only
+    pf.check_memory(_plan(CONTEXT_LEN="65536"))
+    assert got[-1][1] is None and got[-1][2] == {"layers": 43}
+    got.clear()
+    read.clear()
+    assert pf.check_memory(_plan(roles=("router",), CONTEXT_LEN="1")) == ([], []) and got == [] and read == []
+    run({"*": (9, "", "no driver\n")})
+    assert pf.check_memory(_plan(CONTEXT_LEN="1")) == ([], ["not checked: nvidia-smi failed (exit 9): no driver"])
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_host_with_one_server_runs_the_server_checks(run, monkeypatch, role):
+    from dsv4_sm120 import model_config
+
+    r = run({"dsv4_sm120.patching": (0, json.dumps({"patched": True, "matches_repo": True}), ""),
+             "dsv4_sm120.serving.nixl_check": (0, "", "")})
+    assert pf.check_patches(_plan(roles=(role,))) == [] and pf.check_nixl(_plan(roles=(role,))) == []
+    assert [c[0][2] for c in r.calls] == ["dsv4_sm120.patching", "dsv4_sm120.serving.nixl_check"]
+    read = []
+    monkeypatch.setattr(model_config, "read", lambda path: read.append(path) or types.SimpleNamespace(
+        where="hub-cache", source="config.json in the cache"))
+    assert pf._model_note(_plan(roles=(role,))) == "config.json in the cache" and read == ["/models/x"]
+
+
+def test_what_the_commands_are_asked(run):
+    r = run({"*": (0, SMI_4, "")})
+    assert pf.smi_problem(_plan()) is None
+    assert r.calls[-1][0] == ["/opt/smi", "--query-gpu=index,name,compute_cap,memory.total,memory.free",
+                              "--format=csv,noheader,nounits"]
+    r = run({"/py": (0, "", "")})
+    pf.check_router(_plan(python="/py"))
+    assert r.calls[0][1] == {"capture_output": True, "text": True, "timeout": 60}
+    run({"*": (1, "", "Traceback\n  File x\nImportError: the last line\n")})
+    assert pf.check_patches(_plan()) == ["could not read the patch status: ImportError: the last line"]
+
+
+def test_the_attention_body_named_for_sm120():
+    # the split bodies for sm_120 (docs/attention.md): tiled, flat, reg, wspec; the warpgroup-MMA ones are Hopper's
+    assert pf.check_attention_arch({"DSV4_SM120_ATTN_CONFIG": "impl=reg"}) == []
+    assert pf.check_attention_arch({}) == []
+    assert pf.check_attention_arch({"DSV4_SM120_ATTN_CONFIG": "impl=wgmma"}) == [
+        "DSV4_SM120_ATTN_CONFIG='impl=wgmma' names impl=wgmma, which runs on sm_90 only, and the servers' GPUs are "
+        "sm_120: remove impl=wgmma (or name one of tiled, flat, reg, wspec)"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_one_server_hosts_get_the_allocator_and_model_checks(monkeypatch, role):
+    from dsv4_sm120 import model_config
+
+    bad = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert len(pf.check_alloc_conf(_plan(roles=(role,)), bad)) == 1
+    assert pf.check_alloc_conf(_plan(roles=("router",)), bad) == []
+    monkeypatch.setattr(pf, "check_model", lambda plan: [])
+    monkeypatch.setattr(model_config, "read", lambda path: types.SimpleNamespace(warnings=lambda: ["unknown id"]))
+    assert pf.check_model_notes(_plan(roles=(role,))) == ([], ["unknown id"])
+    assert pf.check_model_notes(_plan(roles=("router",))) == ([], [])
+    monkeypatch.setattr(pf, "check_model", lambda plan: ["no weights"])
+    assert pf.check_model_notes(_plan(roles=(role,))) == (["no weights"], [])
+
+
+def test_the_p2p_notes_when_it_does_not_run_and_a_start_asks_no_nvidia_smi(monkeypatch):
+    seen = []
+    monkeypatch.setattr(pf, "ipc_unverified", lambda plan, why: seen.append(plan) or [f"IPC server: {why}"])
+    monkeypatch.setattr(pf, "check_overlay_env", lambda plan: [])
+    monkeypatch.setattr(pf, "check_python", lambda plan: [])
+    monkeypatch.setattr(pf, "calibrate_first", lambda plan, say: [])
+    monkeypatch.setattr(pf, "smi_problem", lambda plan: (_ for _ in ()).throw(AssertionError("a start asks smi")))
+    _runners(monkeypatch, {})
+    said = []
+    p = _plan(PREFLIGHT_SKIP="p2p,ucx")
+    assert pf.run_preflight(p, said.append) == [] and seen == [p]
+    assert said[said.index("preflight p2p: skipped") + 1] == "preflight p2p: IPC server: not verified (the p2p check " \
+                                                              "is skipped)"
+    assert said[-2:] == ["preflight router: ok", "preflight profile: ok"] and "preflight ucx: skipped" in said
+    _runners(monkeypatch, {"gpu": ["no gpu"]})
+    said.clear()
+    pf.run_preflight(_plan(), said.append)
+    assert said[said.index("preflight p2p: not run (needs the gpu check, which failed)") + 1] == (
+        "preflight p2p: IPC server: not verified (needs the gpu check, which failed)")
+    monkeypatch.setattr(pf, "smi_problem", lambda plan: None)
+    _runners(monkeypatch, {})
+    said.clear()
+    pf.run_dry_checks(_plan(), said.append)
+    assert said[said.index("preflight p2p: not run (dry run: copies between the GPUs)") + 1] == (
+        "preflight p2p: IPC server: a start's p2p check verifies it (the server runs NCCL where it is missing)")
+    assert [x for x in said if "IPC server" in x and not x.startswith("preflight p2p: ")] == []
+
+
+def test_table_and_profile_edges(run, monkeypatch):
+    gpus = {0: {"name": "G", "cc": "12.0", "total_mib": 10240, "free_mib": 5120}}
+    # a missing GPU does not stop the rows after it; the GiB shown are MiB / 1024
+    assert pf.check_gpus_table(gpus, [("prefill", [7, 0], 0.9)]) == [
+        "prefill: GPU 7 not found (nvidia-smi lists 1 GPU(s): 0)",
+        "prefill: GPU 0 has 5.0 GiB free of 10.0 GiB; mem fraction 0.9 needs 9.0 GiB (another process is using it?)"]
+    r = run({"/opt/smi": (0, "0, NVIDIA RTX PRO 6000, Blackwell\n", "")})
+    assert pf.server_gpu_names(_plan())[0] == {"NVIDIA RTX PRO 6000, Blackwell": "prefill GPU 0"}
+    assert r.calls
+    assert pf.interpret_profile_status([{"gpu": "Z", "usable": True, "path": "/p"}], {}) == [
+        "machine profile /p applies to Z ()"]
+    assert pf.interpret_profile_status([{"gpu": "Z", "usable": False}], {})[0].startswith(
+        "WARNING: no matching machine profile for Z (): no reason given;")
+    monkeypatch.setattr(pf, "server_gpu_names", lambda plan: ({"G": "decode GPU 2"}, None))
+    run({"*": (1, "", "first\nsecond\nthe last\n")})
+    assert pf.check_profile(_plan()) == ([], ["WARNING: could not check the machine profile: the last"])
+
+
+def test_a_bind_error_without_an_errno_still_counts_as_busy(monkeypatch):
+    class Sock:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def setsockopt(self, *a):
+            pass
+
+        def bind(self, addr):
+            raise OSError("refused, no errno")
+
+    monkeypatch.setattr(socket, "socket", Sock)
+    assert pf.bind_problem("127.0.0.1", 1) == -1 and pf.port_in_use("127.0.0.1", 1)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_one_server_hosts_get_the_python_and_model_checks(run, monkeypatch, tmp_path, role):
+    from dsv4_sm120 import model_config
+
+    py = tmp_path / "python"
+    py.write_text("#!/bin/sh\n")
+    py.chmod(0o755)
+    r = run({str(py): (3, "", "")})
+    assert pf.check_python(_plan(roles=(role,), python=str(py))) == [
+        f"sglang is not installed in {py}: run `make setup`"]
+    assert r.calls[0][1] == {"capture_output": True, "text": True, "timeout": 60}
+    assert pf.check_python(_plan(roles=("router",), python=str(py))) == [] and len(r.calls) == 1
+    # the model: a local directory without weights is a failure (not for stand-ins); shard problems are capped
+    (tmp_path / "m").mkdir()
+    mc = types.SimpleNamespace(problems=lambda: [], where="local", directory=tmp_path / "m")
+    monkeypatch.setattr(model_config, "read", lambda path: mc)
+    assert pf.check_model(_plan(roles=(role,), MODEL_PATH="/m")) == [
+        "MODEL_PATH=/m: no *.safetensors weights in the directory"]
+    assert pf.check_model(_plan(roles=(role,), standin=True, MODEL_PATH="/m")) == []
+    assert pf.check_model(_plan(roles=("router",), MODEL_PATH="/m")) == []
+    (tmp_path / "m" / "a.safetensors").write_bytes(b"")
+    asked = []
+    monkeypatch.setattr(pf, "scan_checkpoint", lambda path, **kw: asked.append(kw) or (None, ["shard a: empty"]))
+    assert pf.check_model(_plan(roles=(role,), MODEL_PATH="/m")) == ["MODEL_PATH=/m: shard a: empty"]
+    assert asked == [{"max_problems": 5}]
+
+
+def test_a_plan_without_a_skip_setting_skips_nothing():
+    p = _plan()
+    del p.settings["PREFLIGHT_SKIP"]
+    assert pf.skipped_checks(p) == []
+    p.standin = True
+    assert pf.skipped_checks(p) == ["gpu", "memory", "patches", "nixl", "p2p", "ucx"]

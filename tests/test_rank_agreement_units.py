@@ -206,3 +206,147 @@ def test_without_a_world_every_group_is_single_and_rank_zero():
     assert RA.process_rank() == 0
     assert RA.agree("t", {"a": 1}) == [{"a": 1}]
     assert RA.agree("t", 3, group=RA.Group(None, 0, 1, "mine")) == [3]
+
+
+# ---- edges: the message's cut, stores answering str, the clock at the limit, the poll back-off, other groups ----
+
+def test_the_store_error_is_cut_to_200_characters_of_its_first_line():
+    g = RA.Group(None, 0, 2, "g")
+    e = g._store_down("posting agreement 't'", OSError("a" * 199 + "bc" + "d" * 50 + "\nsecond"))
+    assert ("(OSError: " + "a" * 199 + "b); the process") in str(e)
+
+
+class _StrStore:
+    """A store whose reads answer ``str`` (the module accepts str as well as bytes) and counts its checks."""
+
+    def __init__(self):
+        self.inner, self.checks = dist.HashStore(), []
+
+    def set(self, k, v):
+        self.inner.set(k, v)
+
+    def check(self, keys):
+        self.checks.append(list(keys))
+        return self.inner.check(keys)
+
+    def multi_get(self, keys):
+        return [v.decode() for v in self.inner.multi_get(keys)]
+
+
+def test_a_store_that_answers_str_and_one_check_per_poll_while_in_time():
+    s = _StrStore()
+    gs = [RA.Group(s, r, 2, "s") for r in range(2)]
+    res = {}
+
+    def late():
+        time.sleep(0.2)
+        res[1] = gs[1].agree("t", 1, timeout=5)
+
+    t = threading.Thread(target=late)
+    t.start()
+    res[0] = gs[0].agree("t", 0, timeout=5)
+    t.join(10)
+    assert res == {0: [0, 1], 1: [0, 1]}
+    # while in time, rank 0 polls with the whole key list only (a check per key only once late)
+    assert s.checks and all(len(k) == 2 for k in s.checks), s.checks
+
+
+class _Clock:
+    def __init__(self):
+        self.now, self.sleeps = 100.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        if len(self.sleeps) > 50:
+            raise AssertionError("still polling")
+        self.now += s
+
+
+def test_a_limit_of_zero_seconds_checks_once_and_names_the_missing(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(RA.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(RA.time, "sleep", clock.sleep)
+    _, gs = _ranks(2, "z")
+    with pytest.raises(RA.RankTimeout) as e:       # the clock does not move: 0 s elapsed is already the limit
+        gs[0].agree("t", timeout=0)
+    assert e.value.missing == [1] and clock.sleeps == []
+
+
+def test_the_poll_interval_doubles_up_to_its_cap(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(RA.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(RA.time, "sleep", clock.sleep)
+    _, gs = _ranks(2, "p")
+    with pytest.raises(RA.RankTimeout):
+        gs[0].agree("t", timeout=0.1)
+    first, cap = RA._POLL_FIRST_S, RA._POLL_MAX_S
+    want, d = [], first
+    while sum(want) < 0.1:
+        want.append(d)
+        d = min(d * 2, cap)
+    assert clock.sleeps == pytest.approx(want)
+    assert want[:3] == pytest.approx([0.0005, 0.001, 0.002]) and max(want) == 0.02
+
+
+def test_everyone_arriving_just_as_the_limit_passes_is_agreement_not_a_timeout(monkeypatch):
+    """The group check fails, the limit passes, then each key is there (the last rank posted in between)."""
+    inner = dist.HashStore()
+
+    class Racy:
+        first = True
+
+        def set(self, k, v):
+            inner.set(k, v)
+
+        def check(self, keys):
+            if len(keys) > 1 and Racy.first:
+                Racy.first = False
+                inner.set("dsv4_sm120/agree/r/0/1", json.dumps({"topic": "t", "status": "late"}))
+                return False
+            return inner.check(keys)
+
+        def multi_get(self, keys):
+            return inner.multi_get(keys)
+
+    assert RA.Group(Racy(), 0, 2, "r").agree("t", "early", timeout=0) == ["early", "late"]
+
+
+def test_the_module_agree_passes_its_timeout(monkeypatch):
+    monkeypatch.setenv("DSV4_SM120_RANK_AGREE_TIMEOUT_S", "3")
+    _, gs = _ranks(2, "m")
+    t0 = time.monotonic()
+    with pytest.raises(RA.RankTimeout, match=r"within 0\.05 s"):
+        RA.agree("t", 1, group=gs[0], timeout=0.05)
+    assert time.monotonic() - t0 < 2
+
+
+def test_the_group_of_a_subgroup_uses_its_own_name_rank_size_and_store(world, monkeypatch):
+    from torch.distributed import distributed_c10d as c10d
+
+    sub = dist.new_group([0])
+    # torch answers for the subgroup otherwise than for the world (in a one-rank world both are rank 0 of 1)
+    real_size, real_rank = dist.get_world_size, dist.get_rank
+    monkeypatch.setattr(dist, "get_world_size", lambda pg=None: 3 if pg is sub else real_size(pg))
+    monkeypatch.setattr(dist, "get_rank", lambda pg=None: 2 if pg is sub else real_rank(pg))
+    g = RA.group_of(sub)
+    assert (g.name, g.rank, g.size) == (c10d._get_process_group_name(sub), 2, 3)
+    assert g.name != "world" and g.store is c10d._world.pg_map[sub][1]
+    assert g._pg is sub                               # the cache holds the group: its id is not reused meanwhile
+    assert RA.group_of(sub) is g and RA.group_of() is RA.SINGLE
+
+
+def test_process_rank_is_torchs_rank_only_in_a_started_world(monkeypatch):
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 3)
+    assert not dist.is_initialized()
+    assert RA.process_rank() == 0                     # torch would answer, but no world is started
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    assert RA.process_rank() == 3
+
+    def gone(*a):
+        raise RuntimeError("the default process group has been destroyed")
+
+    monkeypatch.setattr(dist, "get_rank", gone)
+    assert RA.process_rank() == 0
