@@ -1,4 +1,4 @@
-"""dsv4_sm120.calibrate.machine_profile, each rule against its documentation (module doc, docs/calibrate.md), in this
+"""dsv4_sm120.machine_profile, each rule against its documentation (module doc, docs/calibrate.md), in this
 process: the file name of a GPU, the directory order, every schema rule with its one-line message naming the file,
 the written file's form, the versions this process runs with (git, the driver and the packages through stand-ins),
 which version mismatches void a profile (one that cannot be determined does), the bucket a call of n rows uses,
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_sm120.calibrate import machine_profile as P
+from dsv4_sm120 import machine_profile as P
+from dsv4_sm120 import paths
 
 GPU = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 VERS = {"sglang": "0.5.23", "flashinfer": "0.6.0", "triton": "3.8.0", "torch": "2.14.1", "cuda": "13.0",
@@ -73,12 +74,12 @@ def test_the_directory_order(clean, tmp_path):
     assert P.profile_path("X", tmp_path) == tmp_path / "X.json"       # an explicit directory wins
     clean.delenv("DSV4_SM120_PROFILE_DIR")
     repo = tmp_path / "repo"
-    clean.setattr(P, "applied_repo_root", lambda: repo)
-    assert P.profile_dir() == P.CONFIGS_DIR / "profiles"              # the applied checkout has no configs/
+    clean.setattr(paths, "applied_repo_root", lambda sglang_root=None: repo)
+    assert P.profile_dir() == paths.CONFIGS_DIR / "profiles"              # the applied checkout has no configs/
     (repo / "configs").mkdir(parents=True)
     assert P.profile_dir() == repo / "configs" / "profiles"
-    clean.setattr(P, "applied_repo_root", lambda: None)
-    assert P.profile_dir() == P.CONFIGS_DIR / "profiles"
+    clean.setattr(paths, "applied_repo_root", lambda sglang_root=None: None)
+    assert P.profile_dir() == paths.CONFIGS_DIR / "profiles"
 
 
 # ---------------------------------------------------------------------------- the schema
@@ -389,8 +390,8 @@ def test_the_status_command(clean, tmp_path, capsys):
     P.clear_cache()
     assert P.main(["status", "--gpu", GPU, "--dir", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"gpu": GPU, "usable": True, "path": str(path), "reasons": []}
-    assert logging.getLogger("dsv4_sm120.calibrate.machine_profile").level == logging.ERROR
-    logging.getLogger("dsv4_sm120.calibrate.machine_profile").setLevel(logging.NOTSET)
+    assert logging.getLogger("dsv4_sm120.machine_profile").level == logging.ERROR
+    logging.getLogger("dsv4_sm120.machine_profile").setLevel(logging.NOTSET)
     with pytest.raises(SystemExit):
         P.main(["status"])
     assert P.now_iso().endswith("Z") and len(P.now_iso()) == 20

@@ -21,8 +21,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 if __name__ != "__main__":
     from dsv4_sm120 import launch_tables as lt
-    from dsv4_sm120.devtools import sm120_compile as SC
-    from dsv4_sm120.devtools import sm120_launches as SL
+    from dsv4_sm120.dev import sm120_compile as SC
+    from dsv4_sm120.dev import sm120_launches as SL
 
 FACTS_FILE = HERE / "data" / "sm120_compile_facts.json"
 FIELDS = ("shared", "static_shared", "regs", "stack", "local", "local_ops", "mma", "setmaxnreg")
@@ -292,11 +292,11 @@ def record() -> None:
     """tests/data/sm120_compile_facts.json from the compile cache (DSV4_SM120_CACHE/sm120-compile/)."""
     import triton
 
-    from dsv4_sm120.devtools import sm120_compile as SC
-    from dsv4_sm120.devtools import sm120_launches as SL
+    from dsv4_sm120.dev import sm120_compile as SC
+    from dsv4_sm120.dev import sm120_launches as SL
 
     out = {"_": f"what Triton {triton.__version__} (ptxas of its wheel) reports of each sm_120 launch of "
-                "dsv4_sm120.devtools.sm120_launches, by Launch.key; recorded from the sm120_compile cache by "
+                "dsv4_sm120.dev.sm120_launches, by Launch.key; recorded from the sm120_compile cache by "
                 "tests/test_sm120_coverage_units.py --record"}
     for fam, ls in SL.enumerate_launches().items():
         cache = json.loads(SC.cache_file(fam).read_text())

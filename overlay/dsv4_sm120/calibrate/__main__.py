@@ -81,7 +81,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ds = parse_decisions(a.decisions)
         if a.device == "cpu":
             os.environ["TRITON_INTERPRET"] = "1"   # before any Triton kernel is imported
-        from . import machine_profile as P
+        from .. import machine_profile as P
         from .deployment import DeploymentError, from_env, tiny
 
         try:
@@ -143,7 +143,7 @@ def _allreduce_plan(a, dep, device):
 def dry_run(a, dep, ds, out_dir) -> int:
     from dsv4_sm120.fp8_configs import detect_device_name
 
-    from .machine_profile import file_stem
+    from ..machine_profile import file_stem
 
     device = a.device
     gpu = "cpu-interpreter" if device == "cpu" else (detect_device_name() or "<GPU name>")
@@ -163,7 +163,7 @@ def dry_run(a, dep, ds, out_dir) -> int:
 
 def run(a, dep, ds, out_dir: Path, device: str, gpu: str) -> int:
     from . import allreduce, fp8, report
-    from . import machine_profile as P
+    from .. import machine_profile as P
     from .candidates import Progress, run_decision
 
     plan = _plan(a, dep, ds, device)

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from dsv4_sm120.fp8.configs import config_file_name, summary_file_stem
+from dsv4_sm120.fp8_configs import config_file_name, summary_file_stem
 from dsv4_sm120.fp8.errors import EXIT_USAGE, UsageError
 from dsv4_sm120.fp8.search import candidate_configs
 from dsv4_sm120.fp8.shapes import DEFAULT_MS, Shape, parse_ms, parse_shapes, shapes_for_tp
