@@ -216,6 +216,11 @@ def _commit_id(text: str) -> Optional[str]:
     return "expected a commit id: 7-40 lowercase hex digits, optionally followed by -dirty"
 
 
+def _hook(name: str, kind: str, default: Optional[str], meaning: str, **kw) -> Setting:
+    """A test hook (reader ``test``): set by the tests and our stand-ins, never by a user."""
+    return Setting(name, kind, default, meaning, "test", **kw)
+
+
 # ---- the registry (order = the order of the listing)
 
 _ATTN_CONFIG_VALUES = "comma list of launch keys, e.g. `impl=tiled` or `e4m3_int_decode=0,maxnreg=0` (docs/attention.md)"
@@ -314,60 +319,56 @@ _OURS: Tuple[Setting, ...] = (
             "the make target running a command, set by the Makefile: its hints name the make command "
             "(`make <target> ARGS=...`) instead of bare options", "internal"),
     # test hooks
-    Setting("DSV4_SM120_SERVE_POLL_S", "float", "1.0", "seconds between the supervisor's checks", "test",
+    _hook("DSV4_SM120_SERVE_POLL_S", "float", "1.0", "seconds between the supervisor's checks",
             minimum=0, above=True),
-    Setting("DSV4_SM120_STANDIN_ROLE", "choice", "",
-            "the stand-in role the other DSV4_SM120_STANDIN_* hooks apply to (empty: every role)", "test",
+    _hook("DSV4_SM120_STANDIN_ROLE", "choice", "",
+            "the stand-in role the other DSV4_SM120_STANDIN_* hooks apply to (empty: every role)",
             choices=("", "prefill", "decode", "null")),
-    Setting("DSV4_SM120_STANDIN_RECORD", "path", "", "file the stand-ins append every request to (JSON lines)",
-            "test"),
-    Setting("DSV4_SM120_STANDIN_TRACE_TP", "int", "0",
-            "ranks of synthetic profiler traces a stand-in writes on /start_profile (0: none)", "test", minimum=0),
-    Setting("DSV4_SM120_STANDIN_TOKEN_S", "float", "0.002", "seconds between a stand-in's streamed tokens", "test",
+    _hook("DSV4_SM120_STANDIN_RECORD", "path", "", "file the stand-ins append every request to (JSON lines)"),
+    _hook("DSV4_SM120_STANDIN_TRACE_TP", "int", "0",
+            "ranks of synthetic profiler traces a stand-in writes on /start_profile (0: none)", minimum=0),
+    _hook("DSV4_SM120_STANDIN_TOKEN_S", "float", "0.002", "seconds between a stand-in's streamed tokens",
             minimum=0),
-    Setting("DSV4_SM120_STANDIN_FAIL_AT_START", "bool", "0", "1: the stand-in exits at start", "test"),
-    Setting("DSV4_SM120_STANDIN_STARTUP_S", "float", "0", "seconds before the stand-in reports healthy", "test",
+    _hook("DSV4_SM120_STANDIN_FAIL_AT_START", "bool", "0", "1: the stand-in exits at start"),
+    _hook("DSV4_SM120_STANDIN_STARTUP_S", "float", "0", "seconds before the stand-in reports healthy",
             minimum=0),
-    Setting("DSV4_SM120_STANDIN_EXIT_AFTER_S", "float", "0", "seconds after which the stand-in exits (0: never)",
-            "test", minimum=0),
-    Setting("DSV4_SM120_STANDIN_EXIT_WHEN_FILE", "path", "", "the stand-in exits once this file exists", "test"),
-    Setting("DSV4_SM120_STANDIN_CHILD_PIDFILE", "path", "",
-            "the stand-in starts a helper process and writes its pid here", "test"),
-    Setting("DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE", "path", "",
-            "the stand-in answers health checks with 503 while this file exists", "test"),
-    Setting("DSV4_SM120_STANDIN_FIRST_GENERATE_S", "float", "0",
-            "the stand-in's first generation request waits this many seconds (a transport cold start)", "test",
+    _hook("DSV4_SM120_STANDIN_EXIT_AFTER_S", "float", "0", "seconds after which the stand-in exits (0: never)", minimum=0),
+    _hook("DSV4_SM120_STANDIN_EXIT_WHEN_FILE", "path", "", "the stand-in exits once this file exists"),
+    _hook("DSV4_SM120_STANDIN_CHILD_PIDFILE", "path", "",
+            "the stand-in starts a helper process and writes its pid here"),
+    _hook("DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE", "path", "",
+            "the stand-in answers health checks with 503 while this file exists"),
+    _hook("DSV4_SM120_STANDIN_FIRST_GENERATE_S", "float", "0",
+            "the stand-in's first generation request waits this many seconds (a transport cold start)",
             minimum=0),
-    Setting("DSV4_SM120_STANDIN_FAIL_GENERATE", "bool", "0",
-            "1: the stand-in answers generation requests with HTTP 500 (a broken KV transfer)", "test"),
-    Setting("DSV4_SM120_STANDIN_EXIT_ON_STREAM", "bool", "0",
-            "1: the stand-in exits on its first streamed generation request (a server dying under load)", "test"),
-    Setting("DSV4_SM120_STANDIN_DIVERGE_AT", "int", "-1",
+    _hook("DSV4_SM120_STANDIN_FAIL_GENERATE", "bool", "0",
+            "1: the stand-in answers generation requests with HTTP 500 (a broken KV transfer)"),
+    _hook("DSV4_SM120_STANDIN_EXIT_ON_STREAM", "bool", "0",
+            "1: the stand-in exits on its first streamed generation request (a server dying under load)"),
+    _hook("DSV4_SM120_STANDIN_DIVERGE_AT", "int", "-1",
             "with the overlay on (DSV4_SM120_DISABLE off), the decode stand-in's greedy tokens differ from the "
-            "stock ones from this position on (-1: never; make verify's tests)", "test", minimum=-1),
-    Setting("DSV4_SM120_SERVE_SYSFS_ROOT", "path", "/sys",
-            "root of the sysfs tree the NUMA placement and the PCIe preflight read (tests point it at a fake box)",
-            "test"),
-    Setting("DSV4_SM120_TEST_PATCHING_FAIL_AFTER", "int", "-1",
-            "the patch tool fails after writing this many files (-1: never)", "test", minimum=-1),
-    Setting("DSV4_SM120_TEST_SELFCHECK_FAULT", "text", "",
+            "stock ones from this position on (-1: never; make verify's tests)", minimum=-1),
+    _hook("DSV4_SM120_SERVE_SYSFS_ROOT", "path", "/sys",
+            "root of the sysfs tree the NUMA placement and the PCIe preflight read (tests point it at a fake box)"),
+    _hook("DSV4_SM120_TEST_PATCHING_FAIL_AFTER", "int", "-1",
+            "the patch tool fails after writing this many files (-1: never)", minimum=-1),
+    _hook("DSV4_SM120_TEST_SELFCHECK_FAULT", "text", "",
             "a planted fault the self-check and the fallbacks must handle: `attention` / `moe` = our kernel's "
             "result scaled by 2 (MoE: on its first path); `attention-raise` = every call of our attention kernel "
             "raises; `attention-raise-T=<n>` = its calls of n rows raise; `moe-raise` = our MoE kernel raises on "
-            "its first path (from the first layer's prepare_layer on)", "test", check=_selfcheck_fault,
+            "its first path (from the first layer's prepare_layer on)", check=_selfcheck_fault,
             values="empty, attention, attention-raise, attention-raise-T=<n>, moe, moe-raise"),
-    Setting("DSV4_SM120_TEST_FAULT_RANKS", "text", "",
+    _hook("DSV4_SM120_TEST_FAULT_RANKS", "text", "",
             "the ranks (torch.distributed global ranks) where DSV4_SM120_TEST_SELFCHECK_FAULT applies, comma-separated "
-            "(empty: every rank): a fault on one rank of a tensor-parallel server", "test", check=_ranks,
+            "(empty: every rank): a fault on one rank of a tensor-parallel server", check=_ranks,
             values="empty, or ranks, e.g. 2 or 0,3"),
-    Setting("DSV4_SM120_TEST_GPU_NAME", "text", "",
-            "GPU name the SGLang glue looks the machine profile up for (CPU tests; empty: the current CUDA GPU)",
-            "test"),
-    Setting("DSV4_SM120_TEST_DURATIONS", "path", "",
+    _hook("DSV4_SM120_TEST_GPU_NAME", "text", "",
+            "GPU name the SGLang glue looks the machine profile up for (CPU tests; empty: the current CUDA GPU)"),
+    _hook("DSV4_SM120_TEST_DURATIONS", "path", "",
             "the record of test durations that orders make test's work, longest first (empty: "
-            "test-durations.json in DSV4_SM120_CACHE; tests/xdist_groups.py)", "test"),
-    Setting("DSV4_SM120_TEST_ATTN_CONFIG", "text", "",
-            "launch keys the GPU attention tests (tests/gpu) run every case with", "test",
+            "test-durations.json in DSV4_SM120_CACHE; tests/xdist_groups.py)"),
+    _hook("DSV4_SM120_TEST_ATTN_CONFIG", "text", "",
+            "launch keys the GPU attention tests (tests/gpu) run every case with",
             check=_attention_launch, values=_ATTN_CONFIG_VALUES),
 )
 
