@@ -3,7 +3,7 @@
 
 Compiles ``dsv4_sm120.attention.kernels.split_kernel_<impl>`` for sm_90 / sm_120 with Triton's own ptxas (H=16
 launch shape: BLOCK_H 16, SWA main + c4 extra, bf16 or fp8 QK, index prefetch), disassembles it with the
-nvdisasm / cuobjdump that Triton's wheel carries (``dsv4_sm120.devtools.sass``), and prints registers / stack /
+nvdisasm / cuobjdump that Triton's wheel carries (``dsv4_sm120.dev.sass``), and prints registers / stack /
 shared memory, the number of instructions of the longest loop (one candidate block, per warp) and the opcodes
 that matter for the pipes: conversions (F2F, F2FP: 16 results per SM per clock on sm_90), shared-memory traffic,
 barriers. docs/attention.md quotes it. Runs without torch (stubbed) so a bare ``pip install triton==3.6.0`` (the
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
-from dsv4_sm120.devtools.sass import compile_inspect, hot_loop_ops, split_kernel_source  # noqa: E402
+from dsv4_sm120.dev.sass import compile_inspect, hot_loop_ops, split_kernel_source  # noqa: E402
 
 
 class UsageError(Exception):

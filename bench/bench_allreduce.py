@@ -24,10 +24,10 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 
-from dsv4_sm120 import bench_results as R  # noqa: E402
+from dsv4_sm120.dev import bench_results as R  # noqa: E402
 from dsv4_sm120 import hints  # noqa: E402
 from dsv4_sm120.calibrate import allreduce as A  # noqa: E402
-from dsv4_sm120.calibrate.allreduce_choice import ROLES, MethodError, parse_methods  # noqa: E402
+from dsv4_sm120.machine_profile.allreduce_choice import ROLES, MethodError, parse_methods  # noqa: E402
 
 PROG = "bench_allreduce"
 

@@ -71,7 +71,7 @@ from attn_inputs import ROW_KEYS, make_layer, valid_tokens  # noqa: E402
 from attn_targets import report as targets_report  # noqa: E402
 from attn_timing import FLOOR, MMA_FLOOR, MMA_FLOOR_MAX_HEADS, floor_share_table, time_call, time_floor, \
     time_mma_floor  # noqa: E402
-from dsv4_sm120 import bench_results as R  # noqa: E402
+from dsv4_sm120.dev import bench_results as R  # noqa: E402
 
 B_ALL = (1, 4, 16, 64, 128)
 CASES = {"tp4_decode": ("swa128+c4", 16, B_ALL), "single512": ("single512", 16, B_ALL),
@@ -97,7 +97,7 @@ for _h in SPEC_HEADS:
         if _ctx:
             CASE_CONTEXT[_name] = _ctx
 # Launch sweeps (group ``launch``): every candidate launch of a table shape (heads, qk mode) at grid-row sizes
-# from one row to past the decode batches, so dsv4_sm120.launch_sweep can generate this GPU's launch tables
+# from one row to past the decode batches, so dsv4_sm120.dev.launch_sweep can generate this GPU's launch tables
 # (``bench/results_table.py launch attention``). Candidates spell out every key of their body; "auto" keys follow
 # the rules of attention.config. SWA128 + c4-512 (the TP4 decode layout) at every head count.
 LAUNCH_B = (1, 4, 16, 32, 64, 96, 128, 192, 256, 384, 512, 1024)
@@ -232,7 +232,7 @@ def check_variants(variants):
     """Validate the variant texts and the launch candidates with the kernel's torch-free parser (a typo fails
     before any GPU work); the kernel validates them again when it runs."""
     from dsv4_sm120.attention.config import parse_config
-    from dsv4_sm120.launch_sweep import SweepError, attention_entry
+    from dsv4_sm120.dev.launch_sweep import SweepError, attention_entry
 
     for texts in LAUNCH_CANDIDATES.values():
         for t in texts:

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 
-from dsv4_sm120 import bench_results as R  # noqa: E402
+from dsv4_sm120.dev import bench_results as R  # noqa: E402
 
 CASES = {"tp4_gemms": 4, "tp8_gemms": 8}
 # summary key -> impl

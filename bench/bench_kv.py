@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 
-from dsv4_sm120 import bench_results as R  # noqa: E402
+from dsv4_sm120.dev import bench_results as R  # noqa: E402
 from dsv4_sm120 import hints  # noqa: E402
 from dsv4_sm120.serving import kv_bytes as KB  # noqa: E402
 

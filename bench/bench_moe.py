@@ -40,12 +40,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 
-from dsv4_sm120 import bench_results as R  # noqa: E402
+from dsv4_sm120.dev import bench_results as R  # noqa: E402
 
 # name -> (hidden, inter per rank, experts, top-k, token counts)
 CASES = {"tp4": (4096, 512, 256, 6, (1, 4, 16, 64, 128, 1024, 4096))}
 # Launch sweep (case ``launch``, the tp4 shape): every candidate launch of the default path at token counts from
-# one to a long prefill chunk, so dsv4_sm120.launch_sweep can generate this GPU's MoE launch table
+# one to a long prefill chunk, so dsv4_sm120.dev.launch_sweep can generate this GPU's MoE launch table
 # (``bench/results_table.py launch moe``). Candidates: the tile sets of the shipped tables, each with the three
 # token groupings; every field spelled out.
 LAUNCH_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -118,7 +118,7 @@ def plan(args):
         raise UsageError("--m / --variant-m must be positive integers")
     variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     if args.cases == "launch":
-        from dsv4_sm120.launch_sweep import SweepError, moe_entry
+        from dsv4_sm120.dev.launch_sweep import SweepError, moe_entry
 
         variants = variants or list(LAUNCH_CANDIDATES)
         for v in variants:

@@ -4,7 +4,7 @@ quantization mode (fp4 path).
 
 Compiles ``dsv4_sm120.moe.kernels._gemm1_kernel`` (BM=16, BN/BK as given, 4 warps, 3 stages, aligned grouping)
 with Triton's own ptxas, disassembles it with the nvdisasm that Triton's wheel carries
-(``dsv4_sm120.devtools.sass``), and prints the number of instructions of the main loop and the most frequent
+(``dsv4_sm120.dev.sass``), and prints the number of instructions of the main loop and the most frequent
 opcodes. Weight decodes of the bf16 path (``Config.deq``): 0 float32 math (portable), 3 inline-PTX shift decode
 (the default on NVIDIA GPUs). docs/moe.md quotes the fp4 counts.
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
-from dsv4_sm120.devtools.sass import compile_for, disassemble, hot_loop_ops, moe_gemm_source  # noqa: E402
+from dsv4_sm120.dev.sass import compile_for, disassemble, hot_loop_ops, moe_gemm_source  # noqa: E402
 
 DECODES = (0, 3)  # dsv4_sm120.moe.config.DECODES (not imported: --help needs no triton)
 

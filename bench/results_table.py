@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 
-from dsv4_sm120.bench_results import main  # noqa: E402
+from dsv4_sm120.dev.bench_results import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(results_dir=REPO / "bench" / "results", prog="bench/results_table.py"))

@@ -1,4 +1,4 @@
-"""The all-reduce decision's rule (dsv4_sm120.calibrate.allreduce_choice) against hand-made and random timing tables:
+"""The all-reduce decision's rule (dsv4_sm120.machine_profile.allreduce_choice) against hand-made and random timing tables:
 ties, a method that fails verification at one size, a method missing, nothing usable; the chosen pair checked
 against a brute force over every (IPC bound, NCCL method) pair written here; the profile fields round-trip through
 the machine-profile loader and bad values are refused."""
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from dsv4_sm120.calibrate import machine_profile as P
-from dsv4_sm120.calibrate.allreduce_choice import (IPC, MethodError, choose, fastest, ipc_numel, parse_method,
+from dsv4_sm120 import machine_profile as P
+from dsv4_sm120.machine_profile.allreduce_choice import (IPC, MethodError, choose, fastest, ipc_numel, parse_method,
                                                    parse_methods, validate_entry)
 
 H = 4096

@@ -14,11 +14,11 @@ import sys
 import pytest
 from conftest import REPO
 
-from dsv4_sm120 import bench_results as R
+from dsv4_sm120.dev import bench_results as R
 from dsv4_sm120.calibrate import __main__ as M
 from dsv4_sm120.calibrate import allreduce as A
-from dsv4_sm120.calibrate import machine_profile as P
-from dsv4_sm120.calibrate.allreduce_choice import IPC
+from dsv4_sm120 import machine_profile as P
+from dsv4_sm120.machine_profile.allreduce_choice import IPC
 
 BENCH = REPO / "bench" / "bench_allreduce.py"
 

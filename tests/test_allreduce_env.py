@@ -1,4 +1,4 @@
-"""The environment that selects each server's all-reduce (dsv4_sm120.calibrate.allreduce_env): per server with and
+"""The environment that selects each server's all-reduce (dsv4_sm120.serving.allreduce_env): per server with and
 without a profile, the user's explicit settings winning, a profile measured at another TP size, the preflight's
 verdict on the IPC path; SGLang's own environment reader and eligibility gate accepting what it emits."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from dsv4_sm120.calibrate.allreduce_choice import IPC, choose
-from dsv4_sm120.calibrate.allreduce_env import (ALGO, ENABLE, MAX_NUMEL, PROTO, ipc_blocker, preflight_ipc,
+from dsv4_sm120.machine_profile.allreduce_choice import IPC, choose
+from dsv4_sm120.serving.allreduce_env import (ALGO, ENABLE, MAX_NUMEL, PROTO, ipc_blocker, preflight_ipc,
                                                 server_env)
 
 H = 4096

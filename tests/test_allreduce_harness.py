@@ -14,7 +14,7 @@ import torch
 
 from dsv4_sm120.calibrate import allreduce as A
 from dsv4_sm120.calibrate import allreduce_worker as W
-from dsv4_sm120.calibrate.allreduce_choice import IPC, validate_entry
+from dsv4_sm120.machine_profile.allreduce_choice import IPC, validate_entry
 
 
 def test_sizes_from_the_serve_settings():

@@ -21,7 +21,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# the compile children (gpu_compile_result) read the generated code with dsv4_sm120.devtools.sass
+# the compile children (gpu_compile_result) read the generated code with dsv4_sm120.dev.sass
 from conftest import gpu_compile_result  # noqa: E402
 from attention_cases import Case, build, lonely_rows  # noqa: E402
 from dsv4_sm120.attention import DecodeInputError, launch, plan_span, plan_splits, sparse_mla_decode  # noqa: E402
@@ -464,7 +464,7 @@ _COMBINE_COMPILE = r"""
 import json, re
 from dsv4_sm120.attention.kernels import combine_kernel as fn
 from dsv4_sm120.attention.plan import combine_maxnreg
-from dsv4_sm120.devtools.sass import compile_inspect, kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, kernel_source
 out = {}
 for cap in (90, 120):
     for bd, bs, w, bf16 in ((512, 3, 4, 0), (128, 10, 1, 0), (512, 6, 4, 1), (256, 5, 2, 0)):
@@ -527,7 +527,7 @@ def test_rows_split_across_launches_when_workspace_is_capped(monkeypatch):
 _TILED_KCVT_COMPILE = r"""
 import json, re
 from dsv4_sm120.attention.kernels import split_kernel_tiled as fn
-from dsv4_sm120.devtools.sass import compile_inspect, split_kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, split_kernel_source
 out = {}
 for cap in (90, 120):
     for kcvt in (0, 1):
@@ -573,7 +573,7 @@ def test_tiled_kcvt_moves_fp8_conversion_off_the_conversion_pipe():
 _REG_COMPILE = r"""
 import collections, json
 from dsv4_sm120.attention.kernels import split_kernel_reg as fn
-from dsv4_sm120.devtools.sass import compile_inspect, hot_loop_ops, split_kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, hot_loop_ops, split_kernel_source
 out = {}
 for cap in (90, 120):
     # the default launch (32 candidates, 4 warps, decoded late, spanning splits) and the 8-warp 64-candidate one
@@ -668,7 +668,7 @@ def test_env_config_selects_the_launch_and_refuses_bad_values(monkeypatch):
 _FP8_COMPILE = r"""
 import json
 from dsv4_sm120.attention.kernels import q_fp8_kernel, split_kernel_tiled
-from dsv4_sm120.devtools.sass import compile_for, kernel_source, split_kernel_source
+from dsv4_sm120.dev.sass import compile_for, kernel_source, split_kernel_source
 out = {}
 for cap in (90, 120):
     fn = q_fp8_kernel

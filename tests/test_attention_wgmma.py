@@ -19,7 +19,7 @@ import json, re
 from dsv4_sm120.attention import config
 from dsv4_sm120.attention.keys import producer_regs
 from dsv4_sm120.attention.kernels import SPLIT_KERNELS
-from dsv4_sm120.devtools.sass import compile_inspect, split_kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, split_kernel_source
 # the launch attention.launch makes on an H200
 L = config.resolve(64, 384, 128, 512, config.Device("NVIDIA H200", (9, 0), 132), overrides={"impl": "wgmma"})
 c = L.config
@@ -90,7 +90,7 @@ import json, re
 from dsv4_sm120.attention import config
 from dsv4_sm120.attention.keys import producer_regs
 from dsv4_sm120.attention.kernels import SPLIT_KERNELS
-from dsv4_sm120.devtools.sass import compile_inspect, split_kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, split_kernel_source
 dev = config.Device("NVIDIA H200", (9, 0), 132)
 
 

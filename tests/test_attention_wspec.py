@@ -18,7 +18,7 @@ from dsv4_sm120.attention import DecodeInputError, sparse_mla_decode  # noqa: E4
 _WSPEC_COMPILE = r"""
 import json, re
 from dsv4_sm120.attention.kernels import SPLIT_KERNELS
-from dsv4_sm120.devtools.sass import compile_inspect, split_kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, split_kernel_source
 fn = SPLIT_KERNELS["wspec"]
 out = {}
 # as attention.launch passes them: Hopper with maxnreg 128 (producers at 96 registers), sm_120 without a cap
@@ -71,7 +71,7 @@ import json, re
 from dsv4_sm120.attention import config
 from dsv4_sm120.attention.keys import producer_regs
 from dsv4_sm120.attention.kernels import SPLIT_KERNELS
-from dsv4_sm120.devtools.sass import compile_inspect, hot_loop_ops, split_kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, hot_loop_ops, split_kernel_source
 out = {}
 for cap in (90, 120):
     for bh in (32, 64):

@@ -195,7 +195,7 @@ def test_dry_run_lists_the_spec_rows_cases(tmp_path):
 
 def test_floor_share_table():
     """The closing table of a run: per case and shape, each impl's floor_share note at each B."""
-    from dsv4_sm120 import bench_results as R
+    from dsv4_sm120.dev import bench_results as R
 
     def row(impl, B, notes):
         return R.make_row("attention", case="spec_h16_c4", impl=impl, layout="swa128+c4", heads=16, batch=B,
@@ -214,7 +214,7 @@ _FLOOR_COMPILE = r"""
 import json, sys
 sys.path.insert(0, "bench")
 import attn_floor as F
-from dsv4_sm120.devtools.sass import compile_inspect, hot_loop_ops, kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, hot_loop_ops, kernel_source
 fn = F.gather_floor_kernel
 cst = dict(HAS_EXTRA=True, BLOCK_N=16, BLOCK_Q=F.Q_BLOCK)
 sig = {n: ("*i64" if n == "cs_ptr" else "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names if n not in cst}

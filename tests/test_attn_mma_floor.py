@@ -109,7 +109,7 @@ _COMPILE = r"""
 import json, sys
 sys.path.insert(0, "bench")
 import attn_mma_floor as M
-from dsv4_sm120.devtools.sass import compile_inspect, hot_loop_ops, kernel_source
+from dsv4_sm120.dev.sass import compile_inspect, hot_loop_ops, kernel_source
 sig = {"a_ptr": "*bf16", "q_ptr": "*bf16", "p_ptr": "*bf16", "sums_ptr": "*fp32", "W": "i32"}
 out = {}
 for N in (16, 32):
@@ -142,7 +142,7 @@ def test_loop_is_the_bodys_64_mmas_per_block_and_nothing_else():
 def test_run_ends_with_the_mma_share_table():
     """The closing tables of a run: ours' mma_share notes per case and B, beside the gather floor's shares."""
     import bench_attention as BA
-    from dsv4_sm120 import bench_results as R
+    from dsv4_sm120.dev import bench_results as R
 
     def row(impl, B, notes):
         return R.make_row("attention", case="spec_h16_c4", impl=impl, layout="swa128+c4", heads=16, batch=B,

@@ -1,4 +1,4 @@
-"""dsv4_sm120.bench_results: the append-only benchmark results files and the tables generated from them; the bench
+"""dsv4_sm120.dev.bench_results: the append-only benchmark results files and the tables generated from them; the bench
 drivers' --dry-run / no-GPU behaviour (through their command lines)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_sm120 import bench_results as R
+from dsv4_sm120.dev import bench_results as R
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def test_make_row_rejects_bad_fields():
 
 _WRITER = """
 import sys
-from dsv4_sm120 import bench_results as R
+from dsv4_sm120.dev import bench_results as R
 path, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 for i in range(n):
     R.append_rows(path, "moe", [R.make_row("moe", case="tp4", impl=tag, tokens=i, date="2026-11-30T00:00:00+00:00",
@@ -106,7 +106,7 @@ def test_malformed_rows_are_clear_errors(tmp_path):
     with pytest.raises(R.ResultsError, match=r":1: not a results header"):
         R.read_rows(path)
     # the CLI says the same in one line, without a traceback
-    r = subprocess.run([sys.executable, "-m", "dsv4_sm120.bench_results", "check", str(path)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "dsv4_sm120.dev.bench_results", "check", str(path)], capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(REPO / "overlay")))
     assert r.returncode == 2 and "not a results header" in r.stderr and "Traceback" not in r.stderr
 

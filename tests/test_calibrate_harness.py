@@ -17,7 +17,7 @@ import torch
 from conftest import OVERLAY, REPO, SITE
 
 from dsv4_sm120.calibrate import fp8, moe
-from dsv4_sm120.calibrate import machine_profile as P
+from dsv4_sm120 import machine_profile as P
 from dsv4_sm120.calibrate.candidates import Candidate, Case, Outcome, run_decision
 from dsv4_sm120.calibrate.deployment import DeploymentError, attention_buckets, from_env
 

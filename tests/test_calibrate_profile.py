@@ -1,4 +1,4 @@
-"""Machine profile (dsv4_sm120.calibrate.machine_profile): schema round trip, atomic save, version keying, per-bucket
+"""Machine profile (dsv4_sm120.machine_profile): schema round trip, atomic save, version keying, per-bucket
 winner lookup and the glue's decision(name, bucket) -> (choice, source)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dsv4_sm120.calibrate import machine_profile as P
+from dsv4_sm120 import machine_profile as P
 
 GPU = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 VERSIONS = {"sglang": "0.5.23", "flashinfer": "0.7.2", "triton": "3.8.0", "torch": "2.14.1", "cuda": "13.0",

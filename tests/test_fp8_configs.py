@@ -103,7 +103,7 @@ def test_config_file_name_matches_sglang_template():
     assert fc.parse_config_file_name("N=1,K=2,device_name=X,dtype=fp8_w8a8,block_shape=[128,128].json") is None
     assert fc.parse_config_file_name("N=1,K=2,device_name=X,dtype=int8_w8a8,block_shape=[128, 128].json") is None
     # the tuner writes with the same implementation the lookup reads with
-    from dsv4_sm120.fp8 import configs as cf
+    from dsv4_sm120 import fp8_configs as cf
 
     for name in ("config_file_name", "parse_config_file_name", "validate_config_table", "summary_file_stem"):
         assert getattr(fc, name) is getattr(cf, name), name
@@ -187,7 +187,7 @@ def test_a_config_dir_setting_that_cannot_be_expanded_never_reaches_sglang(tmp_p
         fc.project_config_dir()
     # any other failure of the lookup keeps SGLang's own configs too
     monkeypatch.setenv(fc.ENV_CONFIG_DIR, str(tmp_path))
-    monkeypatch.setattr(glue_fp8, "project_config_dir", lambda root=None: (_ for _ in ()).throw(OSError(5, "EIO")))
+    monkeypatch.setattr(fc, "project_config_dir", lambda root=None: (_ for _ in ()).throw(OSError(5, "EIO")))
     assert glue_fp8.project_config_path(name) is None
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_sm120 import fp8_configs as fc
-from dsv4_sm120.fp8 import configs as cf
+from dsv4_sm120 import fp8_configs as cf
 from dsv4_sm120.fp8 import summary
 from dsv4_sm120.fp8.errors import EXIT_INCOMPLETE, CandidateError, UsageError
 from dsv4_sm120.fp8.gpu import GpuBench

@@ -15,7 +15,7 @@ import types
 import pytest
 
 from dsv4_sm120 import fp8_configs as FC
-from dsv4_sm120.calibrate import machine_profile as P
+from dsv4_sm120 import machine_profile as P
 from dsv4_sm120.sglang_glue import attention as A
 from dsv4_sm120.sglang_glue import moe as M
 

@@ -23,7 +23,7 @@ import textwrap
 
 from conftest import probe_result
 
-from dsv4_sm120.calibrate import machine_profile as P
+from dsv4_sm120 import machine_profile as P
 
 GPU = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 

@@ -1,4 +1,4 @@
-"""The kernels' source check for Triton 3.6's dropped loop carries (dsv4_sm120.devtools.jit_lint): the product's
+"""The kernels' source check for Triton 3.6's dropped loop carries (dsv4_sm120.dev.jit_lint): the product's
 and the benchmarks' kernels are clean, and the check flags the reduced kernels that Triton 3.6 compiles wrongly
 (read off their sm_90 TTGIR: the outer ``scf.for`` has no carry for ``nb``) and passes the ones it compiles right."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_sm120.devtools.jit_lint import bound_params, carry_hazards, jit_functions, package_sources
+from dsv4_sm120.dev.jit_lint import bound_params, carry_hazards, jit_functions, package_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 

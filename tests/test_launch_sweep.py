@@ -1,4 +1,4 @@
-"""Launch tables generated from launch-sweep rows (dsv4_sm120.launch_sweep, through `bench/results_table.py
+"""Launch tables generated from launch-sweep rows (dsv4_sm120.dev.launch_sweep, through `bench/results_table.py
 launch`): the committed per-GPU tables are what the committed results files generate, and the generator picks
 what the rows say (fastest gated candidate, hysteresis within 2%, runs written as first / last size)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_sm120 import bench_results as R
+from dsv4_sm120.dev import bench_results as R
 from dsv4_sm120 import launch_tables as LT
 from dsv4_sm120.attention import config as AC
 from dsv4_sm120.moe import config as MC

@@ -1,4 +1,4 @@
-"""dsv4_sm120.calibrate.machine_profile, each rule against its documentation (module doc, docs/calibrate.md), in this
+"""dsv4_sm120.machine_profile, each rule against its documentation (module doc, docs/calibrate.md), in this
 process: the file name of a GPU, the directory order, every schema rule with its one-line message naming the file,
 the written file's form, the versions this process runs with (git, the driver and the packages through stand-ins),
 which version mismatches void a profile (one that cannot be determined does), the bucket a call of n rows uses,
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_sm120.calibrate import machine_profile as P
+from dsv4_sm120 import machine_profile as P
+from dsv4_sm120 import paths
 
 GPU = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 VERS = {"sglang": "0.5.23", "flashinfer": "0.6.0", "triton": "3.8.0", "torch": "2.14.1", "cuda": "13.0",
@@ -79,12 +80,12 @@ def test_the_directory_order(clean, tmp_path):
     assert P.profile_path("X", tmp_path) == tmp_path / "X.json"       # an explicit directory wins
     clean.delenv("DSV4_SM120_PROFILE_DIR")
     repo = tmp_path / "repo"
-    clean.setattr(P, "applied_repo_root", lambda: repo)
-    assert P.profile_dir() == P.CONFIGS_DIR / "profiles"              # the applied checkout has no configs/
+    clean.setattr(paths, "applied_repo_root", lambda sglang_root=None: repo)
+    assert P.profile_dir() == paths.CONFIGS_DIR / "profiles"              # the applied checkout has no configs/
     (repo / "configs").mkdir(parents=True)
     assert P.profile_dir() == repo / "configs" / "profiles"
-    clean.setattr(P, "applied_repo_root", lambda: None)
-    assert P.profile_dir() == P.CONFIGS_DIR / "profiles"
+    clean.setattr(paths, "applied_repo_root", lambda sglang_root=None: None)
+    assert P.profile_dir() == paths.CONFIGS_DIR / "profiles"
 
 
 # ---------------------------------------------------------------------------- the schema
@@ -395,8 +396,8 @@ def test_the_status_command(clean, tmp_path, capsys):
     P.clear_cache()
     assert P.main(["status", "--gpu", GPU, "--dir", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"gpu": GPU, "usable": True, "path": str(path), "reasons": []}
-    assert logging.getLogger("dsv4_sm120.calibrate.machine_profile").level == logging.ERROR
-    logging.getLogger("dsv4_sm120.calibrate.machine_profile").setLevel(logging.NOTSET)
+    assert logging.getLogger("dsv4_sm120.machine_profile").level == logging.ERROR
+    logging.getLogger("dsv4_sm120.machine_profile").setLevel(logging.NOTSET)
     with pytest.raises(SystemExit):
         P.main(["status"])
     assert P.now_iso().endswith("Z") and len(P.now_iso()) == 20
@@ -451,7 +452,7 @@ def test_the_status_command(monkeypatch, tmp_path, capsys, logger_level):
     with pytest.raises(SystemExit) as e:
         P.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert e.value.code == 0 and out.startswith("usage: python -m dsv4_sm120.calibrate.machine_profile [-h] {status}")
+    assert e.value.code == 0 and out.startswith("usage: python -m dsv4_sm120.machine_profile [-h] {status}")
     assert ("Whether a machine profile applies to a GPU with this environment's versions (the serve preflight's "
             "profile check).") in out
     assert "status print whether a profile matches GPU (JSON with --json)" in out
@@ -480,7 +481,7 @@ def test_the_status_command(monkeypatch, tmp_path, capsys, logger_level):
 
 
 def test_the_allreduce_and_shape_decisions_are_checked_by_their_own_rules():
-    from dsv4_sm120.calibrate.shape_decision import VARIANTS
+    from dsv4_sm120.machine_profile.shape_decision import VARIANTS
 
     ok = _profile({"allreduce": {"servers": {}}})
     assert P.validate(ok) is ok                              # no buckets: the all-reduce entry has its own form
@@ -546,7 +547,7 @@ def test_the_creation_time_is_utc(monkeypatch):
 
 
 def test_the_entries_after_a_valid_shape_decision_are_checked():
-    from dsv4_sm120.calibrate import shape_decision as sd
+    from dsv4_sm120.machine_profile import shape_decision as sd
 
     cands = [{"name": "p4-d4", "prefill_gpus": "0,1,2,3", "decode_gpus": "4,5,6,7", "spec": None, "max_running": 16,
               "status": "ok", "agrees": True, "per_concurrency": {"1": {"output_tok_s": 1000.0}}}]

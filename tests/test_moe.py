@@ -306,7 +306,7 @@ def _run_ptx(asm, regs):
 _COMPILE = r"""
 import json
 from dsv4_sm120.moe import kernels as K
-from dsv4_sm120.devtools.sass import compile_for, moe_gemm_source
+from dsv4_sm120.dev.sass import compile_for, moe_gemm_source
 out = {}
 for name, cap, fp4, native, deq in (("sm120_fp4", 120, True, True, 0), ("sm90_deq3", 90, False, False, 3)):
     cst = dict(HAS_LIMIT=True, BM=16, BN=32, BK=256, PATH_FP4=fp4, NATIVE=native, INTERP=False, DEQ=deq,
@@ -438,7 +438,7 @@ import json
 import triton
 from dsv4_sm120.moe import kernels as K
 from dsv4_sm120.moe.config import choose_config
-from dsv4_sm120.devtools.sass import MOE_QUANT_SIG, compile_for, kernel_source, moe_gemm_source
+from dsv4_sm120.dev.sass import MOE_QUANT_SIG, compile_for, kernel_source, moe_gemm_source
 out = {}
 
 

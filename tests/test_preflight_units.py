@@ -351,10 +351,10 @@ def test_the_profile_notes():
 def test_the_profile_check(run, monkeypatch):
     monkeypatch.setattr(pf, "server_gpu_names", lambda plan: ({"G": "decode GPU 2"}, None))
     row = {"gpu": "G", "usable": True, "path": "/p.json", "reasons": []}
-    r = run({"dsv4_sm120.calibrate.machine_profile": (0, "noise\n" + json.dumps(row) + "\n", "")})
+    r = run({"dsv4_sm120.machine_profile": (0, "noise\n" + json.dumps(row) + "\n", "")})
     assert pf.check_profile(_plan(repo="/r")) == ([], ["machine profile /p.json applies to G (decode GPU 2)"])
     argv, kw = r.calls[0]
-    assert argv == ["/venv/bin/python", "-m", "dsv4_sm120.calibrate.machine_profile", "status", "--json", "--gpu", "G"]
+    assert argv == ["/venv/bin/python", "-m", "dsv4_sm120.machine_profile", "status", "--json", "--gpu", "G"]
     assert kw["timeout"] == 120 and kw["cwd"] == "/r" and kw["env"]["NCCL_X"] == "1" and kw["capture_output"]
     assert pf.check_profile(_plan(standin=True)) == ([], []) and len(r.calls) == 1
     run({"*": (1, "", "Traceback\nKeyError: 'x'\n")})

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_allreduce_env import DECODE, PREFILL, H  # noqa: E402
 from test_serve_dryrun import commands, dry_run, fake_smi  # noqa: E402
 
-from dsv4_sm120.calibrate import machine_profile as mp  # noqa: E402
-from dsv4_sm120.calibrate.allreduce_env import ALGO, ENABLE, MAX_NUMEL, PROTO  # noqa: E402
+from dsv4_sm120 import machine_profile as mp  # noqa: E402
+from dsv4_sm120.serving.allreduce_env import ALGO, ENABLE, MAX_NUMEL, PROTO  # noqa: E402
 from dsv4_sm120.serving import pcie_checks as pc  # noqa: E402
 from dsv4_sm120.serving.plan import Plan, build_plan, render_dry_run  # noqa: E402
 
@@ -146,7 +146,7 @@ def test_dry_run_prints_one_all_reduce_line_per_server(tmp_path, monkeypatch):
 
 
 def servers_line(path, role):
-    from dsv4_sm120.calibrate.allreduce_env import server_env
+    from dsv4_sm120.serving.allreduce_env import server_env
     return server_env(role, 4, {}, {"decisions": {"allreduce": {"servers": {role: PREFILL}}}}, str(path)).source
 
 

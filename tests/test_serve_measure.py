@@ -25,17 +25,9 @@ from dsv4_sm120.perf import measure  # noqa: E402
 
 
 def make_tokenizer(d: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(2000)}
-    vocab.update({"[UNK]": 2000, "<s>": 2001, "</s>": 2002})
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(str(d))
-    return d
+    """A small word-level tokenizer the load generator loads without a download: the one measure writes for
+    stand-in servers."""
+    return measure.write_standin_tokenizer(d)
 
 
 def test_refuses_without_a_healthy_router(tmp_path):

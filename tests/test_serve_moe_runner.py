@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
 sys.path.insert(0, str(REPO / "tests"))
 from dsv4_sm120 import moe_runner  # noqa: E402
-from dsv4_sm120.calibrate import machine_profile as P  # noqa: E402
+from dsv4_sm120 import machine_profile as P  # noqa: E402
 from dsv4_sm120.serving import plan as C  # noqa: E402
 from pcie_box import make_smi  # noqa: E402
 from test_model_config import MXFP4, NVFP4, hf_cache  # noqa: E402

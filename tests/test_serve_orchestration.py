@@ -8,6 +8,7 @@ Loopback only; every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -157,6 +158,32 @@ def port_free(port):
             return False
 
 
+@contextlib.contextmanager
+def serving(env, out_path, wait_s=90, **extra):
+    """serve_dsv4_tp4.sh started with ``env`` and ``extra`` (its output in ``out_path``), given as ``(process, state)``
+    once the run's state says ready (within ``wait_s``); killed on the way out if it still runs."""
+    out = open(out_path, "w")
+    proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT,
+                            env=dict(env, **extra))
+    try:
+        t0, st = time.monotonic(), None
+        while time.monotonic() - t0 < wait_s:
+            try:
+                st = state(env)
+                if st["status"] == "ready":
+                    break
+            except (OSError, ValueError):
+                pass
+            assert proc.poll() is None, Path(out_path).read_text()
+            time.sleep(0.2)
+        assert st and st["status"] == "ready", Path(out_path).read_text()
+        yield proc, st
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+
+
 def run_script(env, script="serve_dsv4_tp4.sh", extra=None, timeout=120):
     e = dict(env, **(extra or {}))
     return subprocess.run(["bash", str(SERVE / script)], capture_output=True, text=True, env=e, timeout=timeout)
@@ -178,31 +205,14 @@ def test_child_dying_at_start_tears_everything_down(env):
 def test_child_dying_later_tears_everything_down(env, tmp_path):
     trigger = tmp_path / "die-now"
     helper_pidfile = tmp_path / "helper.pid"
-    e = dict(env, DSV4_SM120_STANDIN_ROLE="prefill", DSV4_SM120_STANDIN_EXIT_WHEN_FILE=str(trigger),
-             DSV4_SM120_STANDIN_CHILD_PIDFILE=str(helper_pidfile))
-    out = open(tmp_path / "out.txt", "w")
-    proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT, env=e)
-    try:
-        t0 = time.monotonic()
-        st = None
-        while time.monotonic() - t0 < 90:
-            try:
-                st = state(env)
-                if st["status"] == "ready":
-                    break
-            except (OSError, ValueError):
-                pass
-            assert proc.poll() is None, (tmp_path / "out.txt").read_text()
-            time.sleep(0.2)
-        assert st and st["status"] == "ready", (tmp_path / "out.txt").read_text()
+    with serving(env, tmp_path / "out.txt", DSV4_SM120_STANDIN_ROLE="prefill",
+                 DSV4_SM120_STANDIN_EXIT_WHEN_FILE=str(trigger),
+                 DSV4_SM120_STANDIN_CHILD_PIDFILE=str(helper_pidfile)) as (proc, st):
         procs = all_run_processes(st)
         helper = int(helper_pidfile.read_text())
         assert helper in procs                      # a worker-like helper in the prefill's process group
         trigger.touch()
         rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     text = (tmp_path / "out.txt").read_text()
     assert rc == 1, text
     assert "prefill (pid" in text and "exited with code 4" in text, text
@@ -270,28 +280,14 @@ def test_split_hosts_router_waits_for_remote_parts_and_killed_supervisor_leaves_
 def test_failed_health_checks_tear_down(env, tmp_path):
     """SUPERVISE_HEALTH_FAILS: a server that stops answering /health (hung, not dead) is torn down."""
     flag = tmp_path / "unhealthy"
-    e = dict(env, NODE_ROLE="prefill,decode", SUPERVISE_HEALTH_FAILS="2", SUPERVISE_HEALTH_EVERY_S="1",
-             DSV4_SM120_STANDIN_ROLE="decode", DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE=str(flag))
-    out = open(tmp_path / "out.txt", "w")
-    proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT, env=e)
-    try:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 60:
-            try:
-                if state(env)["status"] == "ready":
-                    break
-            except (OSError, ValueError):
-                pass
-            assert proc.poll() is None, (tmp_path / "out.txt").read_text()
-            time.sleep(0.2)
-        procs = all_run_processes(state(env))
+    with serving(env, tmp_path / "out.txt", wait_s=60, NODE_ROLE="prefill,decode", SUPERVISE_HEALTH_FAILS="2",
+                 SUPERVISE_HEALTH_EVERY_S="1", DSV4_SM120_STANDIN_ROLE="decode",
+                 DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE=str(flag)) as (proc, st):
+        procs = all_run_processes(st)
         time.sleep(2.5)
         assert proc.poll() is None           # healthy: supervision keeps it running
         flag.touch()
         rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     text = (tmp_path / "out.txt").read_text()
     assert rc == 1 and "decode failed 2 health checks in a row" in text, text
     assert not wait_gone(procs, 10)

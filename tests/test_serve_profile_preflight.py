@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "overlay"))
-from dsv4_sm120.calibrate import machine_profile as P  # noqa: E402
+from dsv4_sm120 import machine_profile as P  # noqa: E402
 from dsv4_sm120.serving import preflight as pf  # noqa: E402
 from dsv4_sm120.serving.plan import build_plan  # noqa: E402
 

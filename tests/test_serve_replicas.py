@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_serve_dryrun import commands, dry_run, fake_smi, write_dsv4_config  # noqa: E402
-from test_serve_orchestration import (SERVE, all_run_processes, env, port_free, state,  # noqa: E402,F401
+from test_serve_orchestration import (SERVE, all_run_processes, env, port_free, serving, state,  # noqa: E402,F401
                                       wait_gone)
 
 from dsv4_sm120.serving import memory_check  # noqa: E402
@@ -84,30 +84,12 @@ def test_the_router_reaches_every_replica_and_stop_leaves_nothing(env, tmp_path)
 
 
 def test_a_replica_that_dies_tears_the_deployment_down(env, tmp_path):
-    out = open(tmp_path / "out.txt", "w")
-    proc = subprocess.Popen(["bash", str(SERVE / "serve_dsv4_tp4.sh")], stdout=out, stderr=subprocess.STDOUT,
-                            env=dict(env, DECODE_GPUS="4,5;6,7"))
-    try:
-        t0 = time.monotonic()
-        st = None
-        while time.monotonic() - t0 < 90:
-            try:
-                st = state(env)
-                if st["status"] == "ready":
-                    break
-            except (OSError, ValueError):
-                pass
-            assert proc.poll() is None, (tmp_path / "out.txt").read_text()
-            time.sleep(0.2)
-        assert st and st["status"] == "ready", (tmp_path / "out.txt").read_text()
+    with serving(env, tmp_path / "out.txt", DECODE_GPUS="4,5;6,7") as (proc, st):
         assert [p["name"] for p in st["procs"]] == ["prefill", "decode1", "decode2", "router"]
         procs = all_run_processes(st)
         victim = next(p for p in st["procs"] if p["name"] == "decode2")
         os.kill(victim["pid"], signal.SIGKILL)
         rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     text = (tmp_path / "out.txt").read_text()
     assert rc == 1 and f"decode2 (pid {victim['pid']}) exited with code -9" in text, text
     assert "tearing down router, decode2, decode1, prefill" in text

@@ -1,4 +1,4 @@
-"""The serving shape (issue 51): the shape decision's rule and fields (calibrate/shape_decision.py), the serve plan
+"""The serving shape (issue 51): the shape decision's rule and fields (machine_profile/shape_decision.py), the serve plan
 using the recorded shape and draft length where you set none, and make verify's shape stage end to end with stand-in
 servers, the real router and a stand-in load generator: start, measure, stop each candidate, compare, record."""
 
@@ -16,8 +16,8 @@ from test_serve_dryrun import commands, dry_run, fake_smi  # noqa: E402
 from test_verify import assert_all_gone, fake_loadgen, model_dir, venv, verify  # noqa: E402,F401
 from test_serve_orchestration import env  # noqa: E402,F401
 
-from dsv4_sm120.calibrate import machine_profile as mp  # noqa: E402
-from dsv4_sm120.calibrate import shape_decision as sd  # noqa: E402
+from dsv4_sm120 import machine_profile as mp  # noqa: E402
+from dsv4_sm120.machine_profile import shape_decision as sd  # noqa: E402
 
 GPU = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 

@@ -141,6 +141,48 @@ def test_serve_variables_are_typed_with_the_ranges_the_plan_enforces():
     assert dec[dec.index("--mem-fraction-static") + 1] == "0.99"
 
 
+def test_structured_serve_variables_are_parsed_by_the_registry():
+    """GPU groups, roles, check names and extra flags come out of the registry parsed (the serve plan reads them so);
+    a bad value is the one line the plan reports, and unset gives the parse of the default."""
+    env = {"PREFILL_GPUS": " 0,1 ; 2,3", "NODE_ROLE": "decode, prefill", "PREFLIGHT_SKIP": "gpu, nixl",
+           "SERVER_EXTRA_ARGS": "--a 'b c'"}
+    assert S.get("PREFILL_GPUS", env) == [[0, 1], [2, 3]] and S.get("DECODE_GPUS", {}) == [[4, 5, 6, 7]]
+    assert S.get("NODE_ROLE", env) == ["prefill", "decode"] and S.get("NODE_ROLE", {}) == ["prefill", "decode", "router"]
+    assert S.get("PREFLIGHT_SKIP", env) == ["gpu", "nixl"] and S.get("PREFLIGHT_SKIP", {}) == []
+    assert S.get("SERVER_EXTRA_ARGS", env) == ["--a", "b c"] and S.get("ROUTER_EXTRA_ARGS", {"ROUTER_EXTRA_ARGS": " "}) == []
+    assert S.get("SERVED_MODEL_NAME", {"SERVED_MODEL_NAME": "m"}) == "m"        # a plain text stays text
+    for name, text, tail in (("PREFILL_GPUS", "0,0", "it lists a GPU twice"),
+                             ("DECODE_GPUS", "4,5;6", "the groups have different sizes (2, 1 GPUs): replicas of one "
+                              "server run one TP size"),
+                             ("NODE_ROLE", "router,x", "unknown role 'x' (use all, or a comma list of prefill, decode, "
+                              "router)"),
+                             ("PREFLIGHT_SKIP", "gpu,nope", "unknown check(s) nope (known: ports, gpu, model, memory, "
+                              "patches, nixl, numa, p2p, ucx, router, profile)"),
+                             ("DECODE_EXTRA_ARGS", "--x 'a", "cannot split it as shell words (No closing quotation)")):
+        with pytest.raises(S.SettingsError) as e:
+            S.get(name, {name: text})
+        assert str(e.value) == f"{name}={text!r} is not valid: {tail}"
+        from dsv4_sm120.serving.plan import ConfigError, build_plan
+        with pytest.raises(ConfigError) as e2:
+            build_plan({name: text, "NVIDIA_SMI": "/nonexistent/nvidia-smi"})
+        assert str(e2.value) == str(e.value)
+    assert {n for n, v in S.registry().items() if v.convert} == {"PREFILL_GPUS", "DECODE_GPUS", "NODE_ROLE",
+                                                                 "PREFLIGHT_SKIP", "SERVER_EXTRA_ARGS",
+                                                                 "PREFILL_EXTRA_ARGS", "DECODE_EXTRA_ARGS",
+                                                                 "ROUTER_EXTRA_ARGS"}
+
+
+def test_the_plan_lists_the_callers_switches_but_not_ours():
+    from dsv4_sm120.serving.plan import not_listed
+
+    ours = ("DSV4_SM120_STANDIN_ROLE", "DSV4_SM120_REPO_ROOT", "DSV4_SM120_SERVE_STANDIN", "DSV4_SM120_SERVE_POLL_S",
+            "DSV4_SM120_CACHE", "DSV4_SM120_VARIANT", "DSV4_SM120_ORIG_PYTHONPATH", "DSV4_SM120_TEST_GPU_NAME",
+            "SGLANG_HOST_IP", "SGLANG_TORCH_PROFILER_DIR")
+    theirs = ("DSV4_SM120_ATTN_QK", "DSV4_SM120_MOE_BACKEND", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE", "NCCL_PROTO",
+              "SGLANG_DSV4_FP4_EXPERTS")
+    assert [n for n in ours if not not_listed(n)] == [] and [n for n in theirs if not_listed(n)] == []
+
+
 def test_free_form_values_are_checked():
     assert S.get("DSV4_SM120_ATTN_CONFIG", {"DSV4_SM120_ATTN_CONFIG": "impl=reg,KCVT=0"}) == "impl=reg,KCVT=0"
     with pytest.raises(S.SettingsError, match=r"DSV4_SM120_ATTN_CONFIG='QPRE=1'.*unknown key 'QPRE'"):

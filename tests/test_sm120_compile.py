@@ -1,8 +1,8 @@
 """Compile coverage for sm_120 (no GPU): every distinct launch the product can make on an sm_120 GPU, taken from
-the launch tables and calibrate's launch variants (dsv4_sm120.devtools.sm120_launches), compiles for sm_120 with
+the launch tables and calibrate's launch variants (dsv4_sm120.dev.sm120_launches), compiles for sm_120 with
 Triton's own ptxas, fits 99 KiB of shared memory per block and the CTAs per SM it needs, spills nothing, and on the
 MoE fp4 path (and the fp8 QK bodies) has the native block-scaled MMA in its SASS
-(dsv4_sm120.devtools.sm120_compile). Results are cached by source hash in DSV4_SM120_CACHE, so only a changed kernel
+(dsv4_sm120.dev.sm120_compile). Results are cached by source hash in DSV4_SM120_CACHE, so only a changed kernel
 or table entry compiles again."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from conftest import gpu_compile_result
 from dsv4_sm120 import launch_tables as lt
-from dsv4_sm120.devtools import sm120_compile as SC
-from dsv4_sm120.devtools import sm120_launches as SL
+from dsv4_sm120.dev import sm120_compile as SC
+from dsv4_sm120.dev import sm120_launches as SL
 
-_RUN = "import sys\nfrom dsv4_sm120.devtools.sm120_compile import main\nsys.exit(main(['--json', {family!r}]))\n"
+_RUN = "import sys\nfrom dsv4_sm120.dev.sm120_compile import main\nsys.exit(main(['--json', {family!r}]))\n"
 
 
 @pytest.mark.parametrize("family", SL.FAMILIES)

@@ -22,9 +22,9 @@ import pytest
 HERE = Path(__file__).resolve().parent
 if __name__ != "__main__":
     from dsv4_sm120 import launch_tables as lt
-    from dsv4_sm120.devtools import sass
-    from dsv4_sm120.devtools import sm120_compile as SC
-    from dsv4_sm120.devtools import sm120_launches as SL
+    from dsv4_sm120.dev import sass
+    from dsv4_sm120.dev import sm120_compile as SC
+    from dsv4_sm120.dev import sm120_launches as SL
 
 FACTS_FILE = HERE / "data" / "sm120_compile_facts.json"
 FIELDS = ("shared", "static_shared", "regs", "stack", "local", "local_ops", "mma", "setmaxnreg")
@@ -59,8 +59,10 @@ def test_every_launch_passes_with_what_its_kernel_reported(facts, launches):
 def test_a_family_run_with_the_recorded_compiles(facts, launches, monkeypatch, tmp_path):
     monkeypatch.setattr(SC, "cache_file", lambda family: tmp_path / f"{family}.json")
     # Triton's source hash needs a compiled-mode kernel; a test module collected earlier in this process may have
-    # set TRITON_INTERPRET (kernels decorated as interpreted): key by the launch itself, unique per family
-    monkeypatch.setattr(SC, "compile_key", lambda la, src: json.dumps([la.key, la.options], sort_keys=True))
+    # set TRITON_INTERPRET (kernels decorated as interpreted, no ASTSource from them): stand the launch in for its
+    # source and key by the launch itself, unique per family (the source and key are tested on their own below)
+    monkeypatch.setattr(SC, "source", lambda la: la)
+    monkeypatch.setattr(SC, "compile_key", lambda la, src: json.dumps([src.key, la.options], sort_keys=True))
     inspected = []
 
     def inspect(la, src):
@@ -298,11 +300,11 @@ def record() -> None:
     """tests/data/sm120_compile_facts.json from the compile cache (DSV4_SM120_CACHE/sm120-compile/)."""
     import triton
 
-    from dsv4_sm120.devtools import sm120_compile as SC
-    from dsv4_sm120.devtools import sm120_launches as SL
+    from dsv4_sm120.dev import sm120_compile as SC
+    from dsv4_sm120.dev import sm120_launches as SL
 
     out = {"_": f"what Triton {triton.__version__} (ptxas of its wheel) reports of each sm_120 launch of "
-                "dsv4_sm120.devtools.sm120_launches, by Launch.key; recorded from the sm120_compile cache by "
+                "dsv4_sm120.dev.sm120_launches, by Launch.key; recorded from the sm120_compile cache by "
                 "tests/test_sm120_coverage_units.py --record"}
     for fam, ls in SL.enumerate_launches().items():
         cache = json.loads(SC.cache_file(fam).read_text())
@@ -454,7 +456,7 @@ def test_the_command_help(capsys):
         SC.main(["--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert out.startswith("usage: python -m dsv4_sm120.devtools.sm120_compile [-h] [--json] [families ...]")
+    assert out.startswith("usage: python -m dsv4_sm120.dev.sm120_compile [-h] [--json] [families ...]")
     assert " ".join(SC.__doc__.split("\n")[0].split()) in out        # the module doc's first line, only that
     assert " ".join(SC.__doc__.split("\n")[1].split()) not in out
     assert "default: all (attention, combine, moe_fp4, moe_bf16)" in out

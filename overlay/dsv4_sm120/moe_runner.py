@@ -9,7 +9,7 @@ which answers with :func:`nvfp4_runner` on sm_120 (elsewhere SGLang's own choice
 2. ``DSV4_SM120_MOE_BACKEND`` other than ``auto``: ``flashinfer_cutlass``, ``dsv4_triton_nvfp4`` (the overlay's
    Triton runner) or ``stock`` (SGLang's own choice, :data:`STOCK_HYBRID_BACKEND`, which runs on sm_100 only);
 3. the machine profile's runner for decision ``moe.nvfp4`` (one runner per server:
-   :func:`dsv4_sm120.calibrate.machine_profile.overall`, the winner of the most token buckets) when it is one of the two
+   :func:`dsv4_sm120.machine_profile.overall`, the winner of the most token buckets) when it is one of the two
    NVFP4 runners on sm_120;
 4. :data:`NVFP4_DEFAULT` (``flashinfer_cutlass``: ModelOpt NVFP4 through FlashInfer's CUTLASS fused MoE, which
    has sm_120 kernels; ``dsv4_triton_nvfp4`` was slower than an FP8 MoE on the H200, bench/results/moe.csv).
@@ -26,8 +26,7 @@ MXFP4 experts (the released checkpoint) are decided by the serve planner, which 
 3. no flag: SGLang's default.
 
 :mod:`dsv4_sm120.settings` declares ``DSV4_SM120_MOE_BACKEND`` with :data:`NVFP4_SETTING_CHOICES` and
-:data:`NVFP4_SETTING_DEFAULT`; the runner names are :mod:`dsv4_sm120.moe_runner_names` (which the settings import,
-since this module reads the machine profile, which reads the settings). Imports nothing else at load time (the
+:data:`NVFP4_SETTING_DEFAULT` and holds the runner names (re-exported here). Imports nothing else at load time (the
 profile and the model config when asked).
 """
 
@@ -36,9 +35,11 @@ from __future__ import annotations
 from typing import Callable, Optional, Tuple
 
 # the names, re-exported: every name of the MoE runner decision is importable from here
-from dsv4_sm120.moe_runner_names import (ENV_BACKEND, MOE_FLAG, NVFP4_DEFAULT, NVFP4_RUNNERS,  # noqa: F401
-                                         NVFP4_SETTING_CHOICES, NVFP4_SETTING_DEFAULT, SM120_NVFP4_BACKEND,
-                                         STOCK_HYBRID_BACKEND, TRITON_NVFP4_BACKEND)
+from dsv4_sm120.settings import (MOE_FLAG, NVFP4_DEFAULT, NVFP4_RUNNERS, NVFP4_SETTING_CHOICES,  # noqa: F401
+                                 NVFP4_SETTING_DEFAULT, SM120_NVFP4_BACKEND, STOCK_HYBRID_BACKEND,
+                                 TRITON_NVFP4_BACKEND)
+
+ENV_BACKEND = "DSV4_SM120_MOE_BACKEND"
 
 # calibrate's MXFP4 runner names -> SGLang 0.5.23's --moe-runner-backend values (spelt the same today;
 # tests/test_serve_moe_runner.py checks every value against SGLang's own choices). A profile winner missing here
@@ -49,7 +50,7 @@ MXFP4_RUNNER_FLAGS = {"flashinfer_mxfp4": "flashinfer_mxfp4", "deep_gemm": "deep
 def nvfp4_profile_choice() -> Tuple[str, str, str]:
     """``(runner, source, detail)`` of decision ``moe.nvfp4`` from the machine profile (default
     :data:`NVFP4_DEFAULT`); never raises."""
-    from dsv4_sm120.calibrate import machine_profile
+    from dsv4_sm120 import machine_profile
 
     try:
         choice, source, detail = machine_profile.overall("moe.nvfp4", NVFP4_DEFAULT)
@@ -88,7 +89,7 @@ def mxfp4_runner(model_path: str, device_name: Optional[str], user_flag: Optiona
                  model=None) -> Tuple[Optional[str], str]:
     """The --moe-runner-backend for an MXFP4 checkpoint (None = add nothing: SGLang's default or the user's
     flag) and why: the ``moe.mxfp4`` winner of the machine profile matching ``device_name`` and this
-    process's versions (the serving python's), through :func:`dsv4_sm120.calibrate.machine_profile.overall`. Only for a
+    process's versions (the serving python's), through :func:`dsv4_sm120.machine_profile.overall`. Only for a
     checkpoint known to have MXFP4 routed experts (``model_config``: its config.json, local or in the Hugging
     Face cache, or a published Hub id); an unknown format gets no flag. ``user_flag``: the variable that passes
     ``--moe-runner-backend`` already, or None; ``model``: the checkpoint's :class:`dsv4_sm120.model_config.ModelConfig`
@@ -111,7 +112,7 @@ def mxfp4_runner(model_path: str, device_name: Optional[str], user_flag: Optiona
         return None, "SGLang default (no GPU name from nvidia-smi, so no machine profile applies)"
     import logging
 
-    from dsv4_sm120.calibrate import machine_profile as P
+    from dsv4_sm120 import machine_profile as P
 
     log = logging.getLogger(P.__name__)
     level = log.level

@@ -6,6 +6,8 @@
 * :func:`repo_root`: the product checkout (``DSV4_SM120_REPO_ROOT``, else this tree, else the recorded one).
 * :func:`applied_repo_root`: the checkout recorded in an SGLang tree's apply manifest (what the patched SGLang
   reads its configs from).
+* :func:`data_dir`: where the running server's per-device data of one kind lives (``configs/<kind>``): the
+  setting, else the checkout that applied the patches, else this source tree (machine profiles, FP8 configs).
 * :func:`cache_dir`: ``DSV4_SM120_CACHE``.
 
 Standard library and :mod:`dsv4_sm120.settings` only: the patch machinery runs it from a bare checkout.
@@ -108,3 +110,18 @@ def applied_repo_root(sglang_root: Optional[Path] = None) -> Optional[Path]:
     except (OSError, ValueError, AttributeError):
         return None
     return Path(repo) if repo and isinstance(repo, str) else None
+
+
+def data_dir(setting: str, kind: str, sglang_root: Optional[Path] = None) -> Optional[Path]:
+    """The directory of one kind of per-device data the patched SGLang reads (``kind``: ``profiles``, ``fp8``), in
+    this order: the setting ``setting`` when set (empty: None, that data switched off; the value validated and
+    expanded by :func:`settings.get`, which raises its one line for a value it cannot use); else ``configs/<kind>``
+    of the checkout the patches were applied from (:func:`applied_repo_root`), when that checkout has a
+    ``configs/`` directory; else ``configs/<kind>`` of this source tree. The directory may not exist."""
+    env = settings.raw(setting)
+    if env is not None:
+        return Path(settings.get(setting)) if env.strip() else None
+    repo = applied_repo_root(sglang_root)
+    if repo is not None and (repo / "configs").is_dir():
+        return repo / "configs" / kind
+    return CONFIGS_DIR / kind

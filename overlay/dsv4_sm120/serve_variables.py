@@ -3,7 +3,8 @@ valid values or range, default and meaning.
 
 :mod:`dsv4_sm120.settings` turns each into a setting of the group ``serve`` (one registry: ``settings.get`` parses
 and validates them, ``python -m dsv4_sm120.settings`` lists them, docs/serving.md's table is generated from them),
-and the serve planner (:mod:`dsv4_sm120.serving.plan`) reads its plan through that registry. ``VARIABLES`` is the
+and the serve planner (:mod:`dsv4_sm120.serving.plan`) reads every one through that registry: a variable with a
+``parse`` gets its parsed value (GPU groups, roles, check names, shell words), the others their kind's. ``VARIABLES`` is the
 plain view ``{name: (default text, meaning)}``. Imports nothing of the package.
 """
 
@@ -33,6 +34,7 @@ class Var(NamedTuple):
     above: bool = False              # the value must be strictly above ``minimum``
     choices: Tuple[str, ...] = ()
     check: Optional[Callable[[str], Optional[str]]] = None   # a problem with a set value, or None
+    parse: Optional[Callable[[str], object]] = None          # a text's typed value (ValueError: the problem)
     values: str = ""                 # the valid values in words (default: from the kind)
     required: bool = False           # set but empty is refused (instead of meaning the default)
 
@@ -94,30 +96,20 @@ def skipped(text: str) -> List[str]:
     return names
 
 
-def _problem(parse: Callable[[str], object]) -> Callable[[str], Optional[str]]:
-    def check(text: str) -> Optional[str]:
-        try:
-            parse(text)
-        except ValueError as e:
-            return str(e)
-        return None
-    return check
-
-
-def _splits(text: str) -> Optional[str]:
+def words(text: str) -> List[str]:
+    """Shell words of an ``*_EXTRA_ARGS`` value; ValueError (the problem in words) when it does not split."""
     try:
-        shlex.split(text)
+        return shlex.split(text)
     except ValueError as e:
-        return f"cannot split it as shell words ({e})"
-    return None
+        raise ValueError(f"cannot split it as shell words ({e})") from None
 
 
 _PORT = dict(kind="int", minimum=1, maximum=65535)
 _SECONDS = dict(kind="int", minimum=1)
 _FRACTION = dict(kind="float", minimum=0, above=True, maximum=0.99)
-_GPUS = dict(check=_problem(gpu_groups), values="comma list of 1, 2, 4 or 8 GPU indices; `;` between replicas "
+_GPUS = dict(parse=gpu_groups, values="comma list of 1, 2, 4 or 8 GPU indices; `;` between replicas "
              "(e.g. 4,5;6,7)")
-_EXTRA = dict(check=_splits, values="shell words; not the flags the plan sets (docs/serving.md)")
+_EXTRA = dict(parse=words, values="shell words; not the flags the plan sets (docs/serving.md)")
 
 # Order = the order of --help-vars, the dry run and docs/serving.md's table.
 SERVE: Dict[str, Var] = {
@@ -173,7 +165,7 @@ SERVE: Dict[str, Var] = {
                                   "checkpoint's dspark_block_size, 5 for V4-Flash-0731)", "int", minimum=1,
                                   maximum=63),
     "NODE_ROLE": Var("all", "what this host runs: all, or a comma list of prefill,decode,router (multi-node)",
-                     check=_problem(node_roles), values="all, or a comma list of prefill, decode, router"),
+                     parse=node_roles, values="all, or a comma list of prefill, decode, router"),
     "LOG_DIR": Var("logs", "parent of the run directories (relative = to the repo); LOG_DIR/latest -> newest run",
                    "path"),
     "RUN_DIR": Var(None, "use this run directory instead of LOG_DIR/serve-<variant>-<time> (relative = to the repo)",
@@ -184,7 +176,7 @@ SERVE: Dict[str, Var] = {
                                   "exit)", "int", minimum=0),
     "SUPERVISE_HEALTH_EVERY_S": Var("30", "seconds between supervision health checks", **_SECONDS),
     "PREFLIGHT_SKIP": Var(None, "comma list of checks to skip: " + ",".join(PREFLIGHT_CHECKS),
-                          check=_problem(skipped), values="comma list of " + ", ".join(PREFLIGHT_CHECKS)),
+                          parse=skipped, values="comma list of " + ", ".join(PREFLIGHT_CHECKS)),
     "CALIBRATE": Var("0", "1 = measure this box first (`make calibrate` with the plan's TP and MODEL_PATH, on the "
                      "first decode GPU; minutes) and write the machine profile the servers then read; 0 = use the "
                      "profile there is", "bool"),

@@ -11,6 +11,8 @@ Who reads a setting (``reader``):
 * ``runtime``: the patched SGLang and the kernels, in the server processes;
 * ``serve``: the serve scripts (``serve/*.sh``, ``dsv4_sm120.serving``);
 * ``tools``: make targets, ``scripts/*.sh``, the patch tool, the FP8 tuner;
+* ``dev``: developer switches of our kernels, for tests and benchmarks (the same results as the default; listed
+  in docs/DEVELOPING.md, not among the user's settings);
 * ``internal``: set by our own launchers for the processes they start (never by hand);
 * ``test``: test hooks (the serving stand-ins, simulated failures, GPU test launches).
 
@@ -36,11 +38,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from dsv4_sm120 import moe_runner_names
 from dsv4_sm120.serve_variables import SERVE
 
+# The MoE runner names :mod:`dsv4_sm120.moe_runner` decides between, and ``DSV4_SM120_MOE_BACKEND``'s choices:
+# the registry's strings, which the runner decision takes from here.
+MOE_FLAG = "--moe-runner-backend"
+#: What stock SGLang 0.5.23 picks for the hybrid format (sm_100 only).
+STOCK_HYBRID_BACKEND = "flashinfer_trtllm_routed"
+#: The FlashInfer runner that runs ModelOpt NVFP4 MoE on sm_120.
+SM120_NVFP4_BACKEND = "flashinfer_cutlass"
+#: The overlay's Triton NVFP4 fused-MoE runner backend (``dsv4_sm120.moe.BACKEND_NAME``).
+TRITON_NVFP4_BACKEND = "dsv4_triton_nvfp4"
+#: The NVFP4 runner when neither the setting nor the machine profile picks one.
+NVFP4_DEFAULT = SM120_NVFP4_BACKEND
+NVFP4_RUNNERS = (SM120_NVFP4_BACKEND, TRITON_NVFP4_BACKEND)
+#: ``DSV4_SM120_MOE_BACKEND``'s values and default.
+NVFP4_SETTING_CHOICES = ("auto", SM120_NVFP4_BACKEND, TRITON_NVFP4_BACKEND, "stock")
+NVFP4_SETTING_DEFAULT = "auto"
+
 PREFIX = "DSV4_SM120_"
-READERS = ("runtime", "serve", "tools", "internal", "test")
+READERS = ("runtime", "serve", "tools", "dev", "internal", "test")
 KINDS = ("choice", "bool", "autobool", "int", "float", "path", "text")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -64,6 +81,8 @@ class Setting:
     values: str = ""                # the valid values in words, for the listing (default: from the kind)
     maximum: Optional[float] = None  # kinds "int" / "float": the largest valid value
     required: bool = False          # set but empty is an error (instead of meaning the default)
+    convert: Optional[Callable[[str], object]] = None  # kinds "text" / "path": the typed value of a text
+    #   (ValueError: the problem in words); unset or empty gives convert(default or "")
 
     def _range(self) -> str:
         lo = None if self.minimum is None else f"{'>' if self.above else '>='} {_num(self.minimum)}"
@@ -95,6 +114,8 @@ class Setting:
             raise SettingsError(f"{self.name} is set but empty: unset it for the default ({self.default}) or set "
                                 f"it to {self.describe_values()}")
         if text is None or not text.strip():
+            if self.convert is not None:
+                return self._converted(self.default or "", self.default or "")
             if self.default is None:
                 return None
             if not self.default.strip():
@@ -126,6 +147,8 @@ class Setting:
             if low or (self.maximum is not None and num > self.maximum) or num != num or num in (_INF, -_INF):
                 raise SettingsError(f"{self.name}={text!r} is out of range: expected {self._range()}")
             return num
+        if self.convert is not None:
+            return self._converted(v, text)
         if self.check is not None:
             problem = self.check(v)
             if problem:
@@ -137,6 +160,12 @@ class Setting:
             raise SettingsError(f"{self.name}={text!r} is not valid: {v.split(os.sep)[0]} is not a user's home "
                                 f"directory here; give the path in full")
         return path
+
+    def _converted(self, v: str, text: str):
+        try:
+            return self.convert(v)
+        except ValueError as e:
+            raise SettingsError(f"{self.name}={text!r} is not valid: {e}") from None
 
 
 def _num(x: float) -> str:
@@ -187,6 +216,11 @@ def _commit_id(text: str) -> Optional[str]:
     return "expected a commit id: 7-40 lowercase hex digits, optionally followed by -dirty"
 
 
+def _hook(name: str, kind: str, default: Optional[str], meaning: str, **kw) -> Setting:
+    """A test hook (reader ``test``): set by the tests and our stand-ins, never by a user."""
+    return Setting(name, kind, default, meaning, "test", **kw)
+
+
 # ---- the registry (order = the order of the listing)
 
 _ATTN_CONFIG_VALUES = "comma list of launch keys, e.g. `impl=tiled` or `e4m3_int_decode=0,maxnreg=0` (docs/attention.md)"
@@ -211,25 +245,25 @@ _OURS: Tuple[Setting, ...] = (
             "launch variant of our decode kernel (empty: the launch tables); `make bench-attention` prints the line "
             "to set when a variant wins", "runtime", check=_attention_launch, values=_ATTN_CONFIG_VALUES),
     Setting("DSV4_SM120_ATTN_WS_MB", "float", "256",
-            "workspace bound of one decode launch in MiB (longer calls are cut into row chunks)", "runtime",
-            minimum=0, above=True),
-    Setting("DSV4_SM120_MOE_BACKEND", "choice", moe_runner_names.NVFP4_SETTING_DEFAULT,
+            "workspace bound of one decode launch of our attention kernel in MiB (longer calls are cut into row "
+            "chunks; tests set it low to make chunks)", "dev", minimum=0, above=True),
+    Setting("DSV4_SM120_MOE_BACKEND", "choice", NVFP4_SETTING_DEFAULT,
             "MoE runner of NVFP4 checkpoints on sm_120 when `--moe-runner-backend` is auto: `auto` = the machine "
             "profile's runner, else `flashinfer_cutlass`; `dsv4_triton_nvfp4` = our Triton MoE; `stock` = "
             "SGLang's choice",
-            "runtime", choices=moe_runner_names.NVFP4_SETTING_CHOICES),
+            "runtime", choices=NVFP4_SETTING_CHOICES),
     Setting("DSV4_SM120_MOE_PATH", "choice", "auto",
             "compute path of our NVFP4 MoE: `auto` = `fp4` on GPUs with FP4 MMA (sm_100, sm_120), else `bf16`",
             "runtime", choices=("auto", "fp4", "bf16")),
     Setting("DSV4_SM120_MOE_SCALED_DOT", "choice", None,
-            "fp4 path's block-scaled dot: unset = `native` on GPUs with FP4 MMA, else `emulated` (same result)",
-            "runtime", choices=("native", "emulated")),
+            "our MoE's fp4 path, block-scaled dot: unset = `native` on GPUs with FP4 MMA, else `emulated` (exact, "
+            "slower; the same result)", "dev", choices=("native", "emulated")),
     Setting("DSV4_SM120_MOE_APRE", "choice", "1",
-            "fp4 path: 1 = quantize activations once per row before each GEMM; 0 = inside every GEMM program",
-            "runtime", choices=("0", "1")),
+            "our MoE's fp4 path: 1 = quantize activations once per row before each GEMM; 0 = inside every GEMM "
+            "program (the same bits; `make bench-moe` times both)", "dev", choices=("0", "1")),
     Setting("DSV4_SM120_MOE_ALIGN", "choice", "auto",
-            "token grouping of our MoE: `auto` = the launch table's choice (all give the same bits)", "runtime",
-            choices=("auto", "inkernel", "triton", "torch")),
+            "token grouping of our MoE: `auto` = the launch table's choice; the others replace it (all give the same "
+            "bits)", "dev", choices=("auto", "inkernel", "triton", "torch")),
     Setting("DSV4_SM120_SELFCHECK", "bool", "1",
             "1: before CUDA-graph capture, every launch of our kernels that the captured rows reach is checked once "
             "on the GPU against the stock path; a failing launch steps aside to the stock path for its rows in that "
@@ -285,60 +319,56 @@ _OURS: Tuple[Setting, ...] = (
             "the make target running a command, set by the Makefile: its hints name the make command "
             "(`make <target> ARGS=...`) instead of bare options", "internal"),
     # test hooks
-    Setting("DSV4_SM120_SERVE_POLL_S", "float", "1.0", "seconds between the supervisor's checks", "test",
+    _hook("DSV4_SM120_SERVE_POLL_S", "float", "1.0", "seconds between the supervisor's checks",
             minimum=0, above=True),
-    Setting("DSV4_SM120_STANDIN_ROLE", "choice", "",
-            "the stand-in role the other DSV4_SM120_STANDIN_* hooks apply to (empty: every role)", "test",
+    _hook("DSV4_SM120_STANDIN_ROLE", "choice", "",
+            "the stand-in role the other DSV4_SM120_STANDIN_* hooks apply to (empty: every role)",
             choices=("", "prefill", "decode", "null")),
-    Setting("DSV4_SM120_STANDIN_RECORD", "path", "", "file the stand-ins append every request to (JSON lines)",
-            "test"),
-    Setting("DSV4_SM120_STANDIN_TRACE_TP", "int", "0",
-            "ranks of synthetic profiler traces a stand-in writes on /start_profile (0: none)", "test", minimum=0),
-    Setting("DSV4_SM120_STANDIN_TOKEN_S", "float", "0.002", "seconds between a stand-in's streamed tokens", "test",
+    _hook("DSV4_SM120_STANDIN_RECORD", "path", "", "file the stand-ins append every request to (JSON lines)"),
+    _hook("DSV4_SM120_STANDIN_TRACE_TP", "int", "0",
+            "ranks of synthetic profiler traces a stand-in writes on /start_profile (0: none)", minimum=0),
+    _hook("DSV4_SM120_STANDIN_TOKEN_S", "float", "0.002", "seconds between a stand-in's streamed tokens",
             minimum=0),
-    Setting("DSV4_SM120_STANDIN_FAIL_AT_START", "bool", "0", "1: the stand-in exits at start", "test"),
-    Setting("DSV4_SM120_STANDIN_STARTUP_S", "float", "0", "seconds before the stand-in reports healthy", "test",
+    _hook("DSV4_SM120_STANDIN_FAIL_AT_START", "bool", "0", "1: the stand-in exits at start"),
+    _hook("DSV4_SM120_STANDIN_STARTUP_S", "float", "0", "seconds before the stand-in reports healthy",
             minimum=0),
-    Setting("DSV4_SM120_STANDIN_EXIT_AFTER_S", "float", "0", "seconds after which the stand-in exits (0: never)",
-            "test", minimum=0),
-    Setting("DSV4_SM120_STANDIN_EXIT_WHEN_FILE", "path", "", "the stand-in exits once this file exists", "test"),
-    Setting("DSV4_SM120_STANDIN_CHILD_PIDFILE", "path", "",
-            "the stand-in starts a helper process and writes its pid here", "test"),
-    Setting("DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE", "path", "",
-            "the stand-in answers health checks with 503 while this file exists", "test"),
-    Setting("DSV4_SM120_STANDIN_FIRST_GENERATE_S", "float", "0",
-            "the stand-in's first generation request waits this many seconds (a transport cold start)", "test",
+    _hook("DSV4_SM120_STANDIN_EXIT_AFTER_S", "float", "0", "seconds after which the stand-in exits (0: never)", minimum=0),
+    _hook("DSV4_SM120_STANDIN_EXIT_WHEN_FILE", "path", "", "the stand-in exits once this file exists"),
+    _hook("DSV4_SM120_STANDIN_CHILD_PIDFILE", "path", "",
+            "the stand-in starts a helper process and writes its pid here"),
+    _hook("DSV4_SM120_STANDIN_UNHEALTHY_WHEN_FILE", "path", "",
+            "the stand-in answers health checks with 503 while this file exists"),
+    _hook("DSV4_SM120_STANDIN_FIRST_GENERATE_S", "float", "0",
+            "the stand-in's first generation request waits this many seconds (a transport cold start)",
             minimum=0),
-    Setting("DSV4_SM120_STANDIN_FAIL_GENERATE", "bool", "0",
-            "1: the stand-in answers generation requests with HTTP 500 (a broken KV transfer)", "test"),
-    Setting("DSV4_SM120_STANDIN_EXIT_ON_STREAM", "bool", "0",
-            "1: the stand-in exits on its first streamed generation request (a server dying under load)", "test"),
-    Setting("DSV4_SM120_STANDIN_DIVERGE_AT", "int", "-1",
+    _hook("DSV4_SM120_STANDIN_FAIL_GENERATE", "bool", "0",
+            "1: the stand-in answers generation requests with HTTP 500 (a broken KV transfer)"),
+    _hook("DSV4_SM120_STANDIN_EXIT_ON_STREAM", "bool", "0",
+            "1: the stand-in exits on its first streamed generation request (a server dying under load)"),
+    _hook("DSV4_SM120_STANDIN_DIVERGE_AT", "int", "-1",
             "with the overlay on (DSV4_SM120_DISABLE off), the decode stand-in's greedy tokens differ from the "
-            "stock ones from this position on (-1: never; make verify's tests)", "test", minimum=-1),
-    Setting("DSV4_SM120_SERVE_SYSFS_ROOT", "path", "/sys",
-            "root of the sysfs tree the NUMA placement and the PCIe preflight read (tests point it at a fake box)",
-            "test"),
-    Setting("DSV4_SM120_TEST_PATCHING_FAIL_AFTER", "int", "-1",
-            "the patch tool fails after writing this many files (-1: never)", "test", minimum=-1),
-    Setting("DSV4_SM120_TEST_SELFCHECK_FAULT", "text", "",
+            "stock ones from this position on (-1: never; make verify's tests)", minimum=-1),
+    _hook("DSV4_SM120_SERVE_SYSFS_ROOT", "path", "/sys",
+            "root of the sysfs tree the NUMA placement and the PCIe preflight read (tests point it at a fake box)"),
+    _hook("DSV4_SM120_TEST_PATCHING_FAIL_AFTER", "int", "-1",
+            "the patch tool fails after writing this many files (-1: never)", minimum=-1),
+    _hook("DSV4_SM120_TEST_SELFCHECK_FAULT", "text", "",
             "a planted fault the self-check and the fallbacks must handle: `attention` / `moe` = our kernel's "
             "result scaled by 2 (MoE: on its first path); `attention-raise` = every call of our attention kernel "
             "raises; `attention-raise-T=<n>` = its calls of n rows raise; `moe-raise` = our MoE kernel raises on "
-            "its first path (from the first layer's prepare_layer on)", "test", check=_selfcheck_fault,
+            "its first path (from the first layer's prepare_layer on)", check=_selfcheck_fault,
             values="empty, attention, attention-raise, attention-raise-T=<n>, moe, moe-raise"),
-    Setting("DSV4_SM120_TEST_FAULT_RANKS", "text", "",
+    _hook("DSV4_SM120_TEST_FAULT_RANKS", "text", "",
             "the ranks (torch.distributed global ranks) where DSV4_SM120_TEST_SELFCHECK_FAULT applies, comma-separated "
-            "(empty: every rank): a fault on one rank of a tensor-parallel server", "test", check=_ranks,
+            "(empty: every rank): a fault on one rank of a tensor-parallel server", check=_ranks,
             values="empty, or ranks, e.g. 2 or 0,3"),
-    Setting("DSV4_SM120_TEST_GPU_NAME", "text", "",
-            "GPU name the SGLang glue looks the machine profile up for (CPU tests; empty: the current CUDA GPU)",
-            "test"),
-    Setting("DSV4_SM120_TEST_DURATIONS", "path", "",
+    _hook("DSV4_SM120_TEST_GPU_NAME", "text", "",
+            "GPU name the SGLang glue looks the machine profile up for (CPU tests; empty: the current CUDA GPU)"),
+    _hook("DSV4_SM120_TEST_DURATIONS", "path", "",
             "the record of test durations that orders make test's work, longest first (empty: "
-            "test-durations.json in DSV4_SM120_CACHE; tests/xdist_groups.py)", "test"),
-    Setting("DSV4_SM120_TEST_ATTN_CONFIG", "text", "",
-            "launch keys the GPU attention tests (tests/gpu) run every case with", "test",
+            "test-durations.json in DSV4_SM120_CACHE; tests/xdist_groups.py)"),
+    _hook("DSV4_SM120_TEST_ATTN_CONFIG", "text", "",
+            "launch keys the GPU attention tests (tests/gpu) run every case with",
             check=_attention_launch, values=_ATTN_CONFIG_VALUES),
 )
 
@@ -346,7 +376,8 @@ _OURS: Tuple[Setting, ...] = (
 def _serve_settings() -> Tuple[Setting, ...]:
     # The serve scripts' parameters are declared once, typed, in serve_variables.SERVE.
     return tuple(Setting(name, v.kind, v.default, v.meaning, "serve", choices=v.choices, minimum=v.minimum,
-                         above=v.above, check=v.check, values=v.values, maximum=v.maximum, required=v.required)
+                         above=v.above, check=v.check, values=v.values, maximum=v.maximum, required=v.required,
+                         convert=v.parse)
                  for name, v in SERVE.items() if name not in _BY_NAME_OURS)
 
 
@@ -473,9 +504,9 @@ def _default_text(s: Setting) -> str:
 
 # The generated settings tables: file (relative to the checkout) -> the readers whose settings it lists.
 # README.md: what a user sets for the patched SGLang and the tools; docs/serving.md: the serve scripts' parameters;
-# docs/DEVELOPING.md: what our launchers set for themselves and the test hooks.
+# docs/DEVELOPING.md: the developer switches, what our launchers set for themselves and the test hooks.
 TABLES: Dict[str, Tuple[str, ...]] = {"README.md": ("runtime", "tools"), "docs/serving.md": ("serve",),
-                                      "docs/DEVELOPING.md": ("internal", "test")}
+                                      "docs/DEVELOPING.md": ("dev", "internal", "test")}
 _CHECKOUT = Path(__file__).resolve().parents[2]
 
 

@@ -9,7 +9,7 @@ The gates that read this table:
 * ``make calibrate``'s gate (:mod:`dsv4_sm120.calibrate.candidates` default :data:`BF16_RESULT`,
   :mod:`dsv4_sm120.calibrate.attention`, :mod:`dsv4_sm120.calibrate.moe`): the same attention and MoE bounds,
   so a launch the calibration accepts passes the self-check;
-* the launch sweep (:mod:`dsv4_sm120.launch_sweep`) that turns benchmark rows into launch tables:
+* the launch sweep (:mod:`dsv4_sm120.dev.launch_sweep`) that turns benchmark rows into launch tables:
   :data:`LAUNCH_SWEEP`, :data:`LAUNCH_SWEEP_REL`.
 
 Torch-free; imports nothing from the package.

@@ -77,43 +77,42 @@ def main(argv: Optional[List[str]] = None) -> int:
     from dsv4_sm120 import hints
 
     a = build_parser().parse_args(argv)
-    try:
-        ds = parse_decisions(a.decisions)
-        if a.device == "cpu":
-            os.environ["TRITON_INTERPRET"] = "1"   # before any Triton kernel is imported
-        from . import machine_profile as P
-        from .deployment import DeploymentError, from_env, tiny
+    return hints.run_command(lambda: _main(a), UsageError, "interrupted: no profile written", EXIT_USAGE)
 
+
+def _main(a) -> int:
+    from dsv4_sm120 import hints
+
+    ds = parse_decisions(a.decisions)
+    if a.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"   # before any Triton kernel is imported
+    from .. import machine_profile as P
+    from .deployment import DeploymentError, from_env, tiny
+
+    try:
+        dep = from_env(os.environ)
+    except DeploymentError as e:
+        raise UsageError(str(e)) from None
+    if a.device == "cpu":
+        dep = tiny(dep)
+    out_dir = a.out if a.out is not None else P.profile_dir()
+    if out_dir is None:
+        raise UsageError(f"{P.ENV_DIR} is empty (profiles off): pass the directory ({hints.args('--out DIR')})")
+    if a.dry_run:
+        return dry_run(a, dep, ds, out_dir)
+    device, gpu = "cpu", "cpu-interpreter"
+    if a.device == "cuda":
         try:
-            dep = from_env(os.environ)
-        except DeploymentError as e:
-            raise UsageError(str(e)) from None
-        if a.device == "cpu":
-            dep = tiny(dep)
-        out_dir = a.out if a.out is not None else P.profile_dir()
-        if out_dir is None:
-            raise UsageError(f"{P.ENV_DIR} is empty (profiles off): pass the directory ({hints.args('--out DIR')})")
-        if a.dry_run:
-            return dry_run(a, dep, ds, out_dir)
-        device, gpu = "cpu", "cpu-interpreter"
-        if a.device == "cuda":
-            try:
-                import torch
-            except ImportError:
-                raise UsageError("torch is not installed: run `make setup` and use its environment") from None
-            if not torch.cuda.is_available():
-                raise UsageError("no CUDA GPU visible: make calibrate measures this box's GPU "
-                                 f"({hints.args('--dry-run')} shows the plan; {hints.args('--device cpu')} "
-                                 "tests the harness)")
-            device, gpu = "cuda", torch.cuda.get_device_name(0)
-            ds = _allreduce_gpus(a, ds)
-        return run(a, dep, ds, Path(out_dir), device, gpu)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("\ninterrupted: no profile written", file=sys.stderr)
-        return 130
+            import torch
+        except ImportError:
+            raise UsageError("torch is not installed: run `make setup` and use its environment") from None
+        if not torch.cuda.is_available():
+            raise UsageError("no CUDA GPU visible: make calibrate measures this box's GPU "
+                             f"({hints.args('--dry-run')} shows the plan; {hints.args('--device cpu')} "
+                             "tests the harness)")
+        device, gpu = "cuda", torch.cuda.get_device_name(0)
+        ds = _allreduce_gpus(a, ds)
+    return run(a, dep, ds, Path(out_dir), device, gpu)
 
 
 def _allreduce_gpus(a, ds: List[str]) -> List[str]:
@@ -143,7 +142,7 @@ def _allreduce_plan(a, dep, device):
 def dry_run(a, dep, ds, out_dir) -> int:
     from dsv4_sm120.fp8_configs import detect_device_name
 
-    from .machine_profile import file_stem
+    from ..machine_profile import file_stem
 
     device = a.device
     gpu = "cpu-interpreter" if device == "cpu" else (detect_device_name() or "<GPU name>")
@@ -163,7 +162,7 @@ def dry_run(a, dep, ds, out_dir) -> int:
 
 def run(a, dep, ds, out_dir: Path, device: str, gpu: str) -> int:
     from . import allreduce, fp8, report
-    from . import machine_profile as P
+    from .. import machine_profile as P
     from .candidates import Progress, run_decision
 
     plan = _plan(a, dep, ds, device)

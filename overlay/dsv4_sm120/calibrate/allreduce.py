@@ -15,7 +15,7 @@ reached. Sizes are rows x the checkpoint's hidden size, bf16:
   for a 90-160 GB card, 8192): short prompts reduce few rows, long ones whole chunks.
 
 The IPC method builds one workspace per tier (the decode width, then the chunk), each size timed with the
-smallest tier that holds it. :mod:`.allreduce_choice` makes the choice; :mod:`.allreduce_env` turns it into a
+smallest tier that holds it. :mod:`dsv4_sm120.machine_profile.allreduce_choice` makes the choice; :mod:`dsv4_sm120.serving.allreduce_env` turns it into a
 server's environment; docs/pcie.md describes the whole.
 """
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
 
-from .allreduce_choice import (DEFAULT_METHODS, GLOO, IPC, ROLES, choose, describe_nccl, fastest, ipc_numel,
+from ..machine_profile.allreduce_choice import (DEFAULT_METHODS, GLOO, IPC, ROLES, choose, describe_nccl, fastest, ipc_numel,
                                parse_method)
 from ..paths import OVERLAY_DIR, repo_root
 
@@ -396,7 +396,7 @@ def method_unavailable(method: str, server: Server, plan: Plan) -> Optional[str]
 def measure_server(server: Server, plan: Plan, env: Mapping[str, str], visible: int, progress=None,
                    launcher: Optional[Callable] = None) -> dict:
     """Every method on one server's group (``launcher``, default :func:`launch`), then its choice
-    (:func:`.allreduce_choice.choose`)."""
+    (:func:`dsv4_sm120.machine_profile.allreduce_choice.choose`)."""
     launcher = launcher or launch
     res = {"gpus": server.gpus, "tp": server.world, "hidden": server.hidden, "dtype": server.dtype,
            "device": plan.device, "where": server.where, "methods": {}, "sizes": {}, "choice": None}
@@ -438,7 +438,7 @@ def measure_server(server: Server, plan: Plan, env: Mapping[str, str], visible: 
 def calibrate(plan: Plan, env: Mapping[str, str], visible: int, progress=None,
               launcher: Optional[Callable] = None) -> dict:
     """The decision entry of the machine profile (schema: docs/pcie.md; validated by
-    :func:`.allreduce_choice.validate_entry`)."""
+    :func:`dsv4_sm120.machine_profile.allreduce_choice.validate_entry`)."""
     return {"bucket_kind": "rows", "default": "nccl", "note": NOTE, "methods": plan.methods,
             "timing": {"calls": plan.calls, "target_ms": plan.target_ms, "reps": plan.reps},
             "servers": {s.role: measure_server(s, plan, env, visible, progress, launcher) for s in plan.servers}}

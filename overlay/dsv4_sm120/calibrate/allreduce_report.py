@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Mapping, Optional
 
-from .allreduce_choice import IPC, describe_nccl
-from .allreduce_env import server_env
+from ..machine_profile.allreduce_choice import IPC, describe_nccl
+from ..serving.allreduce_env import server_env
 
 _CELL = {"unavailable": "n/a", "failed": "fail", "rejected": "wrong"}
 

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from dsv4_sm120.fp8.configs import config_file_name, summary_file_stem
+from dsv4_sm120.fp8_configs import config_file_name, summary_file_stem
 from dsv4_sm120.fp8.errors import EXIT_USAGE, UsageError
 from dsv4_sm120.fp8.search import candidate_configs
 from dsv4_sm120.fp8.shapes import DEFAULT_MS, Shape, parse_ms, parse_shapes, shapes_for_tp
@@ -81,41 +81,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from dsv4_sm120 import hints
+
     a = build_parser().parse_args(argv)
-    try:
-        shapes = parse_shapes(a.shapes) if a.shapes else shapes_for_tp(a.tp)
-        ms = parse_ms(a.ms) if a.ms else list(DEFAULT_MS)
-        out = a.out_dir or _repo_default_out()
-        if out is None:
-            from dsv4_sm120 import hints
+    return hints.run_command(lambda: _main(a), UsageError,
+                             "interrupted; finished M values are saved, rerun to continue", EXIT_USAGE)
 
-            raise UsageError(f"no project configs/ directory found: pass the directory ({hints.args('--out-dir DIR')})")
-        if a.time_budget is not None and a.time_budget <= 0:
-            raise UsageError("--time-budget must be positive")
-        if a.dry_run:
-            return dry_run(a, shapes, ms, Path(out))
-        if a.device_name is not None or a.sm90 != "auto":
-            raise UsageError("--device-name and --sm90 apply to --dry-run only (a real run tunes GPU 0 as it is)")
-        from dsv4_sm120.fp8.gpu import GpuBench
-        from dsv4_sm120.fp8.tuner import Tuner
 
-        jobs = a.jobs if a.jobs >= 0 else min(16, os.cpu_count() or 1)
-        bench = GpuBench(source=a.kernel_source,
-                         wheel=a.sglang_wheel, seed=a.seed, time_default_backend=not a.no_default_backend,
-                         device=a.device)
-        print(f"device {bench.device_name_raw} ({bench.versions['capability']}, {bench.num_sms} SMs); "
-              f"kernel: {bench.kernel_source}; default backend: {bench.default_backend}", file=sys.stderr)
-        t = Tuner(bench, shapes, ms, Path(out), quick=a.quick, force=a.force, time_budget=a.time_budget,
-                  jobs=jobs, progress=not a.no_progress, tp=None if a.shapes else a.tp)
-        rc = t.run()
-        print(f"summary: {t.summary_md_path}", file=sys.stderr)
-        return rc
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("\ninterrupted; finished M values are saved, rerun to continue", file=sys.stderr)
-        return 130
+def _main(a) -> int:
+    shapes = parse_shapes(a.shapes) if a.shapes else shapes_for_tp(a.tp)
+    ms = parse_ms(a.ms) if a.ms else list(DEFAULT_MS)
+    out = a.out_dir or _repo_default_out()
+    if out is None:
+        from dsv4_sm120 import hints
+
+        raise UsageError(f"no project configs/ directory found: pass the directory ({hints.args('--out-dir DIR')})")
+    if a.time_budget is not None and a.time_budget <= 0:
+        raise UsageError("--time-budget must be positive")
+    if a.dry_run:
+        return dry_run(a, shapes, ms, Path(out))
+    if a.device_name is not None or a.sm90 != "auto":
+        raise UsageError("--device-name and --sm90 apply to --dry-run only (a real run tunes GPU 0 as it is)")
+    from dsv4_sm120.fp8.gpu import GpuBench
+    from dsv4_sm120.fp8.tuner import Tuner
+
+    jobs = a.jobs if a.jobs >= 0 else min(16, os.cpu_count() or 1)
+    bench = GpuBench(source=a.kernel_source,
+                     wheel=a.sglang_wheel, seed=a.seed, time_default_backend=not a.no_default_backend,
+                     device=a.device)
+    print(f"device {bench.device_name_raw} ({bench.versions['capability']}, {bench.num_sms} SMs); "
+          f"kernel: {bench.kernel_source}; default backend: {bench.default_backend}", file=sys.stderr)
+    t = Tuner(bench, shapes, ms, Path(out), quick=a.quick, force=a.force, time_budget=a.time_budget,
+              jobs=jobs, progress=not a.no_progress, tp=None if a.shapes else a.tp)
+    rc = t.run()
+    print(f"summary: {t.summary_md_path}", file=sys.stderr)
+    return rc
 
 
 def _local_gpu() -> Tuple[Optional[str], Optional[bool], Optional[int]]:

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dsv4_sm120 import hints
 from dsv4_sm120.cuda_timing import cuda_graph_us
-from dsv4_sm120.fp8.configs import config_file_name, config_for_m, read_json_object
+from dsv4_sm120.fp8_configs import config_file_name, config_for_m, read_json_object
 from dsv4_sm120.fp8.errors import CandidateError, UsageError
 from dsv4_sm120.fp8.kernel import load_kernel
 from dsv4_sm120.fp8.progress import make_bar

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from dsv4_sm120 import SGLANG_VERSION, __version__
 from dsv4_sm120.fileio import atomic_write_json, atomic_write_text
-from dsv4_sm120.fp8.configs import (
+from dsv4_sm120.fp8_configs import (
     config_file_name,
     read_json_object,
     sglang_device_name,

@@ -147,7 +147,7 @@ def inherited_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str
 
 def ipc_servers(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, Tuple[List[int], Dict[str, str]]]:
     """{server: (its GPUs, the all-reduce variables it starts with)} of the servers on this host."""
-    from ..calibrate.allreduce_env import NAMES
+    from .allreduce_env import NAMES
 
     inherited = inherited_env(plan, base)
     out = {}
@@ -164,7 +164,7 @@ def check_ipc(plan: Plan, events: List[dict], base: Optional[Dict[str, str]] = N
     machine profile put on it where it cannot run is switched to the profile's NCCL-only choice (one note line, the
     plan changed before anything starts); one where your ``SGLANG_ENABLE_PCIE_IPC_ALLREDUCE`` turns it on is a
     failure (its first reduction would fault or hang)."""
-    from ..calibrate.allreduce_env import ENABLE, NAMES, env_true, ipc_blocker, preflight_ipc
+    from .allreduce_env import ENABLE, NAMES, env_true, ipc_blocker, preflight_ipc
     from .profile_choices import allreduce
 
     inherited = inherited_env(plan, base)
@@ -190,7 +190,7 @@ def check_ipc(plan: Plan, events: List[dict], base: Optional[Dict[str, str]] = N
 def ipc_unverified(plan: Plan, why: str) -> List[str]:
     """Notes for the servers that start with the PCIe-IPC all-reduce on when the p2p check does not run (``why``):
     what the IPC path needs that nothing verified."""
-    from ..calibrate.allreduce_env import ENABLE, env_true
+    from .allreduce_env import ENABLE, env_true
 
     out = []
     for name, (gpus, env) in ipc_servers(plan).items():

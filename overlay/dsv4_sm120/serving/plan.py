@@ -1,8 +1,8 @@
 """Environment variables -> the deployment plan (what runs where, with which flags and environment).
 
 Every knob is an environment variable with a default, declared typed in ``dsv4_sm120.serve_variables`` and read
-here through the settings registry (``settings.get``: kind, valid values, range; table in ``docs/serving.md``);
-a bad value is one line naming the variable. The plan is pure data, so ``DRY_RUN=1`` prints exactly what a real
+here only through the settings registry (:func:`typed_settings`: kind, valid values, range, and the parsed value of
+GPU groups, roles and extra flags; table in ``docs/serving.md``); a bad value is one line naming the variable. The plan is pure data, so ``DRY_RUN=1`` prints exactly what a real
 start would run.
 
 One server per GPU group: ``PREFILL_GPUS`` / ``DECODE_GPUS`` hold one group each by default (the servers ``prefill``
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,7 +25,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from .. import model_config, settings
 from ..moe_runner import MOE_FLAG, mxfp4_runner
 from ..paths import checkout_root
-from ..serve_variables import FP8_BACKENDS, ROLES, SERVE, VARIABLES, gpu_groups, node_roles
+from ..serve_variables import FP8_BACKENDS, ROLES, SERVE, VARIABLES, gpu_groups
 from . import extra_args
 from .envfiles import EnvFileError, load_env_dir
 from .plan_text import changed_settings, render_dry_run  # noqa: F401  (the dry run's text, where callers find it)
@@ -38,9 +37,8 @@ PORT_VARIABLES = {"prefill HTTP": "PREFILL_PORT", "prefill bootstrap": "BOOTSTRA
                   "router HTTP": "ROUTER_PORT", "router metrics": "ROUTER_PROMETHEUS_PORT"}
 
 PASS_THROUGH = re.compile(r"^(SGLANG_|DSV4_SM120_|NCCL_|UCX_|NIXL_|TORCH_NCCL_|CUDA_DEVICE_ORDER$)")
-# Variables the scripts, the tests and the stand-ins use among themselves: never listed as user settings.
-INTERNAL = re.compile(r"^(DSV4_SM120_SERVE_|DSV4_SM120_STANDIN_|DSV4_SM120_ORIG_PYTHONPATH$|DSV4_SM120_REPO_ROOT$|"
-                      r"DSV4_SM120_CACHE$|DSV4_SM120_VARIANT$|SGLANG_TORCH_PROFILER_DIR$|SGLANG_HOST_IP$)")
+# SGLang's variables the plan sets per server itself (never listed as the caller's).
+PLAN_SETS = ("SGLANG_TORCH_PROFILER_DIR", "SGLANG_HOST_IP")
 
 
 # seconds the router waits for in-flight requests after SIGTERM (below the teardown's STOP_GRACE_S default)
@@ -125,6 +123,15 @@ def typed_settings(s: Mapping[str, str]) -> Dict[str, object]:
     return out
 
 
+def not_listed(name: str) -> bool:
+    """Whether the caller's ``name`` stays out of the plan's list of passed-on switches: what our launchers, the
+    tests and the stand-ins use among themselves (the registry's ``internal`` and ``test`` settings, the serve
+    variables, which the plan lists as settings, the cache the Makefile passes) and what the plan sets itself."""
+    s = settings.registry().get(name)
+    return name in PLAN_SETS or name == "DSV4_SM120_CACHE" or (s is not None and s.reader in ("internal", "test",
+                                                                                                "serve"))
+
+
 def parse_groups(key: str, text: str) -> List[List[int]]:
     """``PREFILL_GPUS`` / ``DECODE_GPUS``: one GPU group per server, ``;`` between replicas (``gpu_groups``)."""
     try:
@@ -142,13 +149,6 @@ def parse_gpus(key: str, text: str) -> List[int]:
 def replica_names(role: str, n: int) -> List[str]:
     """The names of ``n`` servers of ``role``: the role itself for one, ``role1`` .. ``roleN`` for replicas."""
     return [role] if n == 1 else [f"{role}{i + 1}" for i in range(n)]
-
-
-def _split(key: str, text: str) -> List[str]:
-    try:
-        return shlex.split(text or "")
-    except ValueError as e:
-        raise ConfigError(f"{key}: cannot split {text!r}: {e}")
 
 
 def _url_host(host: str) -> str:
@@ -190,7 +190,7 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
     import logging
 
     # the profile lookup logs why no profile applies; the preflight's profile check says it, under its own name
-    log = logging.getLogger("dsv4_sm120.calibrate.machine_profile")
+    log = logging.getLogger("dsv4_sm120.machine_profile")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
@@ -210,25 +210,17 @@ def port_variable(what: str) -> str:
     return PORT_VARIABLES.get(f"{head.rstrip('0123456789')} {rest}", "the port's variable")
 
 
-def user_moe_flag(s: Dict[str, str]) -> Optional[str]:
-    """The first of SERVER/PREFILL/DECODE_EXTRA_ARGS that passes --moe-runner-backend, or None."""
+def user_moe_flag(v: Dict[str, object]) -> Optional[str]:
+    """The first of SERVER/PREFILL/DECODE_EXTRA_ARGS (typed: shell words) that passes --moe-runner-backend, or None."""
     for k in ("SERVER_EXTRA_ARGS", "PREFILL_EXTRA_ARGS", "DECODE_EXTRA_ARGS"):
-        if any(t == MOE_FLAG or t.startswith(MOE_FLAG + "=") for t in _split(k, s[k])):
+        if any(t == MOE_FLAG or t.startswith(MOE_FLAG + "=") for t in v[k]):
             return k
     return None
 
 
-def _roles(s: Dict[str, str]) -> List[str]:
-    try:
-        return node_roles(s["NODE_ROLE"])
-    except ValueError as e:
-        raise ConfigError(f"NODE_ROLE={s['NODE_ROLE']!r} is not valid: {e}") from None
-
-
-def _gpus(s: Dict[str, str], roles: List[str]) -> Tuple[List[List[int]], List[List[int]]]:
+def _gpus(s: Dict[str, str], v: Dict[str, object], roles: List[str]) -> Tuple[List[List[int]], List[List[int]]]:
     """(prefill groups, decode groups): one GPU group per server."""
-    pg = parse_groups("PREFILL_GPUS", s["PREFILL_GPUS"])
-    dg = parse_groups("DECODE_GPUS", s["DECODE_GPUS"])
+    pg, dg = v["PREFILL_GPUS"], v["DECODE_GPUS"]
     both = {g for x in pg for g in x} & {g for x in dg for g in x}
     if "prefill" in roles and "decode" in roles and both:
         raise ConfigError(f"PREFILL_GPUS={s['PREFILL_GPUS']} and DECODE_GPUS={s['DECODE_GPUS']} share GPUs "
@@ -256,12 +248,12 @@ def _speculative(variant: str, s: Dict[str, str], environ: Mapping[str, str]) ->
     return spec + ["--enable-metrics"], spec_reason
 
 
-def _runners(s: Dict[str, str], environ: Mapping[str, str], roles: List[str], pg: List[List[int]],
-             dg: List[List[int]], repo: Path) -> Tuple[Optional[str], str, Optional[str], str]:
+def _runners(s: Dict[str, str], v: Dict[str, object], environ: Mapping[str, str], roles: List[str],
+             pg: List[List[int]], dg: List[List[int]], repo: Path) -> Tuple[Optional[str], str, Optional[str], str]:
     """(--fp8-gemm-backend, why, --moe-runner-backend, why) of the servers on this host."""
     dev = None
     servers = "decode" in roles or "prefill" in roles
-    user_moe = user_moe_flag(s)
+    user_moe = user_moe_flag(v)
     model = model_config.read(s["MODEL_PATH"], environ) if servers else None
     want_moe = servers and user_moe is None and model.moe_format == "mxfp4"
     if servers and (s["FP8_GEMM_BACKEND"].strip().lower() in ("auto", "") or want_moe):
@@ -318,7 +310,7 @@ def _common_env(repo: Path, environ: Mapping[str, str]) -> List[Tuple[str, str, 
     # environment is inherited); list them so the start banner and the dry run show them.
     listed = {c[0] for c in common_env}
     for k in sorted(environ):
-        if k in listed or not PASS_THROUGH.match(k) or INTERNAL.match(k):
+        if k in listed or not PASS_THROUGH.match(k) or not_listed(k):
             continue
         common_env.append((k, environ[k], "environment"))
     return common_env
@@ -354,7 +346,7 @@ def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], 
     def server(role: str, name: str, argv: List[str], host: str, gpus: List[int], listens) -> Proc:
         """A server process: its argv plus speculation and the extra args, its GPUs, profiler dir and host IP."""
         var = f"{role.upper()}_EXTRA_ARGS"
-        argv = argv + (spec or []) + _split("SERVER_EXTRA_ARGS", s["SERVER_EXTRA_ARGS"]) + _split(var, s[var])
+        argv = argv + (spec or []) + v["SERVER_EXTRA_ARGS"] + v[var]
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
                "SGLANG_TORCH_PROFILER_DIR": str(Path(prof_dir) / name) if replicas else prof_dir}
         if multi_node and host not in ("0.0.0.0", "::"):
@@ -380,17 +372,17 @@ def _procs(s: Dict[str, str], roles: List[str], python: str, common: List[str], 
                     "--cuda-graph-max-bs-decode", str(v["MAX_RUNNING"])]
             procs.append(server("decode", name, argv, dh, g, [(dh, port, f"{name} HTTP")]))
     if "router" in roles:
-        procs.append(_router(s, python, ports, urls, len(pg), len(dg)))
+        procs.append(_router(s, v, python, ports, urls, len(pg), len(dg)))
     return procs
 
 
-def _router(s: Dict[str, str], python: str, ports: Dict[str, int], urls: Dict[str, str], n_prefill: int,
-            n_decode: int) -> Proc:
+def _router(s: Dict[str, str], v: Dict[str, object], python: str, ports: Dict[str, int], urls: Dict[str, str],
+            n_prefill: int, n_decode: int) -> Proc:
     """sglang_router in PD mode in front of every prefill server (with its bootstrap port) and every decode server.
     Several decode servers are served round robin (their KV arrives from prefill: no prefix cache to be aware of),
     unless ROUTER_EXTRA_ARGS names a policy."""
     rh = s["ROUTER_HOST"]
-    extra = _split("ROUTER_EXTRA_ARGS", s["ROUTER_EXTRA_ARGS"])
+    extra = v["ROUTER_EXTRA_ARGS"]
     argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     for i, name in enumerate(replica_names("prefill", n_prefill)):
         argv += ["--prefill", urls[name], str(ports["BOOTSTRAP_PORT"] + i)]
@@ -449,15 +441,16 @@ def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[
     venv = venv if venv.is_absolute() else repo / venv
     python = str(venv / "bin" / "python")
 
-    roles = _roles(s)
+    roles = v["NODE_ROLE"]
     problem = extra_args.check(s, roles, variant)
     if problem:
         raise ConfigError(problem)
     shape_reason = _recorded_shape(s, environ, variant, standin, roles, v)
-    pg, dg = _gpus(s, roles)
+    v = typed_settings(s)        # with the recorded shape
+    pg, dg = _gpus(s, v, roles)
     ports, mem = _numbers(v)
     spec, spec_reason = _speculative(variant, s, environ)
-    fp8, fp8_reason, moe, moe_reason = _runners(s, environ, roles, pg, dg, repo)
+    fp8, fp8_reason, moe, moe_reason = _runners(s, v, environ, roles, pg, dg, repo)
     cal_argv, cal_env = calibrate_command(s, python, roles, pg[0], dg[0])
     run_dir = _run_dir(s, repo, variant, now)
     common_env = _common_env(repo, environ)

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import model_config
-from ..serve_variables import PREFLIGHT_CHECKS, skipped
+from ..serve_variables import PREFLIGHT_CHECKS
 from ..safetensors_index import INDEX_FILE, scan_checkpoint
 from .plan import Plan, port_variable
 from .pcie_checks import check_numa, check_p2p, check_ucx, ipc_unverified
@@ -64,13 +64,10 @@ MODEL_PROBLEMS_SHOWN = 5
 
 
 def skipped_checks(plan: Plan) -> List[str]:
-    txt = plan.settings.get("PREFLIGHT_SKIP", "")
-    if txt.strip():
-        try:
-            return skipped(txt)
-        except ValueError as e:   # the plan refuses it first; a plan.json edited by hand gets here
-            raise ValueError(f"PREFLIGHT_SKIP={txt!r} is not valid: {e}") from None
-    return list(STANDIN_DEFAULT_SKIP) if plan.standin else []
+    """PREFLIGHT_SKIP's checks through the registry (a plan.json edited by hand: its one line, a ValueError);
+    unset or empty: the checks a stand-in cannot pass, or none."""
+    names = plan.value("PREFLIGHT_SKIP")
+    return names if names else (list(STANDIN_DEFAULT_SKIP) if plan.standin else [])
 
 
 def overlay_env(plan: Plan, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -385,7 +382,7 @@ def server_gpu_names(plan: Plan) -> Tuple[Dict[str, str], Optional[str]]:
 
 
 def interpret_profile_status(rows: List[dict], where: Dict[str, str]) -> List[str]:
-    """Notes (never failures) from ``python -m dsv4_sm120.calibrate.machine_profile status --json`` rows."""
+    """Notes (never failures) from ``python -m dsv4_sm120.machine_profile status --json`` rows."""
     notes = []
     for row in rows:
         gpu = row.get("gpu", "?")
@@ -413,7 +410,7 @@ def check_profile(plan: Plan) -> Tuple[List[str], List[str]]:
     env = overlay_env(plan)
     for k, v, _ in plan.common_env:
         env.setdefault(k, v)
-    cmd = [plan.python, "-m", "dsv4_sm120.calibrate.machine_profile", "status", "--json"]
+    cmd = [plan.python, "-m", "dsv4_sm120.machine_profile", "status", "--json"]
     for n in where:
         cmd += ["--gpu", n]
     try:

@@ -3,13 +3,13 @@ recorded serving shape and draft length.
 
 The plan runs in the launcher's python (the serving environment's where it exists) and never imports torch or
 SGLang (``tests/test_import_graph.py`` holds it to that): the profile is found and matched through
-:mod:`dsv4_sm120.calibrate.machine_profile` (versions read from package metadata, torch's CUDA version from its
-``version.py``), the all-reduce environment comes from the pure :mod:`dsv4_sm120.calibrate.allreduce_env`.
+:mod:`dsv4_sm120.machine_profile` (versions read from package metadata, torch's CUDA version from its
+``version.py``), the all-reduce environment comes from the pure :mod:`dsv4_sm120.serving.allreduce_env`.
 
 * :func:`gpu_names`: nvidia-smi's name of every GPU (one call per plan), ``{}`` without nvidia-smi;
 * :func:`server_profile`: the profile matching a server's GPU model and this environment's versions, and where it
   came from (or why none applies), as the all-reduce line names it;
-* :func:`allreduce`: one server's :class:`~dsv4_sm120.calibrate.allreduce_env.ServerEnv` (the variables to set,
+* :func:`allreduce`: one server's :class:`~dsv4_sm120.serving.allreduce_env.ServerEnv` (the variables to set,
   the ones it must not inherit from ``serve/env/*.env``, one line saying where the choice came from);
 * :func:`recorded_shape`: the layout (``PREFILL_GPUS`` / ``DECODE_GPUS``) and draft length ``make verify
   ARGS='--stages shape'`` recorded as the winner at the deployment's concurrency, where you set none.
@@ -21,8 +21,8 @@ import logging
 import subprocess
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-from ..calibrate import allreduce_env
-from ..calibrate.allreduce_env import ServerEnv
+from . import allreduce_env
+from .allreduce_env import ServerEnv
 
 _NAMES: Dict[str, Dict[int, str]] = {}
 
@@ -52,7 +52,7 @@ def server_profile(gpu: Optional[str]) -> Tuple[Optional[dict], str]:
     its own name."""
     if not gpu:
         return None, "no GPU name from nvidia-smi, so no machine profile applies"
-    from ..calibrate import machine_profile as P
+    from .. import machine_profile as P
 
     log = logging.getLogger(P.__name__)
     level = log.level
@@ -105,10 +105,10 @@ def draft_algorithm(s: Mapping[str, str], environ: Mapping[str, str]) -> Optiona
 def recorded_shape(variant: str, environ: Mapping[str, str], s: Mapping[str, str], standin: bool, smi: str,
                    concurrency: int, conc_var: str) -> Tuple[Dict[str, str], str]:
     """({serve variable: value} to use, the line saying which shape and why): the ``shape`` decision's winner for
-    ``variant`` at ``concurrency`` (``calibrate.shape_decision.pick``) from the machine profile of the decode GPU's
+    ``variant`` at ``concurrency`` (``machine_profile.shape_decision.pick``) from the machine profile of the decode GPU's
     model, where you set neither ``PREFILL_GPUS`` nor ``DECODE_GPUS`` (the layout) nor a draft length (MTP).
     A record of a stand-in rehearsal applies only to stand-in servers."""
-    from ..calibrate.shape_decision import pick, shape_text, spec_text
+    from ..machine_profile.shape_decision import pick, shape_text, spec_text
 
     mine = [k for k in LAYOUT if (environ.get(k) or "").strip()]
     mine_draft = [k for k in DRAFT if (environ.get(k) or "").strip()] if variant == "mtp" else []

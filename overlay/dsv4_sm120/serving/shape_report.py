@@ -1,5 +1,5 @@
 """The shape stage's table and plot (``make verify ARGS='--stages shape'``): pure rendering of the study's record
-(``serving/shapes.py`` runs it; ``calibrate/shape_decision.py`` holds the fields and the winner rule)."""
+(``serving/shapes.py`` runs it; ``machine_profile/shape_decision.py`` holds the fields and the winner rule)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import List, Mapping, Optional
 
-from ..calibrate.shape_decision import shape_text, spec_text
+from ..machine_profile.shape_decision import shape_text, spec_text
 
 
 def _f(x, nd=1) -> str:

@@ -8,7 +8,7 @@ decode servers); for the ``mtp`` variant each of these with DSpark block sizes 3
 (the checkpoint's own first). Each candidate gets the greedy stage (its tokens compared with the first candidate's on
 the first ``--first-tokens``) and the measure stage (SGLang's load generator at ``--concurrency``: output tok/s,
 TPOT and TTFT p50 / p99, accepted tokens per verify step), then is stopped. The winner per concurrency
-(``calibrate.shape_decision.winners``) is written with the table and a plot (``<run>/shape/``) and recorded in the
+(``machine_profile.shape_decision.winners``) is written with the table and a plot (``<run>/shape/``) and recorded in the
 machine profile of the decode GPUs' model (decision ``shape``), where the serve scripts take it when you set no
 layout and no draft length (``profile_choices.recorded_shape``). A stand-in rehearsal never replaces a measured record.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from ..calibrate.shape_decision import candidate_name, shape_text, spec_text, winners
+from ..machine_profile.shape_decision import candidate_name, shape_text, spec_text, winners
 from ..fileio import atomic_write_text
 from . import shape_report
 from .plan import ConfigError, Plan, build_plan, parse_groups, settings_from_env
@@ -173,7 +173,7 @@ class Study:
 
     def target(self) -> Tuple[Optional[str], str]:
         """(the GPU model the record goes to, where it goes or why not)."""
-        from ..calibrate import machine_profile as P
+        from .. import machine_profile as P
         from .profile_choices import gpu_names
 
         plan = self.plans[self.candidates[0].key]
@@ -276,7 +276,7 @@ def _now() -> str:
 def record(variants: Dict[str, dict], gpu: str) -> Dict[str, str]:
     """Write each variant's record into the machine profile of ``gpu`` (merged with what is there; a new profile
     with this environment's versions when there is none); {variant: what happened, one line}."""
-    from ..calibrate import machine_profile as P
+    from .. import machine_profile as P
 
     path = P.profile_path(gpu)
     try:

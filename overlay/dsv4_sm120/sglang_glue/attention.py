@@ -9,7 +9,7 @@ each captured CUDA graph routes statically (:func:`attention_route`, cached per 
 
 1. ``DSV4_SM120_ATTN_BACKEND`` set by the user (non-empty): that backend for every call (``env``);
 2. else the machine profile's winner of ``attention.<layout>`` for the bucket of ``T``
-   (:func:`dsv4_sm120.calibrate.machine_profile.decision`: the first measured bucket ``>= T``; ``profile``);
+   (:func:`dsv4_sm120.machine_profile.decision`: the first measured bucket ``>= T``; ``profile``);
 3. else ``dsv4``, our kernel (``default``; ``make calibrate`` would pick by measurement).
 
 A profile winner is ``dsv4``, ``dsv4:<launch keys>`` (ours with a launch variant, passed to the kernel per
@@ -102,7 +102,7 @@ def parse_choice(choice: str) -> Optional[Tuple[str, Optional[str], Optional[str
 
 
 def _profile():
-    from dsv4_sm120.calibrate import machine_profile
+    from dsv4_sm120 import machine_profile
 
     return machine_profile
 

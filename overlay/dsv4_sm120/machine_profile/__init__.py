@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 from .. import settings
 from ..fileio import atomic_write_json
-from ..paths import CHECKOUT_DIR, CONFIGS_DIR, applied_repo_root
+from ..paths import CHECKOUT_DIR, applied_repo_root, data_dir
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +72,9 @@ def file_stem(gpu: str) -> str:
 
 
 def profile_dir() -> Optional[Path]:
-    """Where profiles live (module doc); None when switched off. The directory may not exist yet."""
-    env = settings.raw(ENV_DIR)
-    if env is not None:
-        return Path(settings.get(ENV_DIR)) if env.strip() else None   # validated, expanded (SettingsError)
-    repo = applied_repo_root()
-    if repo is not None and (repo / "configs").is_dir():
-        return repo / "configs" / "profiles"
-    return CONFIGS_DIR / "profiles"
+    """Where profiles live (module doc: :func:`dsv4_sm120.paths.data_dir`); None when switched off. The directory
+    may not exist yet."""
+    return data_dir(ENV_DIR, "profiles")
 
 
 def profile_path(gpu: str, directory: Optional[Path] = None) -> Optional[Path]:
@@ -107,14 +102,14 @@ def validate(p: object, source: str = "profile") -> dict:
     if not isinstance(decs, dict):
         bad("no decisions object")
     for name, d in decs.items():
-        if name == "allreduce":   # per-server fields instead of buckets (calibrate/allreduce_choice.py)
+        if name == "allreduce":   # per-server fields instead of buckets (machine_profile/allreduce_choice.py)
             from .allreduce_choice import validate_entry
 
             why = validate_entry(d)
             if why:
                 bad(f"decision 'allreduce': {why}")
             continue
-        if name == "shape":       # the serving shape per variant (make verify --stages shape; calibrate/shape_decision.py)
+        if name == "shape":       # the serving shape per variant (make verify --stages shape; machine_profile/shape_decision.py)
             from .shape_decision import validate_entry as validate_shape
 
             why = validate_shape(d)
@@ -394,7 +389,7 @@ def default_reason(name: str, gpu: Optional[str] = None) -> str:
 
 def status(gpu: str, versions: Optional[dict] = None, directory: Optional[Path] = None) -> dict:
     """``{"usable", "path", "reasons"}`` for ``gpu`` with ``versions`` (default: this process's): what the
-    serve preflight reports (``python -m dsv4_sm120.calibrate.machine_profile status``)."""
+    serve preflight reports (``python -m dsv4_sm120.machine_profile status``)."""
     prof, path, reasons = active_profile(gpu, versions, directory)
     return {"gpu": gpu, "usable": prof is not None, "path": str(path) if path else None,
             "reasons": list(reasons)}
@@ -412,7 +407,7 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.calibrate.machine_profile",
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.machine_profile",
                                  description="Whether a machine profile applies to a GPU with this environment's "
                                              "versions (the serve preflight's profile check).")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -1,7 +1,7 @@
 """Compile a Triton kernel for a GPU target on a CPU box and read its SASS (no GPU, no torch).
 
 Used by ``bench/attn_sass_count.py``, ``bench/moe_sass_count.py``, the compile tests of
-``tests/test_attention.py`` / ``tests/test_moe.py`` and :mod:`dsv4_sm120.devtools.sm120_compile`:
+``tests/test_attention.py`` / ``tests/test_moe.py`` and :mod:`dsv4_sm120.dev.sm120_compile`:
 
 * :func:`kernel_source`: an ``ASTSource`` from a signature and constexprs, with the launch's 16-byte
   alignment facts (they decide the vector widths of loads); :func:`split_kernel_source` and

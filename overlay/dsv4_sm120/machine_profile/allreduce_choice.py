@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from .fields import keyed_problem
+
 IPC = "pcie_ipc"
 GLOO = "gloo"                      # the CPU stand-in (tests, --device cpu): plays NCCL's part
 PROTOS = ("LL", "LL128", "Simple")
@@ -233,12 +235,4 @@ def _choice_problem(c: object, s: Mapping, cands: Dict[int, Mapping]) -> Optiona
 
 def validate_entry(d: object) -> Optional[str]:
     """None when the ``allreduce`` decision follows the schema (docs/pcie.md), else what is wrong (one line)."""
-    if not isinstance(d, Mapping) or not isinstance(d.get("servers"), Mapping):
-        return "no servers object"
-    for role, s in d["servers"].items():
-        if role not in ROLES:
-            return f"server {role!r}: expected one of {', '.join(ROLES)}"
-        why = _server_problem(s)
-        if why:
-            return f"server {role}: {why}"
-    return None
+    return keyed_problem(d, "servers", "server", ROLES, _server_problem)

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import bench_rows as R
-from . import launch_tables as LT
-from . import tolerances
+from .. import launch_tables as LT
+from .. import tolerances
 
 SUBJECTS = ("attention", "moe")
 CASE_PREFIX = "launch"
@@ -49,7 +49,7 @@ class SweepError(ValueError):
 
 
 def attention_entry(text: str) -> Dict[str, object]:
-    from .attention import config as AC
+    from ..attention import config as AC
 
     try:
         entry = AC.parse_config(text, f"launch candidate {text!r}")
@@ -65,7 +65,7 @@ def attention_entry(text: str) -> Dict[str, object]:
 
 
 def moe_entry(text: str) -> Dict[str, object]:
-    from .moe import config as MC
+    from ..moe import config as MC
 
     try:
         return MC.parse_entry(text, f"launch candidate {text!r}")
@@ -192,7 +192,7 @@ def build(subject: str, rows: Iterable[Dict[str, str]], gpu: str, command: str =
 def write(subject: str, tables: Dict[str, str], root: Optional[Path] = None, check: bool = False) -> List[str]:
     """Write the tables under ``<root>/<subject>/`` (atomically) or, with ``check``, only compare them: the
     names of the files that were written / that differ or are missing."""
-    from .fileio import atomic_write_text
+    from ..fileio import atomic_write_text
 
     d = Path(root or LT.TABLE_DIR) / subject
     changed = []

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .allreduce_choice import IPC, describe_nccl, parse_method
+from ..machine_profile.allreduce_choice import IPC, describe_nccl, parse_method
 
 ENABLE = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
 MAX_NUMEL = "SGLANG_PCIE_IPC_MAX_NUMEL"

@@ -1,6 +1,6 @@
 """The rows of a benchmark results file as every reader selects them: the subjects' shape fields, the row
-date, the newest row per point (:func:`latest_rows`) and the numeric cells. :mod:`dsv4_sm120.bench_results`
-reads and writes the files; :mod:`dsv4_sm120.launch_sweep` makes launch tables of their rows.
+date, the newest row per point (:func:`latest_rows`) and the numeric cells. :mod:`dsv4_sm120.dev.bench_results`
+reads and writes the files; :mod:`dsv4_sm120.dev.launch_sweep` makes launch tables of their rows.
 """
 
 from __future__ import annotations

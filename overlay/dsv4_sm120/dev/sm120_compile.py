@@ -1,4 +1,4 @@
-"""Compile every sm_120 launch of :mod:`dsv4_sm120.devtools.sm120_launches` for sm_120 on this (CPU) box with
+"""Compile every sm_120 launch of :mod:`dsv4_sm120.dev.sm120_launches` for sm_120 on this (CPU) box with
 Triton's own ptxas, and check what an RTX PRO 6000 / RTX 50 needs of it:
 
 * it compiles;
@@ -14,7 +14,7 @@ Results (numbers only, no SASS) are cached as JSON in ``<DSV4_SM120_CACHE>/sm120
 hash of the kernel source with its dependencies (Triton's ``ASTSource.hash``), the compile options, the Triton
 version and :data:`CHECK_VERSION`, so a run after an unchanged one compiles nothing.
 
-``python -m dsv4_sm120.devtools.sm120_compile [family ...]`` prints one line per problem and a summary per family,
+``python -m dsv4_sm120.dev.sm120_compile [family ...]`` prints one line per problem and a summary per family,
 and exits 1 when there is a problem; ``--json`` prints the summary as ``RESULT<json>`` (tests/test_sm120_compile.py).
 """
 from __future__ import annotations
@@ -191,7 +191,7 @@ def toolchain_problem() -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.devtools.sm120_compile", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dsv4_sm120.dev.sm120_compile", description=__doc__.split("\n")[0])
     ap.add_argument("families", nargs="*", help=f"default: all ({', '.join(SL.FAMILIES)})")
     ap.add_argument("--json", action="store_true", help="print the summary as RESULT<json>")
     a = ap.parse_args(argv)

@@ -21,7 +21,7 @@ What a launch must satisfy is carried with it (``Launch.need``): resident CTAs p
 body's ``waves``: its split plan assumes ``waves`` programs per SM run at once; one elsewhere), where the
 product relies on it a native block-scaled MMA in the SASS (``fp4`` for the MoE fp4 GEMMs, ``fp8`` for the
 fp8 QK bodies), and the local loads / stores accepted of it (``spills``: none, but for the launches of
-:data:`ACCEPTED_SPILLS`). Torch-free and Triton-free: :mod:`dsv4_sm120.devtools.sm120_compile` compiles them.
+:data:`ACCEPTED_SPILLS`). Torch-free and Triton-free: :mod:`dsv4_sm120.dev.sm120_compile` compiles them.
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ separated ``key=value`` extras such as a failure message).
 Appending is safe from several processes at once: each call takes an exclusive ``flock`` on the file, writes the
 header only when the file is empty, and writes all its lines with one ``write``.
 
-``python -m dsv4_sm120.bench_results table attention --results bench/results/attention.csv --gpu "NVIDIA H200"``
+``python -m dsv4_sm120.dev.bench_results table attention --results bench/results/attention.csv --gpu "NVIDIA H200"``
 prints a table; ``check FILE`` validates a file; ``launch attention|moe`` generates a GPU's launch tables from
-the file's launch-sweep rows (:mod:`dsv4_sm120.launch_sweep`).
+the file's launch-sweep rows (:mod:`dsv4_sm120.dev.launch_sweep`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from dsv4_sm120.bench_rows import SHAPE_FIELDS, latest_rows, number, parse_date
+from dsv4_sm120.dev.bench_rows import SHAPE_FIELDS, latest_rows, number, parse_date
 from dsv4_sm120.fileio import atomic_write_text
 
 HEAD = ("subject", "case", "variant", "impl")
@@ -458,7 +458,7 @@ def _subject_rows(a, results_dir: Optional[Path], what: str, keep=lambda r: True
 
 
 def _launch(a, results_dir: Optional[Path]) -> int:
-    from dsv4_sm120 import launch_sweep as S
+    from dsv4_sm120.dev import launch_sweep as S
 
     path, rows, gpu = _subject_rows(a, results_dir, "launch-sweep rows",
                                     lambda r: r["case"].startswith(S.CASE_PREFIX))
@@ -496,7 +496,7 @@ def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = No
     c = sub.add_parser("check", help="validate a results file (header, field counts, numbers, dates)")
     c.add_argument("file", type=Path)
     g = sub.add_parser("launch", help="generate one GPU's launch tables (dsv4_sm120/launch_tables/<subject>/) from "
-                       "the launch-sweep rows of a results file (dsv4_sm120.launch_sweep)")
+                       "the launch-sweep rows of a results file (dsv4_sm120.dev.launch_sweep)")
     g.add_argument("subject", choices=("attention", "moe"))
     g.add_argument("--results", type=Path, help="results file (default: <results dir>/<subject>.csv)")
     g.add_argument("--gpu", help="GPU name as recorded (default: the only GPU with launch-sweep rows)")

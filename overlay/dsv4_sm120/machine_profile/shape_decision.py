@@ -31,6 +31,7 @@ import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..serve_variables import gpu_groups
+from .fields import keyed_problem
 
 VARIANTS = ("base", "mtp")
 ALGORITHMS = {"DSPARK": "block_size", "EAGLE": "steps"}
@@ -151,15 +152,7 @@ def _variant_problem(rec: object) -> Optional[str]:
 
 def validate_entry(d: object) -> Optional[str]:
     """None when the ``shape`` decision follows the schema (module doc), else what is wrong (one line)."""
-    if not isinstance(d, Mapping) or not isinstance(d.get("variants"), Mapping) or not d["variants"]:
-        return "no variants object"
-    for variant, rec in d["variants"].items():
-        if variant not in VARIANTS:
-            return f"variant {variant!r}: expected one of {', '.join(VARIANTS)}"
-        why = _variant_problem(rec)
-        if why:
-            return f"variant {variant}: {why}"
-    return None
+    return keyed_problem(d, "variants", "variant", VARIANTS, _variant_problem, nonempty=True)
 
 
 def pick(entry: Optional[Mapping], variant: str, concurrency: int) -> Tuple[Optional[Mapping], Optional[int], str]:
