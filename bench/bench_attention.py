@@ -39,9 +39,9 @@ Impls (rows' ``impl``): ``ours-bf16`` / ``ours-fp8`` (``--qk-modes``), and each 
 the installed SGLang, the pristine copy under ~/.cache/dsv4_sm120 or ``--upstream-file``), ``torch-eager``
 (SGLang's torch reference; it syncs the host), ``gather-floor`` (``floor``: bench/attn_floor.py, a kernel that only
 reads the bytes a call must read, through the same gather, and writes out; timed first, and the other rows' notes
-carry ``floor_share`` = floor us / their us; docs/attention.md "Gather floor"), ``mma-floor`` (``mma``, Hopper
+carry ``floor_share`` = floor us / their us; docs/attention.md "How to benchmark"), ``mma-floor`` (``mma``, Hopper
 only, not in the default list: bench/attn_mma_floor.py, the warpgroup MMAs the candidates-as-M body issues for the
-call and nothing else; ours' rows then carry ``mma_share`` = its us / theirs; docs/attention.md "MMA floor").
+call and nothing else; ours' rows then carry ``mma_share`` = its us / theirs; docs/attention.md "How to benchmark").
 
 ``--variants 'A;B'``: launch-config texts passed as the kernel's ``launch=`` (the DSV4_SM120_ATTN_CONFIG syntax,
 applied over that setting); each is timed next to the default at ``--variant-cases`` (default tp4_decode; none of

@@ -3,9 +3,9 @@
 ``resolve(H, T, K1, K2, device, qk=..., overrides=...)`` answers, from the shapes and the device facts
 only (so the call stays CUDA-graph safe), the whole launch: which split body runs with which keys, the
 split plan and the combine launch. Which launch keys and QK mode a call brings (settings, a machine profile, the
-call's ``launch=``) is settled in ``launch_plan``, which calls ``resolve`` per row chunk. Torch-free: the serving preflight checks ``DSV4_SM120_ATTN_CONFIG``
-with ``check_env`` before any server starts, and the tests run every rule on a CPU with injected
-device facts (``Device``).
+call's ``launch=``) is settled in ``launch_plan``, which calls ``resolve`` per row chunk. Torch-free: the serving
+preflight checks ``DSV4_SM120_ATTN_CONFIG`` with ``check_env`` before any server starts, and the tests run every
+rule on a CPU with injected device facts (``Device``).
 
 Tables (``dsv4_sm120/launch_tables/attention/``, read through ``dsv4_sm120.launch_tables``):
 
