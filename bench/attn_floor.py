@@ -1,6 +1,6 @@
 """Gather floor of the sparse MLA decode: a read-only Triton kernel that moves exactly the bytes a decode call must
 move, through the same gather pattern, and computes nothing else (``bench/bench_attention.py`` times it next to
-ours and FlashMLA as the ``gather-floor`` impl; docs/attention.md, "Gather floor").
+ours and FlashMLA as the ``gather-floor`` impl; docs/attention.md, "How to benchmark").
 
 Per query row it reads, once:
 
@@ -41,6 +41,18 @@ Q_BLOCK = 1024     # words of q / out per step
 
 
 @triton.jit
+def _word_rows(idx, inb, P, PBW):
+    """Page addressing of a block of candidates in 4-byte words (the kernels' ``_token_rows`` in bytes): (valid,
+    word offset of each token's 576-byte row, word offset of its 8-byte scale row)."""
+    valid = inb & (idx >= 0)
+    idx = tl.maximum(idx, 0)
+    page32 = idx // P
+    off = (idx - page32 * P).to(tl.int64)
+    page = page32.to(tl.int64)
+    return valid, page * PBW + off * 144, page * PBW + P * 144 + off * 2
+
+
+@triton.jit
 def _gather_list(acc_a, acc_b, acc_c, cache, idx_row, j0, j1, P, PBW, BLOCK_N: tl.constexpr):
     """Add the 146 words of each valid candidate ``j0 <= j < j1`` of one index list into the accumulators."""
     lanes = tl.arange(0, BLOCK_N)
@@ -50,14 +62,7 @@ def _gather_list(acc_a, acc_b, acc_c, cache, idx_row, j0, j1, P, PBW, BLOCK_N: t
     for j in range(j0, j1, BLOCK_N):
         jj = j + lanes
         inb = jj < j1
-        idx = tl.load(idx_row + jj, mask=inb, other=-1)
-        valid = inb & (idx >= 0)
-        idx = tl.maximum(idx, 0)
-        page32 = idx // P
-        off = (idx - page32 * P).to(tl.int64)
-        page = page32.to(tl.int64)
-        row = page * PBW + off * 144                   # word offset of the 576-byte row
-        sc = page * PBW + P * 144 + off * 2            # word offset of the 8-byte scale row
+        valid, row, sc = _word_rows(tl.load(idx_row + jj, mask=inb, other=-1), inb, P, PBW)
         m = valid[:, None]
         acc_a += tl.load(cache + row[:, None] + wa[None, :], mask=m, other=0)
         acc_b += tl.load(cache + row[:, None] + 128 + wb[None, :], mask=m, other=0)

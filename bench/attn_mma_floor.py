@@ -1,6 +1,6 @@
 """MMA floor of the sparse MLA decode on Hopper: the warpgroup MMAs that the candidates-as-M body (``impl=wgmma_t``)
 issues for a decode call, and nothing else (``bench/bench_attention.py`` times it as the ``mma-floor`` impl next to
-the gather floor; docs/attention.md, "MMA floor").
+the gather floor; docs/attention.md, "How to benchmark").
 
 Per 64-candidate block and group of ``N`` heads the body runs ``S^T = K Q^T`` (A: the block ``[64, 512]`` bf16 in
 shared memory, 128-byte swizzle; B: Q ``[N, 512]``: 32 ``m64nNk16``) and ``O^T += V^T P^T`` (A: the same tile

@@ -160,7 +160,7 @@ def report(rows: List[Dict[str, str]], reference: Optional[List[Dict[str, str]]]
     got = judge(rows, reference, reference_name)
     if not got:
         return ""
-    lines = ["", "Speculative-row targets (the spec_rows rows of this run; docs/attention.md, \"Benchmark\"):"]
+    lines = ["", "Speculative-row targets (the spec_rows rows of this run; docs/attention.md, \"How to benchmark\"):"]
     for target, met, n, worst in got:
         verdict = "met" if met == n else f"NOT met at {n - met} of {n} points"
         lines.append(f"- {target}: {verdict} ({met}/{n} points; {worst})")

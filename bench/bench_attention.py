@@ -39,13 +39,13 @@ Impls (rows' ``impl``): ``ours-bf16`` / ``ours-fp8`` (``--qk-modes``), and each 
 the installed SGLang, the pristine copy under ~/.cache/dsv4_sm120 or ``--upstream-file``), ``torch-eager``
 (SGLang's torch reference; it syncs the host), ``gather-floor`` (``floor``: bench/attn_floor.py, a kernel that only
 reads the bytes a call must read, through the same gather, and writes out; timed first, and the other rows' notes
-carry ``floor_share`` = floor us / their us; docs/attention.md "Gather floor"), ``mma-floor`` (``mma``, Hopper
+carry ``floor_share`` = floor us / their us; docs/attention.md "How to benchmark"), ``mma-floor`` (``mma``, Hopper
 only, not in the default list: bench/attn_mma_floor.py, the warpgroup MMAs the candidates-as-M body issues for the
-call and nothing else; ours' rows then carry ``mma_share`` = its us / theirs; docs/attention.md "MMA floor").
+call and nothing else; ours' rows then carry ``mma_share`` = its us / theirs; docs/attention.md "How to benchmark").
 
-``--variants 'A;B'``: launch-config texts set as ``attention.launch.CONFIG_OVERRIDE`` (the DSV4_SM120_ATTN_CONFIG
-syntax); each is timed next to the default at ``--variant-cases`` (default tp4_decode; none of the chosen cases
-among them: a note on stderr) and recorded with that text as ``variant``.
+``--variants 'A;B'``: launch-config texts passed as the kernel's ``launch=`` (the DSV4_SM120_ATTN_CONFIG syntax,
+applied over that setting); each is timed next to the default at ``--variant-cases`` (default tp4_decode; none of
+the chosen cases among them: a note on stderr) and recorded with that text as ``variant``.
 
   python3 bench/bench_attention.py --cases tp4_decode --variants 'spanning_splits=0'
   python3 bench/bench_attention.py --dry-run --cases all     # the rows it would write; no GPU needed
@@ -374,14 +374,9 @@ def run_point(args, torch, bl, case, layout, B, H, variants, modes, env, context
                 if not runs_on(ov.get("impl"), cap[0]):
                     continue  # a body this architecture does not run (refused by the launch)
 
-                def f(i, mode=mode, ov=ov):
-                    launch.CONFIG_OVERRIDE.clear()
-                    launch.CONFIG_OVERRIDE.update(ov)
-                    try:
-                        return launch.sparse_mla_decode(qs[i], attn_sink=sink, head_dim_v=512, softmax_scale=scale,
-                                                        qk_mode=mode, **layers[i][0])[0]
-                    finally:
-                        launch.CONFIG_OVERRIDE.clear()
+                def f(i, mode=mode, v=v):
+                    return launch.sparse_mla_decode(qs[i], attn_sink=sink, head_dim_v=512, softmax_scale=scale,
+                                                    qk_mode=mode, launch=v or None, **layers[i][0])[0]
 
                 forced = launch.DEVICE_OVERRIDE
                 # another architecture's launch: its rows carry the table in the variant label (never taken for

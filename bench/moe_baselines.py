@@ -33,6 +33,12 @@ if triton is not None:
         return (af / sa[:, None]).to(tl.float8e4nv), sa
 
     @triton.jit
+    def _block_expert(be_ptr):
+        """This program's row block and column block, and the expert of the row block (-1: no rows)."""
+        pid_m = tl.program_id(0)
+        return pid_m, tl.program_id(1), tl.load(be_ptr + pid_m)
+
+    @triton.jit
     def _block_rows(sorted_ptr, pid_m, pid_n, P, BM: tl.constexpr, BN: tl.constexpr):
         """The rows of row block ``pid_m`` (slots of the sorted order), their pair index, which hold a pair, and
         the output columns of ``pid_n``."""
@@ -44,9 +50,7 @@ if triton is not None:
     def _base_gemm1(x_ptr, w_ptr, s_ptr, sorted_ptr, be_ptr, h_ptr, P, TOPK, H, I,
                     stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        e = tl.load(be_ptr + pid_m)
+        pid_m, pid_n, e = _block_expert(be_ptr)
         if e >= 0:
             e64 = e.to(tl.int64)
             rows, pair, rvalid, offs_n = _block_rows(sorted_ptr, pid_m, pid_n, P, BM, BN)
@@ -82,9 +86,7 @@ if triton is not None:
     def _base_gemm2(h_ptr, w_ptr, s_ptr, sorted_ptr, be_ptr, tw_ptr, y_ptr, P, H, I,
                     stride_we, stride_wn, stride_se, stride_sn,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        e = tl.load(be_ptr + pid_m)
+        pid_m, pid_n, e = _block_expert(be_ptr)
         if e >= 0:
             e64 = e.to(tl.int64)
             rows, pair, rvalid, offs_n = _block_rows(sorted_ptr, pid_m, pid_n, P, BM, BN)

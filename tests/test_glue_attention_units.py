@@ -500,9 +500,9 @@ def test_the_rows_of_a_launch_follow_their_layouts_route(fresh):
 
 def test_reset_forgets_the_device_of_the_fallbacks(fresh):
     A.step_aside(2, "swa", 8, A.attention_route(2, "swa"), H200, "x", log=False)
-    assert A._FAIL_STATE["device"] == H200
+    assert A.STATE.fail_device == H200 and A.STATE.fail_count == 1
     A.reset()
-    assert A._FAIL_STATE == {"device": None, "count": 0}
+    assert (A.STATE.fail_device, A.STATE.fail_count, A.STATE.failed, A.STATE.buckets) == (None, 0, {}, {})
 
 
 def test_launch_buckets_and_call_routes_are_cached(fresh, monkeypatch):
@@ -524,14 +524,15 @@ def test_launch_buckets_and_call_routes_are_cached(fresh, monkeypatch):
     assert len(looked) == 1 and len(calls) == n
 
 
-def test_the_programs_own_launch_overrides_count(fresh, monkeypatch):
+def test_the_routes_launch_keys_go_over_the_settings(fresh):
     from dsv4_sm120.attention import config as C
     from dsv4_sm120.attention import launch as L
 
+    assert not hasattr(L, "CONFIG_OVERRIDE")     # launch variants travel as launch=, never a module global
     fresh.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setitem(L.CONFIG_OVERRIDE, "impl", "reg")
-    assert A.launch_bucket(1, "swa", 16, A.Route("dsv4"), H200) == \
-        f"swa H=16 qk=bf16 {C.table_entry(16, 1, 'bf16', H200, 'reg')[1]}"
+    fresh.setenv("DSV4_SM120_ATTN_CONFIG", "impl=tiled")
+    assert A.launch_bucket(1, "swa", 16, A.Route("dsv4", "impl=reg"), H200) == \
+        f"swa H=16 qk=bf16 {C.table_entry(16, 1, 'bf16', H200, 'reg')[1]} launch=impl=reg"
 
 
 def test_a_route_not_ours_is_never_stepped_aside(fresh):

@@ -13,14 +13,16 @@ page size), ``indices [T,1,K]`` int32 with -1 = invalid, optional per-row length
 per-head sink (natural-log logit). Returns ``out [T,1,H,512]`` bf16 (zeros for rows with no valid
 candidate) and ``lse [T,H,1]`` fp32 (natural log, sink excluded, -inf for such rows).
 
-``qk_mode``: ``"bf16"`` | ``"fp8"`` | ``None`` (env ``DSV4_SM120_ATTN_QK``, default ``auto`` = bf16; ``fp8`` =
-block-scaled QK, native on sm_120). Env ``DSV4_SM120_ATTN_CONFIG`` overrides launch keys (``config``);
-``launch``: launch keys for this call only, in the same syntax (e.g. ``"impl=tiled"``), applied over the
-environment's (the SGLang glue passes a machine profile's launch variant this way: docs/calibrate.md).
+``qk_mode``: ``"auto"`` (= bf16) | ``"bf16"`` | ``"fp8"`` (block-scaled QK, native on sm_120) | ``None`` (env
+``DSV4_SM120_ATTN_QK``, else bf16). ``launch``: launch keys for this call only (text in the
+``DSV4_SM120_ATTN_CONFIG`` syntax, e.g. ``"impl=tiled"``, or a mapping), applied over that setting's (the SGLang glue
+passes a machine profile's launch variant this way, benchmarks and calibration their variants). The whole rule, and
+what each call resolves to: ``launch_plan.plan_call`` (docs/attention.md, "Launch configuration").
 
-Modules: ``launch`` (host side: checks, launches, workspace), ``config`` (launch tables, overrides,
-``resolve``), ``plan`` (split / combine plans), ``kernels`` (Triton), ``reference`` (float64 reference),
-``cache`` (paged caches for tests and benchmarks). The SGLang glue is ``dsv4_sm120.sglang_glue.attention``.
+Modules: ``launch`` (host side: checks, launches, workspace), ``launch_plan`` (a call's QK mode, launch keys
+with their sources, table entry and row chunks), ``config`` (launch tables, ``resolve``), ``plan`` (split /
+combine plans), ``kernels`` (Triton / Gluon), ``reference`` (float64 reference), ``cache`` (paged caches for tests
+and benchmarks). The SGLang glue is ``dsv4_sm120.sglang_glue.attention``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Launch configuration of the sparse MLA decode: table lookup, user overrides, validation, resolution.
+"""Launch configuration of the sparse MLA decode: table lookup, validation, resolution.
 
 ``resolve(H, T, K1, K2, device, qk=..., overrides=...)`` answers, from the shapes and the device facts
 only (so the call stays CUDA-graph safe), the whole launch: which split body runs with which keys, the
-split plan and the combine launch. Torch-free: the serving preflight checks ``DSV4_SM120_ATTN_CONFIG``
-with ``check_env`` before any server starts, and the tests run every rule on a CPU with injected
-device facts (``Device``).
+split plan and the combine launch. Which launch keys and QK mode a call brings (settings, a machine profile, the
+call's ``launch=``) is settled in ``launch_plan``, which calls ``resolve`` per row chunk. Torch-free: the serving
+preflight checks ``DSV4_SM120_ATTN_CONFIG`` with ``check_env`` before any server starts, and the tests run every
+rule on a CPU with injected device facts (``Device``).
 
 Tables (``dsv4_sm120/launch_tables/attention/``, read through ``dsv4_sm120.launch_tables``):
 
@@ -84,44 +85,7 @@ class Launch(NamedTuple):
     source: str                      # the table entry it came from (for logs and bench rows)
 
 
-# ---- user overrides
-
-
-@lru_cache(maxsize=64)
-def _env_overrides(text: str) -> Tuple[Tuple[str, object], ...]:
-    return tuple(parse_config(text, "DSV4_SM120_ATTN_CONFIG").items())
-
-
-def launch_overrides(text: Optional[str]) -> Dict[str, object]:
-    """The launch keys of a per-call ``launch`` text (``sparse_mla_decode(..., launch="impl=tiled")``; same keys
-    and validation as ``DSV4_SM120_ATTN_CONFIG``; cached)."""
-    return dict(_launch_overrides(text or ""))
-
-
-@lru_cache(maxsize=64)
-def _launch_overrides(text: str) -> Tuple[Tuple[str, object], ...]:
-    return tuple(parse_config(text, "launch").items())
-
-
-def env_overrides(env: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
-    """The launch keys of ``DSV4_SM120_ATTN_CONFIG`` (validated; empty when unset)."""
-    return dict(_env_overrides(settings.raw("DSV4_SM120_ATTN_CONFIG", env) or ""))
-
-
-def qk_mode(requested: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> str:
-    """``"bf16"`` or ``"fp8"``: the ``qk_mode`` argument, else ``DSV4_SM120_ATTN_QK``; ``auto`` (the default) is
-    bf16 on every architecture (decode reads ~584 B per candidate for ~2 x 512 x H FLOP of QK, far below any
-    tensor-core ridge, and quantizing Q costs 2-3% accuracy; `make bench-attention` times both)."""
-    if requested:
-        if requested not in QK_MODES:
-            raise DecodeInputError(f"qk_mode must be one of {', '.join(QK_MODES)}, got {requested!r}")
-        mode = requested
-    else:
-        try:
-            mode = settings.get("DSV4_SM120_ATTN_QK", env)
-        except settings.SettingsError as e:
-            raise DecodeInputError(str(e)) from None
-    return "fp8" if mode == "fp8" else "bf16"
+# ---- settings
 
 
 def check_env(env: Mapping[str, str]) -> list:

@@ -1,5 +1,6 @@
-"""Host side of the sparse MLA decode: argument checks, the launch (``config.resolve`` once per launch shape), the
-workspace, and the two kernel launches (split body, combine).
+"""Host side of the sparse MLA decode: argument checks, the launch plan (``launch_plan.plan_call``: the QK mode,
+the launch keys, the row chunks and their resolved launches), the workspace, and the two kernel launches (split
+body, combine).
 
 No host synchronization, no data-dependent shapes: the launch depends only on the shapes and the device, and the
 workspace is a grow-only per-device buffer (a fresh graph-pool allocation under CUDA-graph capture), so a call
@@ -8,26 +9,21 @@ can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import settings
-from . import config
 from .config import DecodeInputError, Device, Launch
 from .keys import WGMMA_IMPLS, producer_regs
 from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
+from .launch_plan import interpreting, plan_call, row_chunks
 from .plan import balanced_sizes, cdiv, plan_span, plan_splits, ws_words
 
-__all__ = ["sparse_mla_decode", "DecodeInputError", "plan_splits", "plan_span", "device_facts", "CONFIG_OVERRIDE"]
+__all__ = ["sparse_mla_decode", "DecodeInputError", "plan_splits", "plan_span", "device_facts", "row_chunks",
+           "interpreting"]
 
 LOG2E = 1.4426950408889634
 BYTES_PER_TOKEN = 584
-
-# Launch keys applied over DSV4_SM120_ATTN_CONFIG (same keys, same validation), for benchmarks that time launch
-# variants in one process; empty in production.
-CONFIG_OVERRIDE: Dict[str, object] = {}
 
 # Device facts the launches are resolved with instead of the GPU's own, for benchmarks that time another
 # architecture's launch on this GPU (bench_attention.py --device-table arch_sm_120: the launch an sm_120 GPU with this
@@ -36,10 +32,6 @@ DEVICE_OVERRIDE: Optional[Device] = None
 
 _DEVICES: Dict[int, Device] = {}
 _WORKSPACE: Dict[str, torch.Tensor] = {}
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def device_facts(device: torch.device) -> Device:
@@ -125,29 +117,6 @@ def _lengths(x, T: int, name: str):
 
 
 # ---- launches
-
-
-def row_chunks(H: int, T: int, K1: int, K2: int, device: Device, qk: str, overrides, interpret: bool,
-               cap_words: int) -> List[Tuple[int, int, Launch]]:
-    """``(t0, t1, launch)`` per launch: all ``T`` rows in one launch unless its workspace would pass ``cap_words``
-    4-byte words; then row chunks of the largest size (halving) that fits, the last one with its own launch."""
-    def launch(rows: int) -> Launch:
-        return config.resolve(H, rows, K1, K2, device, qk=qk, overrides=overrides, interpret=interpret, call_rows=T)
-
-    def words(L: Launch, rows: int) -> int:
-        s1, _, s2, _ = L.plan
-        HP = cdiv(H, L.config["BLOCK_H"]) * L.config["BLOCK_H"]
-        return rows * (s1 + s2) * HP * ws_words(L.config["impl"], L.config.get("PART_BF16", 0))
-
-    TC, L = T, launch(T)
-    while TC > 1 and words(L, TC) > cap_words:
-        TC = (TC + 1) // 2
-        L = launch(TC)
-    out = []
-    for t0 in range(0, T, TC):
-        t1 = min(T, t0 + TC)
-        out.append((t0, t1, L if t1 - t0 == TC else launch(t1 - t0)))
-    return out
 
 
 def writes_output(L: Launch) -> bool:
@@ -289,8 +258,9 @@ def sparse_mla_decode(
 ):
     """Sparse MLA decode over DeepSeek-V4 FP8 paged caches; see the package docstring.
 
-    ``launch``: launch keys for this call only (text as in ``DSV4_SM120_ATTN_CONFIG``, e.g. ``"impl=tiled"``),
-    applied over the environment's; the SGLang glue passes a machine profile's launch variant this way."""
+    ``launch``: launch keys for this call only (text as in ``DSV4_SM120_ATTN_CONFIG``, e.g. ``"impl=tiled"``, or a
+    mapping), applied over the environment's; the SGLang glue passes a machine profile's launch variant this way,
+    benchmarks and calibration their variants (``launch_plan.plan_call``)."""
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[1] != 1 or q.shape[3] != 512:
         raise DecodeInputError(f"q must be [T, 1, H, 512], got {getattr(q, 'shape', type(q))}")
     if q.dtype != torch.bfloat16:
@@ -329,20 +299,14 @@ def sparse_mla_decode(
     if T == 0:
         return out, lse
 
-    qk = config.qk_mode(qk_mode)
-    overrides = dict(config.env_overrides(), **CONFIG_OVERRIDE)
-    if launch:
-        overrides.update(config.launch_overrides(launch))
-    interp = interpreting()
-    # rows per launch: bounded so the workspace stays under DSV4_SM120_ATTN_WS_MB (default 256); only huge T
-    # (prefill through this kernel) is cut, decode / verify batches run in one launch
-    try:
-        cap = int(settings.get("DSV4_SM120_ATTN_WS_MB") * (1 << 20) / 4)
-    except settings.SettingsError as e:
-        raise DecodeInputError(str(e)) from None
-    for t0, t1, L in row_chunks(H, T, K1, K2, device_facts(q.device), qk, overrides, interp, cap):
+    # the launch plan (launch_plan.plan_call): QK mode, launch keys over the tables, and rows per launch bounded so
+    # the workspace stays under DSV4_SM120_ATTN_WS_MB (only huge T, prefill through this kernel, is cut; decode /
+    # verify batches run in one launch)
+    plan = plan_call(H, T, device_facts(q.device), K1, K2, qk=qk_mode, launch=launch)
+    interp = plan.interpret
+    for t0, t1, L, _ in plan.chunks:
         sl = slice(t0, t1)
         main = (main_u8, idx1[sl], None if len1 is None else len1[sl], K1, P1, PB1)
         extra = (extra_u8, idx2[sl], None if len2 is None else len2[sl], K2, P2, PB2)
-        _run(L, q[sl], main, extra, attn_sink, softmax_scale, qk == "fp8", out[sl], lse[sl], H, interp)
+        _run(L, q[sl], main, extra, attn_sink, softmax_scale, plan.qk == "fp8", out[sl], lse[sl], H, interp)
     return out, lse

@@ -7,10 +7,11 @@ over row counts T (decode batches and verify rows B x draft tokens). Inputs are 
 (SWA pages of 256 tokens, c4 pages of 64, c128 pages of 2) with the deployment's per-rank heads; the gate
 compares sampled rows against :mod:`dsv4_sm120.attention.reference` (float64).
 
-Our kernel is called only through ``dsv4_sm120.attention.sparse_mla_decode``; a launch variant is the
-``DSV4_SM120_ATTN_CONFIG`` text set around the call (the choice string is ``dsv4:<text>``); ``dsv4+fp8qk`` is
-the block-scaled QK mode (sm_120 only). SGLang's triton / torch backends get the stock 64-head padding (what
-stock serving runs); FlashInfer gets the real heads, through the same decode/prefill split as the dispatcher.
+Our kernel is called only through ``dsv4_sm120.attention.sparse_mla_decode``; a launch variant is the text
+passed as the call's ``launch=`` (the ``DSV4_SM120_ATTN_CONFIG`` syntax; the choice string is ``dsv4:<text>``);
+``dsv4+fp8qk`` is the block-scaled QK mode (sm_120 only). SGLang's triton / torch backends get the stock 64-head
+padding (what stock serving runs); FlashInfer gets the real heads, through the same decode/prefill split as the
+dispatcher.
 """
 
 from __future__ import annotations
@@ -145,27 +146,16 @@ class Ours(Candidate):
 
     def build(self, case: AttnCase):
         from dsv4_sm120.attention import sparse_mla_decode
-
-        from dsv4_sm120.attention import launch
-        from dsv4_sm120.attention.config import parse_config
+        from dsv4_sm120.attention.config import head_class, parse_config
 
         variant = parse_config(self.variant, "variant") if self.variant else {}
-        from dsv4_sm120.attention.config import head_class
-
         if int(variant.get("BLOCK_H", 0)) > head_class(case.H):
             raise NotApplicable(f"{variant['BLOCK_H']} heads per program for {case.H} heads: masked MMA rows")
 
         def fn():
-            # the variant's launch keys for this call only (the benchmarks' override hook)
-            saved = dict(launch.CONFIG_OVERRIDE)
-            launch.CONFIG_OVERRIDE.clear()
-            launch.CONFIG_OVERRIDE.update(variant)
-            try:
-                return sparse_mla_decode(case.q, attn_sink=case.sink, head_dim_v=512, softmax_scale=case.scale,
-                                         qk_mode=self.qk or "bf16", **case.kw)[0]
-            finally:
-                launch.CONFIG_OVERRIDE.clear()
-                launch.CONFIG_OVERRIDE.update(saved)
+            # the variant's launch keys for this call only
+            return sparse_mla_decode(case.q, attn_sink=case.sink, head_dim_v=512, softmax_scale=case.scale,
+                                     qk_mode=self.qk or "bf16", launch=self.variant or None, **case.kw)[0]
         return fn
 
 

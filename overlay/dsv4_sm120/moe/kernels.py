@@ -157,39 +157,20 @@ def _fp4_pair_dot(acc, a_even, a_odd, gs, wq, ws_ptrs,
 # value times 2^-126 (code 1 lands on the bf16 subnormal 2^-127); one bf16x2 multiply by the block scale
 # times 2^119 (e4m3 <= 448 < 2^9, so no overflow) gives value * scale * 2^-7, exact; the caller multiplies
 # the fp32 accumulator by 2^7. ~11 instructions per 4 values (a byte-permute table lookup of the bf16 bits needs ~22).
-_E2M1_BF16_SHIFT_ASM = tl.constexpr("""
-{
-.reg .b32 v, a, b, t, z, nz;
-mov.b32 z, 0;
-mov.b32 nz, 0x80008000;
-prmt.b32 v, $4, z, 0x4140;
-shl.b32 a, v, 6;
-shl.b32 b, v, 12;
-and.b32 a, a, 0x01C001C0;
-and.b32 b, b, 0x80008000;
-or.b32 t, a, b;
-fma.rn.bf16x2 $0, t, $5, nz;
-shl.b32 a, v, 2;
-shl.b32 b, v, 8;
-and.b32 a, a, 0x01C001C0;
-and.b32 b, b, 0x80008000;
-or.b32 t, a, b;
-fma.rn.bf16x2 $2, t, $5, nz;
-prmt.b32 v, $4, z, 0x4342;
-shl.b32 a, v, 6;
-shl.b32 b, v, 12;
-and.b32 a, a, 0x01C001C0;
-and.b32 b, b, 0x80008000;
-or.b32 t, a, b;
-fma.rn.bf16x2 $1, t, $6, nz;
-shl.b32 a, v, 2;
-shl.b32 b, v, 8;
-and.b32 a, a, 0x01C001C0;
-and.b32 b, b, 0x80008000;
-or.b32 t, a, b;
-fma.rn.bf16x2 $3, t, $6, nz;
-}
-""")
+def _shift_decode_asm() -> str:
+    # the PTX: prmt spreads two bytes of the packed codes ($4: bytes 0, 1, then 2, 3) into v's two 16-bit halves; per
+    # byte the low code (shifts 6 / 12) and the high code (shifts 2 / 8) get their e1 e0 m bits to 8..6 and their
+    # sign to bit 15, times that byte pair's scales ($5, then $6): outputs $0 / $2, then $1 / $3
+    lines = ["{", ".reg .b32 v, a, b, t, z, nz;", "mov.b32 z, 0;", "mov.b32 nz, 0x80008000;"]
+    for select, outs, scale in (("0x4140", ("$0", "$2"), "$5"), ("0x4342", ("$1", "$3"), "$6")):
+        lines.append(f"prmt.b32 v, $4, z, {select};")
+        for (lo, hi), out in zip(((6, 12), (2, 8)), outs):
+            lines += [f"shl.b32 a, v, {lo};", f"shl.b32 b, v, {hi};", "and.b32 a, a, 0x01C001C0;",
+                      "and.b32 b, b, 0x80008000;", "or.b32 t, a, b;", f"fma.rn.bf16x2 {out}, t, {scale}, nz;"]
+    return "\n" + "\n".join(lines + ["}"]) + "\n"
+
+
+_E2M1_BF16_SHIFT_ASM = tl.constexpr(_shift_decode_asm())
 
 
 @triton.jit
@@ -384,6 +365,45 @@ def _expert_pairs(ids_ptr, P, E, e, r0, BM: tl.constexpr, P_PAD: tl.constexpr, P
 
 
 @triton.jit
+def _block_expert(sorted_ptr, block_expert_ptr, pid_m, P, E, BM: tl.constexpr, P_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, GROUPED: tl.constexpr):
+    """``(e, r0)``: the expert of row block ``pid_m`` (-1: none) and, GROUPED, the slot's first row within that
+    expert's pairs (``_slot_expert``; else 0)."""
+    if GROUPED:
+        e, r0 = _slot_expert(sorted_ptr, pid_m, P, E, BM, P_PAD, E_PAD)
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        r0 = 0
+    return e, r0
+
+
+@triton.jit
+def _block_pairs(sorted_ptr, pid_m, e, r0, P, E, BM: tl.constexpr, P_PAD: tl.constexpr, GROUPED: tl.constexpr):
+    """``(pair, rvalid, hrow)`` of a row block with an expert: its pair indices, which rows hold one, and the h rows
+    they use (GROUPED: found in-kernel from the routing ids, h rows = pair indices; else the align kernel's padded
+    sorted order, h rows in that order)."""
+    if GROUPED:
+        pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
+        hrow = pair
+    else:
+        hrow = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + hrow)
+        rvalid = pair < P
+    return pair, rvalid, hrow
+
+
+@triton.jit
+def _w_scale_ptrs(ws_ptr, e64, stride_se, stride_sn, offs_n, gg, PATH_FP4: tl.constexpr):
+    """Pointers to expert ``e64``'s weight scales of the columns ``offs_n`` and the 16-groups ``gg`` of a K step:
+    ``[BN, BK/16]`` on the fp4 path (what dot_scaled wants for rhs), else ``[BK/16, BN]``."""
+    if PATH_FP4:
+        p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
+    else:
+        p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
+    return p
+
+
+@triton.jit
 def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pid_n,
                 TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
                 HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -400,17 +420,14 @@ def _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e64, pair, rvalid, hrow, pi
     # weights as [BK/2, BN] (K-packed bytes along dim 0)
     wg_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
     wu_p = wg_p + I * stride_wn
+    sg_p = _w_scale_ptrs(ws_ptr, e64, stride_se, stride_sn, offs_n, gg, PATH_FP4)
     if PATH_FP4:
-        # scales as [BN, BK/16] (what dot_scaled wants for rhs)
-        sg_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
         if APRE:
             gs = tl.load(xgs_ptr + tok, mask=rvalid, other=1.0)
             aq_row = xq_ptr + tok[:, None] * (H // 2) + jj[None, :]
             as_row = xs_ptr + tok[:, None] * (H // 16) + gg[None, :]
         else:
             gs = _row_gs(a_row, rvalid, H, BM, BK)
-    else:
-        sg_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
     su_p = sg_p + I * stride_sn
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
@@ -466,23 +483,13 @@ def _gemm1_kernel(x_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, h_
     rows are pair indices."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if GROUPED:
-        e, r0 = _slot_expert(sorted_ptr, pid_m, P, E, BM, P_PAD, E_PAD)
-        if e >= 0:
-            pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
-            _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, rvalid, pair, pid_n,
-                        TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
-                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
-                        APRE, xq_ptr, xs_ptr, xgs_ptr)
-    else:
-        e = tl.load(block_expert_ptr + pid_m)
-        if e >= 0:
-            rows = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_ptr + rows)
-            _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, pair < P, rows, pid_n,
-                        TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
-                        HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
-                        APRE, xq_ptr, xs_ptr, xgs_ptr)
+    e, r0 = _block_expert(sorted_ptr, block_expert_ptr, pid_m, P, E, BM, P_PAD, E_PAD, GROUPED)
+    if e >= 0:
+        pair, rvalid, hrow = _block_pairs(sorted_ptr, pid_m, e, r0, P, E, BM, P_PAD, GROUPED)
+        _gemm1_body(x_ptr, w_ptr, ws_ptr, wg_ptr, h_ptr, e.to(tl.int64), pair, rvalid, hrow, pid_n,
+                    TOPK, H, I, stride_xm, stride_we, stride_wn, stride_se, stride_sn, swiglu_limit,
+                    HAS_LIMIT, BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
+                    APRE, xq_ptr, xs_ptr, xgs_ptr)
 
 
 @triton.jit
@@ -499,8 +506,8 @@ def _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e64, pair, rvalid, 
     gg = tl.arange(0, BK // 16)
     a_row = h_ptr + hrow[:, None].to(tl.int64) * I
     w_p = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + jj[:, None]
+    s_p = _w_scale_ptrs(ws_ptr, e64, stride_se, stride_sn, offs_n, gg, PATH_FP4)
     if PATH_FP4:
-        s_p = ws_ptr + e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + gg[None, :]
         if APRE:
             h64 = tl.where(rvalid, hrow, 0).to(tl.int64)
             gs = tl.load(hgs_ptr + h64, mask=rvalid, other=1.0)
@@ -508,8 +515,6 @@ def _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e64, pair, rvalid, 
             as_row = hs_ptr + h64[:, None] * (I // 16) + gg[None, :]
         else:
             gs = _row_gs(a_row, rvalid, I, BM, BK)
-    else:
-        s_p = ws_ptr + e64 * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + gg[:, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
         wq = tl.load(w_p + k0 // 2)
@@ -548,23 +553,13 @@ def _gemm2_kernel(h_ptr, w_ptr, ws_ptr, wg_ptr, sorted_ptr, block_expert_ptr, tw
     """See :func:`_gemm1_kernel` for GROUPED (h rows are then pair indices)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if GROUPED:
-        e, r0 = _slot_expert(sorted_ptr, pid_m, P, E, BM, P_PAD, E_PAD)
-        if e >= 0:
-            pair, rvalid = _expert_pairs(sorted_ptr, P, E, e, r0, BM, P_PAD)
-            _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, rvalid, pair,
-                        pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
-                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
-                        APRE, hq_ptr, hs_ptr, hgs_ptr)
-    else:
-        e = tl.load(block_expert_ptr + pid_m)
-        if e >= 0:
-            rows = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_ptr + rows)
-            _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, pair < P, rows,
-                        pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
-                        BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
-                        APRE, hq_ptr, hs_ptr, hgs_ptr)
+    e, r0 = _block_expert(sorted_ptr, block_expert_ptr, pid_m, P, E, BM, P_PAD, E_PAD, GROUPED)
+    if e >= 0:
+        pair, rvalid, hrow = _block_pairs(sorted_ptr, pid_m, e, r0, P, E, BM, P_PAD, GROUPED)
+        _gemm2_body(h_ptr, w_ptr, ws_ptr, wg_ptr, tw_ptr, y_ptr, e.to(tl.int64), pair, rvalid, hrow,
+                    pid_n, H, I, stride_we, stride_wn, stride_se, stride_sn,
+                    BM, BN, BK, PATH_FP4, NATIVE, INTERP, DEQ,
+                    APRE, hq_ptr, hs_ptr, hgs_ptr)
 
 
 @triton.jit

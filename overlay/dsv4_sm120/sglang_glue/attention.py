@@ -27,7 +27,7 @@ The backends:
   goes when our kernel stepped aside for those rows (below) or the self-check disabled it in this process.
 
 Stepping aside: our kernel serves a call through one launch-table entry (:func:`launch_bucket`: the layout,
-the heads and the entry of ``dsv4_sm120.attention.config`` the call's rows resolve to; rows that share it
+the heads and the table entry ``dsv4_sm120.attention.launch_plan`` gives the call's rows; rows that share it
 share the launch). When a call raises (compile error, out of resources, a bad launch, any exception),
 :func:`step_aside` records that entry as failed for the rest of the process and logs one line (exception,
 T, H, layout, launch); the call itself is answered by SGLang's stock dispatcher, and every later call of
@@ -58,14 +58,26 @@ DEFAULT_ATTN = "dsv4"
 C128_PAGE = 2   # page size of the c128 pool (dsv4_sm120.calibrate.deployment); the c4 pool has 64
 
 _ROUTE_ENV = (ENV_ATTN, "DSV4_SM120_ATTN_CONFIG", "DSV4_SM120_ATTN_QK")
-_lock = threading.Lock()
-_ROUTES: Dict[tuple, "Route"] = {}
-_DISABLED: Dict[str, str] = {}
-_LOGGED: Dict[str, bool] = {}
-_FAILED: Dict[tuple, str] = {}          # (layout, H, launch bucket) -> why our kernel stepped aside there
-_CALL_ROUTES: Dict[tuple, "Route"] = {}  # (T, layout, H, settings) -> route with the failures applied
-_BUCKETS: Dict[tuple, str] = {}
-_FAIL_STATE: Dict[str, object] = {"device": None, "count": 0}
+
+
+class GlueState:
+    """What the attention glue remembers in a process: the decisions it made, our kernel disabled by the
+    self-check, the launches it stepped aside from and the device they were resolved on, and its log marks.
+    One object (:data:`STATE`); :func:`reset` forgets it all."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.clear()
+
+    def clear(self) -> None:
+        self.routes: Dict[tuple, Route] = {}        # (T, layout, settings) -> decision
+        self.disabled: Dict[str, str] = {}          # kernel -> why the self-check disabled it
+        self.logged: Dict[str, bool] = {}           # the decision lines written
+        self.failed: Dict[tuple, str] = {}          # (layout, H, launch bucket) -> why our kernel stepped aside there
+        self.call_routes: Dict[tuple, Route] = {}   # (T, layout, H, settings) -> route with the failures applied
+        self.buckets: Dict[tuple, str] = {}         # launch_bucket's answers
+        self.fail_device = None                     # the device facts the stepped-aside buckets were resolved on
+        self.fail_count = 0                         # launch buckets this process stepped aside from
 
 
 class Route(NamedTuple):
@@ -73,6 +85,9 @@ class Route(NamedTuple):
     launch: Optional[str] = None  # dsv4: launch keys for this call (None: the launch tables / the env's)
     qk: Optional[str] = None      # dsv4: "fp8" for block-scaled QK (None: DSV4_SM120_ATTN_QK)
     source: str = "default"
+
+
+STATE = GlueState()
 
 
 def layout_of(extra_k_cache) -> str:
@@ -116,10 +131,9 @@ def _decide(T: int, layout: str) -> Route:
     if parsed is None:
         return Route(DEFAULT_ATTN, source=f"default: profile winner {choice!r} is not routable")
     b, launch, qk = parsed
-    if launch and (settings.raw("DSV4_SM120_ATTN_CONFIG") or "").strip():
-        launch = None   # the user's launch keys win over the profile's
-    if qk and (settings.raw("DSV4_SM120_ATTN_QK") or "").strip():
-        qk = None
+    from dsv4_sm120.attention.launch_plan import profile_in_force
+
+    launch, qk = profile_in_force(launch, qk)   # the user's launch keys / QK mode win over the profile's
     if source == "default":
         source = _profile().default_reason(f"attention.{layout}")
     return Route(b, launch, qk, source)
@@ -129,12 +143,12 @@ def _decide(T: int, layout: str) -> Route:
 def attention_route(T: int, layout: str) -> Route:
     """The route of an attention call of ``T`` rows with ``layout`` (module doc), cached."""
     key = (int(T), layout) + tuple(settings.raw(n) for n in _ROUTE_ENV)   # a changed setting decides anew
-    r = _ROUTES.get(key)
+    r = STATE.routes.get(key)
     if r is None:
         r = _decide(int(T), layout)
-        if r.backend == "dsv4" and "attention" in _DISABLED:
-            r = Route(STOCK, source=f"{r.source}; our kernel disabled by the self-check: {_DISABLED['attention']}")
-        _ROUTES[key] = r
+        if r.backend == "dsv4" and "attention" in STATE.disabled:
+            r = Route(STOCK, source=f"{r.source}; our kernel disabled by the self-check: {STATE.disabled['attention']}")
+        STATE.routes[key] = r
     return r
 
 
@@ -163,26 +177,20 @@ def our_launches(layout: str) -> List[Tuple[Optional[str], Optional[str]]]:
 def disable(kernel: str, reason: str) -> None:
     """Take our ``kernel`` (``attention`` / ``moe``) out of this process: later decisions route to the stock
     path (the route cache is cleared)."""
-    with _lock:
-        _DISABLED[kernel] = reason
-        _ROUTES.clear()
+    with STATE.lock:
+        STATE.disabled[kernel] = reason
+        STATE.routes.clear()
 
 
 def disabled(kernel: str) -> Optional[str]:
     """Why our ``kernel`` is disabled in this process, or None."""
-    return _DISABLED.get(kernel)
+    return STATE.disabled.get(kernel)
 
 
 def reset() -> None:
     """Forget every cached decision, disable, stepped-aside launch and log mark (tests; a changed environment)."""
-    with _lock:
-        _ROUTES.clear()
-        _DISABLED.clear()
-        _LOGGED.clear()
-        _FAILED.clear()
-        _CALL_ROUTES.clear()
-        _BUCKETS.clear()
-        _FAIL_STATE.update(device=None, count=0)
+    with STATE.lock:
+        STATE.clear()
         _profile().clear_cache()
 
 
@@ -191,25 +199,19 @@ def reset() -> None:
 
 def launch_bucket(T: int, layout: str, H: int, route: Route, device) -> str:
     """The launch-table entry our kernel's launch for ``T`` rows of ``H`` heads of ``layout`` comes from, with
-    the route's launch keys and QK mode (``device``: :class:`dsv4_sm120.attention.config.Device` facts). Rows with
+    the route's launch keys and QK mode (``device``: :class:`dsv4_sm120.attention.config.Device` facts;
+    :func:`dsv4_sm120.attention.launch_plan.plan_call`'s ``entry``). Rows with
     the same answer run the same table launch; under Triton's interpreter every row runs one launch. Cached."""
     key = (int(T), layout, int(H), route.launch, route.qk, tuple(device)) + tuple(
         settings.raw(n) for n in _ROUTE_ENV)
-    b = _BUCKETS.get(key)
+    b = STATE.buckets.get(key)
     if b is None:
-        from dsv4_sm120.attention import config as C
-        from dsv4_sm120.attention import launch as L
+        from dsv4_sm120.attention.launch_plan import plan_call
 
-        qk = C.qk_mode(route.qk)
-        if L.interpreting():
-            entry = "interpreter"
-        else:
-            ov = dict(C.env_overrides(), **L.CONFIG_OVERRIDE)
-            if route.launch:
-                ov.update(C.launch_overrides(route.launch))
-            entry = C.table_entry(H, T, qk, device, ov.get("impl"))[1]
-        b = f"{layout} H={int(H)} qk={qk} {entry}" + (f" launch={route.launch}" if route.launch else "")
-        _BUCKETS[key] = b
+        # the route's launch keys and QK mode reach the kernel as the call's own (run_dsv4_kernel)
+        plan = plan_call(H, T, device, qk=route.qk, launch=route.launch)
+        b = f"{layout} H={int(H)} qk={plan.qk} {plan.entry}" + (f" launch={route.launch}" if route.launch else "")
+        STATE.buckets[key] = b
     return b
 
 
@@ -227,13 +229,13 @@ def step_aside(T: int, layout: str, H: int, route: Route, device, why: str, duri
     finding; ``log=False``: the caller logs). Returns the bucket."""
     facts = _device_facts(device)
     b = _bucket_or_rows(T, layout, H, route, facts)
-    with _lock:
-        new = (layout, int(H), b) not in _FAILED
+    with STATE.lock:
+        new = (layout, int(H), b) not in STATE.failed
         if new:
-            _FAILED[(layout, int(H), b)] = f"{during} T={int(T)}: {why}"
-            _FAIL_STATE["device"] = facts
-            _FAIL_STATE["count"] = int(_FAIL_STATE["count"]) + 1
-            _CALL_ROUTES.clear()
+            STATE.failed[(layout, int(H), b)] = f"{during} T={int(T)}: {why}"
+            STATE.fail_device = facts
+            STATE.fail_count += 1
+            STATE.call_routes.clear()
     if new and log:
         logger.error("dsv4_sm120: our attention kernel failed (%s) at %s T=%d H=%d launch %s: %s; the rows of that "
                      "launch step aside to SGLang's stock path for the rest of this process", during, layout, T, H,
@@ -243,13 +245,13 @@ def step_aside(T: int, layout: str, H: int, route: Route, device, why: str, duri
 
 def stepped_aside() -> Dict[tuple, str]:
     """``{(layout, H, launch bucket): why}`` of every launch our kernel stepped aside from in this process."""
-    return dict(_FAILED)
+    return dict(STATE.failed)
 
 
 def failed_launches() -> List[list]:
     """``[[layout, H, launch bucket, why], ...]``: :func:`stepped_aside` as the ranks exchange it
     (:func:`.graphs.adopt_union`)."""
-    return sorted([lay, h, b, why[:200]] for (lay, h, b), why in _FAILED.items())
+    return sorted([lay, h, b, why[:200]] for (lay, h, b), why in STATE.failed.items())
 
 
 def adopt(entries, device, source: str) -> List[list]:
@@ -258,15 +260,15 @@ def adopt(entries, device, source: str) -> List[list]:
     (:func:`fallback_count`) and logs nothing (the caller logs the agreed decision). Returns the entries new
     here."""
     new = []
-    with _lock:
+    with STATE.lock:
         for lay, h, b, why in entries:
-            if (lay, int(h), b) not in _FAILED:
-                _FAILED[(lay, int(h), b)] = f"{source}: {why}"
+            if (lay, int(h), b) not in STATE.failed:
+                STATE.failed[(lay, int(h), b)] = f"{source}: {why}"
                 new.append([lay, int(h), b, why])
         if new:
-            if _FAIL_STATE["device"] is None:
-                _FAIL_STATE["device"] = _device_facts(device)
-            _CALL_ROUTES.clear()
+            if STATE.fail_device is None:
+                STATE.fail_device = _device_facts(device)
+            STATE.call_routes.clear()
     return new
 
 
@@ -288,7 +290,7 @@ def stock_name() -> str:
 
 def fallback_count() -> int:
     """How many launch buckets stepped aside so far (the CUDA-graph capture hook compares it around a capture)."""
-    return int(_FAIL_STATE["count"])
+    return STATE.fail_count
 
 
 def _device_facts(device):
@@ -306,15 +308,15 @@ def _device_facts(device):
 def call_route(T: int, layout: str, H: int) -> Route:
     """:func:`attention_route` for a call of ``H`` heads, with the launches our kernel stepped aside from applied."""
     r = attention_route(T, layout)
-    if r.backend != "dsv4" or not _FAILED:
+    if r.backend != "dsv4" or not STATE.failed:
         return r
     key = (int(T), layout, int(H)) + tuple(settings.raw(n) for n in _ROUTE_ENV)
-    c = _CALL_ROUTES.get(key)
+    c = STATE.call_routes.get(key)
     if c is None:
-        b = _bucket_or_rows(T, layout, H, r, _FAIL_STATE["device"])
-        why = _FAILED.get((layout, int(H), b))
+        b = _bucket_or_rows(T, layout, H, r, STATE.fail_device)
+        why = STATE.failed.get((layout, int(H), b))
         c = r if why is None else Route(STOCK, source=f"{r.source}; our kernel stepped aside for {b} ({why})")
-        _CALL_ROUTES[key] = c
+        STATE.call_routes[key] = c
     return c
 
 
@@ -354,10 +356,10 @@ def describe_attention(layout: str) -> str:
 
 def log_decisions() -> None:
     """Log one line per attention decision (once per process; again after a self-check disable)."""
-    with _lock:
-        if _LOGGED.get("attention"):
+    with STATE.lock:
+        if STATE.logged.get("attention"):
             return
-        _LOGGED["attention"] = True
+        STATE.logged["attention"] = True
     for layout in LAYOUTS:
         try:
             logger.info("dsv4_sm120 decision attention.%s: %s", layout, describe_attention(layout))
@@ -367,8 +369,8 @@ def log_decisions() -> None:
 
 
 def relog() -> None:
-    with _lock:
-        _LOGGED.pop("attention", None)
+    with STATE.lock:
+        STATE.logged.pop("attention", None)
     log_decisions()
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -111,7 +110,9 @@ def c128_topk(context_len: int) -> int:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    from dsv4_sm120.attention.launch_plan import interpreting
+
+    return interpreting()
 
 
 def _sizes(device, context_len: Optional[int] = None) -> Dict[str, int]:
@@ -200,23 +201,19 @@ def call_launches(layout: str, T: int, H: int, K1: int, K2: int, route, device) 
     combine kernel ``("combine", its resolved keys, S == 1, S % 16 == 0)`` (``S``: the split count, whose integer
     specializations Triton compiles separately; the combine does not depend on the layout). Host-only (the launch
     resolution; no GPU work)."""
-    from dsv4_sm120.attention import config as C
-    from dsv4_sm120.attention import launch as L
+    from dsv4_sm120.attention.config import COMBINE_KEYS
+    from dsv4_sm120.attention.launch_plan import plan_call
 
     from .attention import _device_facts
 
-    qk = C.qk_mode(route.qk)
-    ov = dict(C.env_overrides(), **L.CONFIG_OVERRIDE)
-    if route.launch:
-        ov.update(C.launch_overrides(route.launch))
-    cap = int(settings.get("DSV4_SM120_ATTN_WS_MB") * (1 << 20) / 4)
+    plan = plan_call(int(H), int(T), _device_facts(device), int(K1), int(K2), qk=route.qk, launch=route.launch)
     keys = []
-    for _, _, launch in L.row_chunks(int(H), int(T), int(K1), int(K2), _device_facts(device), qk, ov,
-                                     L.interpreting(), cap):
+    for chunk in plan.chunks:
+        launch = chunk.launch
         S = launch.plan[0] + launch.plan[2]
-        split = tuple(sorted((k, v) for k, v in launch.config.items() if k not in C.COMBINE_KEYS))
-        comb = tuple(sorted((k, v) for k, v in launch.config.items() if k in C.COMBINE_KEYS))
-        keys.append(("split", layout, int(H), qk, split, S == 1, S % 16 == 0))
+        split = tuple(sorted((k, v) for k, v in launch.config.items() if k not in COMBINE_KEYS))
+        comb = tuple(sorted((k, v) for k, v in launch.config.items() if k in COMBINE_KEYS))
+        keys.append(("split", layout, int(H), plan.qk, split, S == 1, S % 16 == 0))
         keys.append(("combine", int(H) % 16 == 0, comb, S == 1, S % 16 == 0))
     return tuple(dict.fromkeys(keys))
 
@@ -258,10 +255,11 @@ def plan_attention(heads: Sequence[int], rows: Iterable[int], device, sizes: Dic
 def _qk_is_fp8(qk: Optional[str]) -> bool:
     """Whether our kernel runs block-scaled QK for a route's ``qk``: the route's own (a profile winner
     ``dsv4+fp8qk``), else ``DSV4_SM120_ATTN_QK``, as the kernel resolves it."""
-    from dsv4_sm120.attention.config import DecodeInputError, qk_mode
+    from dsv4_sm120.attention.config import DecodeInputError
+    from dsv4_sm120.attention.launch_plan import settle_qk
 
     try:
-        return qk_mode(qk) == "fp8"
+        return settle_qk(qk)[0] == "fp8"
     except DecodeInputError:    # an unknown QK mode: the kernel refuses it too, nothing runs block-scaled
         return False
 
