@@ -114,7 +114,7 @@ bench-kv: ## PD KV transfer: NIXL/UCX moving one TP4 rank's DSv4 KV pages betwee
 bench-allreduce: ## TP all-reduce per server group: FlashInfer PCIe-IPC vs NCCL LL/LL128/Simple at decode and prefill sizes, verified (2+ GPUs); appends to BENCH_OUT/allreduce.csv
 	$(if $(wildcard $(PY)),$(PY),python3) bench/bench_allreduce.py --results $(BENCH_OUT)/allreduce.csv $(ARGS)
 
-bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the committed rows (BENCH_OUT=dir: tables of your rows, in dir; GPU=name)
+bench-tables: ## regenerate bench/results/<subject>_<gpu>.md from the committed rows (one per GPU the rows hold; GPU=name: that one only; BENCH_OUT=dir: tables of your rows, in dir)
 	@for s in attention moe fp8 kv allreduce; do \
 	  if [ -f $(BENCH_ROWS)/$$s.csv ]; then python3 bench/results_table.py table $$s --results $(BENCH_ROWS)/$$s.csv \
 	    $(if $(GPU),--gpu '$(GPU)',) $(if $(filter-out bench/results,$(BENCH_ROWS)),--out $(BENCH_ROWS)/$$s.md,) || exit $$?; fi; done

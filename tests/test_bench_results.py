@@ -181,16 +181,31 @@ def test_results_table_command(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "bench" / "results_table.py"), "table", "fp8", "--results",
                         str(path), "--out", "-"], capture_output=True, text=True)
     assert r.returncode == 2 and "pick one with --gpu" in r.stderr and "Traceback" not in r.stderr
+    # without --gpu and --out, into a results dir: one table per GPU the rows hold
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "fp8.csv").write_text(path.read_text())
+    assert R.main(["table", "fp8"], results_dir=tmp_path / "res") == 0
+    assert sorted(p.name for p in (tmp_path / "res").glob("*.md")) == ["fp8_b200.md", "fp8_h200.md"]
+    b200 = (tmp_path / "res" / "fp8_b200.md").read_text()
+    assert "| triton-tuned | default | 6.0 |" in b200 and "5.8" not in b200
+    assert "| triton-tuned | default | 5.8 |" in (tmp_path / "res" / "fp8_h200.md").read_text()
 
 
 def test_committed_tables_are_generated_from_the_results_files(tmp_path):
     """The committed tables are exactly what the generator makes from the committed results files."""
+    results = REPO / "bench" / "results"
+    seen = set()
     for subject in ("attention", "moe", "fp8", "kv"):
-        committed = REPO / "bench" / "results" / f"{subject}_h200.md"
-        out = tmp_path / f"{subject}.md"
-        assert R.main(["table", subject, "--gpu", "NVIDIA H200", "--out", str(out)],
-                      results_dir=REPO / "bench" / "results") == 0
-        assert out.read_text() == committed.read_text(), f"regenerate {committed.name}: make bench-tables"
+        found = R.gpus(R.read_rows(results / f"{subject}.csv", subject))
+        assert "NVIDIA H200" in found
+        for gpu in found:      # every GPU the rows hold has its table, and it is what the rows make
+            committed = results / f"{subject}_{R.gpu_slug(gpu)}.md"
+            seen.add(committed.name)
+            out = tmp_path / f"{subject}.md"
+            assert R.main(["table", subject, "--gpu", gpu, "--out", str(out)], results_dir=results) == 0
+            assert committed.is_file() and out.read_text() == committed.read_text(), (
+                f"regenerate {committed.name}: make bench-tables")
+    assert {p.name for p in results.glob("*_*.md")} - {"README.md"} <= seen, "a table no results file makes"
     # the README's headline numbers are the table's (tp4_decode, B = 1/4/16/64/128, ours and FlashMLA)
     lines = (REPO / "bench" / "results" / "attention_h200.md").read_text().split("## tp4_decode")[1].splitlines()
     head = next(ln for ln in lines if ln.startswith("| impl |")).split("|")

@@ -480,6 +480,22 @@ def _launch(a, results_dir: Optional[Path]) -> int:
     return 0
 
 
+def _table(a, results_dir: Optional[Path], gpu: Optional[str], out: Optional[str]) -> None:
+    """Render one GPU's table of ``a.subject`` (``gpu`` None: the file's only GPU) to ``out`` (None: the results
+    dir's ``<subject>_<gpu>.md``, else stdout; ``-``: stdout)."""
+    path, rows, gpu = _subject_rows(argparse.Namespace(results=a.results, subject=a.subject, gpu=gpu),
+                                    results_dir, "rows")
+    cmd = (f"python bench/results_table.py table {a.subject} --gpu '{gpu}'"
+           + (" --all-variants" if a.all_variants else ""))
+    text = render_table(a.subject, rows, gpu, all_variants=a.all_variants, command=cmd)
+    out = out or (str(results_dir / f"{a.subject}_{gpu_slug(gpu)}.md") if results_dir else "-")
+    if out == "-":
+        sys.stdout.write(text)
+    else:
+        atomic_write_text(out, text)
+        print(f"wrote {out}")
+
+
 def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = None) -> int:
     """``table SUBJECT`` / ``check FILE``. ``results_dir``: where ``<subject>.csv`` and the generated tables live
     by default (the bench/ wrapper passes the repository's bench/results)."""
@@ -511,16 +527,14 @@ def main(argv=None, results_dir: Optional[Path] = None, prog: Optional[str] = No
             rows = read_rows(a.file)
             print(f"{a.file}: {len(rows)} rows, GPUs: {', '.join(gpus(rows)) or 'none'}")
             return 0
-        path, rows, gpu = _subject_rows(a, results_dir, "rows")
-        cmd = (f"python bench/results_table.py table {a.subject} --gpu '{gpu}'"
-               + (" --all-variants" if a.all_variants else ""))
-        text = render_table(a.subject, rows, gpu, all_variants=a.all_variants, command=cmd)
-        out = a.out or (str(results_dir / f"{a.subject}_{gpu_slug(gpu)}.md") if results_dir else "-")
-        if out == "-":
-            sys.stdout.write(text)
-        else:
-            atomic_write_text(out, text)
-            print(f"wrote {out}")
+        if not a.gpu and not a.out and results_dir:   # the committed tables: one per GPU the file holds
+            path = a.results or results_dir / f"{a.subject}.csv"
+            found = gpus(read_rows(path, a.subject))
+            if len(found) > 1:
+                for gpu in found:
+                    _table(a, results_dir, gpu, None)
+                return 0
+        _table(a, results_dir, a.gpu, a.out)
         return 0
     except ResultsError as exc:
         print(f"error: {exc}", file=sys.stderr)
