@@ -293,7 +293,10 @@ def test_ipc_method_builds_one_workspace_per_tier_through_sglangs_adapter(monkey
                     ("sglang.srt.distributed.device_communicators", pkg), (mod.__name__, mod)):
         monkeypatch.setitem(sys.modules, name, m)
     monkeypatch.setattr(dist, "new_group", lambda backend=None: "nccl-group")
-    monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL", raising=False)
+    # the worker writes SGLANG_PCIE_IPC_MAX_NUMEL into os.environ (its own process in a real run): setenv first so
+    # that the test's undo removes it again (a bare delenv of an unset variable records nothing to restore)
+    monkeypatch.setenv("SGLANG_PCIE_IPC_MAX_NUMEL", "0")
+    monkeypatch.delenv("SGLANG_PCIE_IPC_MAX_NUMEL")
     job = {"hidden": 64, "ipc_tiers": [4 * 64, 64 * 64, 2 * 10 ** 6]}
     m = W.make_method(dict(job, kind="pcie_ipc"), 0, 4, torch.device("cpu"))
     assert m.setup() is None and m.inplace is False
