@@ -555,3 +555,22 @@ def test_more_heads_than_the_stock_shape_are_never_padded(fresh):
     m = _stock(fresh, supports=lambda H, T: False)
     A.stock_dispatch(*_call(T=2, H=128))
     assert m.calls[-1][1]["q"].shape[-2] == 128
+
+
+def test_the_glue_state_is_changed_under_its_lock(monkeypatch):
+    """Several threads of one server process (the scheduler, a capture) may disable our kernel while another reads
+    the routes: a fresh state's changes wait while its lock is held elsewhere, and go through once it is free."""
+    import threading
+
+    st = A.GlueState()
+    monkeypatch.setattr(A, "STATE", st)
+    assert st.lock.acquire(timeout=1)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (A.disable("attention", "held"), done.set()), daemon=True)
+    t.start()
+    try:
+        assert not done.wait(0.3) and A.disabled("attention") is None   # waits for the lock
+    finally:
+        st.lock.release()
+    t.join(5)
+    assert done.is_set() and A.disabled("attention") == "held" and st.routes == {}
