@@ -45,7 +45,9 @@ HEAD = [PY, "-m", "sglang.launch_server", "--model-path", "deepseek-ai/DeepSeek-
 def clean_process(tmp_path, monkeypatch):
     """The process environment the plan (and what it asks) reads besides its ``environ``: no FP8 override, an
     empty machine-profile directory, no profiler directory, no repo-root override."""
-    for k in ("DSV4_SM120_FP8_GEMM_BACKEND", "SGLANG_TORCH_PROFILER_DIR", "DSV4_SM120_REPO_ROOT",
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "process-hf-home"))      # the caller's environ names its own
+    for k in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "DSV4_SM120_FP8_GEMM_BACKEND", "SGLANG_TORCH_PROFILER_DIR",
+              "DSV4_SM120_REPO_ROOT",
               "DSV4_SM120_SERVE_SYSFS_ROOT", "NCCL_PROTO", "NCCL_ALGO", "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE",
               "SGLANG_PCIE_IPC_MAX_NUMEL", "NCCL_P2P_DISABLE"):
         monkeypatch.delenv(k, raising=False)
@@ -84,17 +86,19 @@ def flag(argv, name):
     return argv[idx[-1] + 1] if idx else None
 
 
-def naming_smi(tmp_path) -> str:
-    """An nvidia-smi that names GPU i ``Fake GPU i`` for ``-i i`` queries, fails every other query, and logs its
-    arguments to calls.log."""
+def naming_smi(tmp_path, table=False) -> str:
+    """An nvidia-smi that names GPU i ``Fake GPU i`` for ``-i i`` queries (``table``: also in the index,name
+    table of all eight), fails every other query, and logs its arguments to calls.log."""
     d = tmp_path / "smi"
     d.mkdir(exist_ok=True)
     p = d / "nvidia-smi"
+    rows = "".join(f"{i}, Fake GPU {i}\\n" for i in range(8))
     p.write_text("#!/bin/sh\n"
                  f"echo \"$*\" >> {d}/calls.log\n"
                  "case \"$*\" in\n"
                  "  '--query-gpu=name --format=csv,noheader -i '*) echo \"Fake GPU $4\"; exit 0;;\n"
-                 "esac\nexit 1\n")
+                 + (f"  '--query-gpu=index,name --format=csv,noheader') printf '{rows}'; exit 0;;\n" if table else "")
+                 + "esac\nexit 1\n")
     p.chmod(p.stat().st_mode | stat.S_IEXEC)
     return str(p)
 
@@ -310,8 +314,9 @@ def test_parse_groups_and_gpus():
         with pytest.raises(ConfigError) as e:
             P.parse_groups(key, text)
         assert str(e.value) == f"{key}={text!r} is not valid: {why}"
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError) as e:
             P.parse_gpus(key, text)
+        assert str(e.value) == f"{key}={text!r} is not valid: {why}"
 
 
 def test_replica_names():
@@ -329,7 +334,7 @@ def test_port_variable():
     assert P.port_variable("decode3 HTTP") == "DECODE_PORT"
     assert P.port_variable("router HTTP") == "ROUTER_PORT"
     assert P.port_variable("router metrics") == "ROUTER_PROMETHEUS_PORT"
-    for other in ("router", "", "prefill HTTPS", "decode bootstrap", "proxy HTTP"):
+    for other in ("router", "", "prefill HTTPS", "decode bootstrap", "proxy HTTP", "prefillX HTTP", "Xdecode HTTP"):
         assert P.port_variable(other) == "the port's variable"
 
 
@@ -653,7 +658,8 @@ def test_replicas_with_the_callers_profiler_directory(tmp_path):
 
 
 def test_a_router_policy_of_yours_replaces_round_robin(tmp_path):
-    for extra in ("--policy random", "--decode-policy cache_aware", "--policy=random", "--decode-policy=power_of_two"):
+    for extra in ("--policy random", "--decode-policy cache_aware", "--policy=random", "--decode-policy=power_of_two",
+                  "--policy=a=b"):
         p = plan(tmp_path, DECODE_GPUS="4,5;6,7", ROUTER_EXTRA_ARGS=extra)
         argv = by_name(p)["router"].argv
         assert "round_robin" not in argv, extra
@@ -908,3 +914,136 @@ def test_the_recorded_shape_is_asked_with_the_plans_concurrency(tmp_path, monkey
     calls.clear()
     plan(tmp_path, NODE_ROLE="decode,router")
     assert calls == []
+
+
+# ---------------------------------------------------------------- another checkout (DSV4_SM120_REPO_ROOT)
+
+
+def fake_repo(tmp_path, env_files=None) -> Path:
+    """A checkout of our own: serve/env/*.env (``env_files``: {name: text}; default: one NCCL line)."""
+    repo = tmp_path / "repo"
+    (repo / "serve" / "env").mkdir(parents=True)
+    for name, text in (env_files or {"10-a.env": "NCCL_DEBUG=TRACE\n"}).items():
+        (repo / "serve" / "env" / name).write_text(text)
+    return repo
+
+
+def test_the_checkout_supplies_env_files_venv_logs_and_fp8_summaries(tmp_path, monkeypatch):
+    repo = fake_repo(tmp_path, {"10-a.env": "NCCL_DEBUG=TRACE\nSGLANG_X=1\n", "20-b.env": "SGLANG_X=2\n"})
+    write_summary(repo, "Fake GPU 4", "triton", reason="triton wins everywhere")
+    monkeypatch.setenv("DSV4_SM120_REPO_ROOT", str(repo))
+    smi = naming_smi(tmp_path)
+    p = plan(tmp_path, NVIDIA_SMI=smi, VENV=".venv", RUN_DIR="", LOG_DIR="logs")
+    assert p.repo == str(repo) and p.python == str(repo / ".venv" / "bin" / "python")
+    assert p.run_dir == str(repo / "logs" / f"serve-base-19700101-000000-{os.getpid()}")
+    assert p.common_env == [("NCCL_DEBUG", "TRACE", "10-a.env"), ("SGLANG_X", "2", "20-b.env")]
+    assert p.fp8_reason == "triton: triton wins everywhere"
+    for x in p.procs[:2]:
+        assert x.argv[9:11] == ["--fp8-gemm-backend", "triton"]
+        assert x.argv[0] == str(repo / ".venv" / "bin" / "python")
+
+
+def test_env_file_problems_are_config_errors(tmp_path, monkeypatch):
+    repo = fake_repo(tmp_path, {"10-a.env": "NCCL_DEBUG=TRACE\nnot a line\n"})
+    monkeypatch.setenv("DSV4_SM120_REPO_ROOT", str(repo))
+    env_dir = repo / "serve" / "env"
+    assert refused(tmp_path) == f"{env_dir / '10-a.env'}:2: expected KEY=VALUE, got 'not a line'"
+    (env_dir / "10-a.env").unlink()
+    env_dir.rmdir()
+    assert refused(tmp_path) == f"env directory {env_dir} does not exist"
+
+
+def test_url_host():
+    assert P._url_host("0.0.0.0") == "127.0.0.1" and P._url_host("::") == "127.0.0.1"
+    assert P._url_host("") == "127.0.0.1"                      # an empty bind address is every address too
+    assert P._url_host("::1") == "[::1]" and P._url_host("fe80::1%eth0") == "[fe80::1%eth0]"
+    assert P._url_host("10.1.2.3") == "10.1.2.3" and P._url_host("box.local") == "box.local"
+
+
+def test_a_lookup_value_error_is_one_config_error(tmp_path, monkeypatch):
+    from dsv4_sm120 import fp8_configs
+
+    def broken(device, config_dir, profile_dir=None):
+        raise ValueError(f"summary for {device} in {config_dir} is broken")
+
+    monkeypatch.setattr(fp8_configs, "recommended_fp8_gemm_backend", broken)
+    with pytest.raises(ConfigError) as e:
+        P.fp8_gemm_backend("auto", tmp_path, "Fake GPU")
+    assert str(e.value) == f"summary for Fake GPU in {tmp_path / 'configs' / 'fp8'} is broken"
+
+
+def test_the_callers_hugging_face_cache_decides_the_draft_and_the_moe_format(tmp_path):
+    from test_model_config import hf_cache
+
+    hub = tmp_path / "hf" / "hub"
+    hf_cache(hub, "org/dspark", {"model_type": "deepseek_v4", "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+                                 "dspark_target_layer_ids": [40, 41, 42]})
+    hf_cache(hub, "org/nv", {"model_type": "deepseek_v4", "quantization_config": {"moe_quant_algo": "NVFP4"}})
+    smi = naming_smi(tmp_path)
+    p = plan(tmp_path, "mtp", MODEL_PATH="org/dspark", HF_HOME=str(tmp_path / "hf"), NVIDIA_SMI=smi)
+    for x in p.procs[:2]:
+        assert flag(x.argv, "--speculative-algorithm") == "DSPARK"
+        assert flag(x.argv, "--speculative-dspark-block-size") == "5" and x.argv[-1] == "--enable-metrics"
+    assert p.spec_reason.startswith("DSPARK chosen from config.json in the local Hugging Face cache (")
+    # MXFP4 experts (no NVFP4 marker) known from that cache: the machine profile is asked for the decode GPU
+    assert p.moe_reason.startswith("SGLang default (no matching machine profile for Fake GPU 4: ")
+    p = plan(tmp_path, MODEL_PATH="org/nv", HF_HOME=str(tmp_path / "hf"), FP8_GEMM_BACKEND="cutlass")
+    assert p.moe_reason.startswith("not added: NVFP4 routed experts (config.json in the local Hugging Face cache (")
+    assert all("--moe-runner-backend" not in x.argv for x in p.procs)
+    # the same ids without that cache: unknown here
+    p = plan(tmp_path, "mtp", MODEL_PATH="org/dspark", SPEC_ALGORITHM="eagle")
+    assert p.moe_reason == ("not added: the MoE format of MODEL_PATH=org/dspark is unknown here (a Hub id not in the "
+                            "local Hugging Face cache); SGLang picks the runner from the checkpoint it loads")
+
+
+def test_a_decode_only_host_still_chooses_runners(tmp_path):
+    smi = naming_smi(tmp_path)
+    p = plan(tmp_path, NODE_ROLE="decode", NVIDIA_SMI=smi, DECODE_GPUS="5,6")
+    assert p.moe_reason.startswith("SGLang default (no matching machine profile for Fake GPU 5: ")
+    assert p.fp8_reason == "SGLang default: no FP8 tuning summary for Fake_GPU_5 (run `make tune-fp8`)"
+    p = plan(tmp_path, NODE_ROLE="decode,router", NVIDIA_SMI=smi)
+    assert p.moe_reason.startswith("SGLang default (no matching machine profile for Fake GPU 4: ")
+
+
+def test_build_plan_defaults_to_the_base_variant(tmp_path):
+    p = build_plan(env_for(tmp_path))
+    assert p.variant == "base" and p.spec_reason == "" and "--enable-metrics" not in p.procs[1].argv
+
+
+def test_the_all_reduce_choice_asks_the_plans_nvidia_smi(tmp_path):
+    smi = naming_smi(tmp_path, table=True)
+    pre, dec, _ = plan(tmp_path, NVIDIA_SMI=smi, PREFILL_GPUS="1,0", DECODE_GPUS="6,7").procs
+    assert "Fake_GPU_1.json" in pre.allreduce and "Fake_GPU_6.json" in dec.allreduce
+    assert "no GPU name" not in pre.allreduce
+
+
+def test_gpu_name_waits_a_bounded_time(monkeypatch):
+    import subprocess
+
+    seen = {}
+
+    def hanging(argv, **kw):
+        seen.update(kw)
+        raise subprocess.TimeoutExpired(argv, kw.get("timeout"))
+
+    monkeypatch.setattr(subprocess, "run", hanging)
+    assert P.gpu_name("/bin/nvidia-smi", 0) is None
+    assert isinstance(seen.get("timeout"), (int, float)) and 0 < seen["timeout"] <= 60
+
+
+def test_only_the_profile_lookup_is_quieted(tmp_path, monkeypatch, caplog):
+    """The FP8 choice quiets the machine-profile logger (the preflight's profile check reports it), nothing else."""
+    from dsv4_sm120 import fp8_configs
+
+    levels = []
+
+    def lookup(device, config_dir, profile_dir=None):
+        levels.append((logging.getLogger("dsv4_sm120.machine_profile").level, logging.getLogger().level))
+        logging.getLogger("dsv4_sm120.other").warning("unrelated warning")
+        return "triton", "looked up"
+
+    monkeypatch.setattr(fp8_configs, "recommended_fp8_gemm_backend", lookup)
+    with caplog.at_level(logging.INFO):
+        assert P.fp8_gemm_backend("auto", tmp_path, "Fake GPU") == ("triton", "triton: looked up")
+    assert levels == [(logging.ERROR, logging.INFO)]
+    assert [r.getMessage() for r in caplog.records if r.name == "dsv4_sm120.other"] == ["unrelated warning"]
