@@ -382,7 +382,7 @@ def test_fp8_gemm_backend_explicit_auto_and_the_tuner_summary(tmp_path, monkeypa
     with pytest.raises(ConfigError) as e:
         P.fp8_gemm_backend("bogus", repo, None)
     assert str(e.value) == f"FP8_GEMM_BACKEND='bogus': expected one of {FP8_LIST}"
-    for auto in ("auto", "", None, " AUTO "):
+    for auto in ("auto", "", None, " AUTO ", "   ", "\t"):   # blank is the table's default, auto
         assert P.fp8_gemm_backend(auto, repo, None) == (None, NO_GPU_FP8)
     assert P.fp8_gemm_backend("auto", repo, "Fake GPU") == \
         (None, "SGLang default: no FP8 tuning summary for Fake_GPU (run `make tune-fp8`)")
@@ -1047,3 +1047,46 @@ def test_only_the_profile_lookup_is_quieted(tmp_path, monkeypatch, caplog):
         assert P.fp8_gemm_backend("auto", tmp_path, "Fake GPU") == ("triton", "triton: looked up")
     assert levels == [(logging.ERROR, logging.INFO)]
     assert [r.getMessage() for r in caplog.records if r.name == "dsv4_sm120.other"] == ["unrelated warning"]
+
+
+def test_a_blank_fp8_backend_plans_as_auto(tmp_path, monkeypatch):
+    """FP8_GEMM_BACKEND set but blank is the settings table's default (auto), not an unknown backend: the tuner's
+    summary for the serving GPU chooses, as with auto."""
+    repo = fake_repo(tmp_path)
+    write_summary(repo, "Fake GPU 4", "triton", reason="triton wins everywhere")
+    monkeypatch.setenv("DSV4_SM120_REPO_ROOT", str(repo))
+    for blank in ("", "  ", "auto"):
+        p = plan(tmp_path, FP8_GEMM_BACKEND=blank, NVIDIA_SMI=naming_smi(tmp_path))
+        assert p.fp8_reason == "triton: triton wins everywhere", blank
+        assert [x.argv[9:11] for x in p.procs[:2]] == [["--fp8-gemm-backend", "triton"]] * 2
+
+
+def test_port_clashes_whatever_the_host_spelling(tmp_path):
+    """The same address spelled two ways (localhost / 127.0.0.1, letter case, IPv6 in brackets, a wildcard and a
+    loopback address) is one address: the plan stops before a server fails with "address in use"."""
+    def clash(**kv):
+        return refused(tmp_path, **kv)
+    assert clash(PREFILL_HOST="localhost", DECODE_HOST="127.0.0.1", DECODE_PORT="30100") == \
+        "port 30100 is configured twice on 127.0.0.1: prefill HTTP (PREFILL_PORT) and decode HTTP (DECODE_PORT): set " \
+        "one of them to another port"
+    assert clash(PREFILL_HOST="LocalHost", DECODE_HOST="localhost", DECODE_PORT="30100").startswith(
+        "port 30100 is configured twice on localhost: prefill HTTP (PREFILL_PORT) and decode HTTP (DECODE_PORT)")
+    assert clash(PREFILL_HOST="Node-A", DECODE_HOST="node-a", DECODE_PORT="30100").startswith(
+        "port 30100 is configured twice on node-a: prefill HTTP")
+    assert clash(PREFILL_HOST="[::1]", DECODE_HOST="::1", DECODE_PORT="30100").startswith(
+        "port 30100 is configured twice on ::1: prefill HTTP")
+    assert clash(PREFILL_HOST="::", DECODE_HOST="::1", DECODE_PORT="30100").startswith(
+        "port 30100 is configured twice on ::1: prefill HTTP")
+    assert clash(PREFILL_HOST="127.0.0.2", DECODE_HOST="0.0.0.0", DECODE_PORT="30100").startswith(
+        "port 30100 is configured twice on 0.0.0.0: prefill HTTP")
+    # distinct addresses, or a wildcard on one node and another node's address: no clash
+    for pre, dec in (("127.0.0.1", "127.0.0.2"), ("0.0.0.0", "10.0.0.2"), ("node-a", "node-b"), ("::1", "10.0.0.2")):
+        p = plan(tmp_path, PREFILL_HOST=pre, DECODE_HOST=dec, DECODE_PORT="30100")
+        assert [x.name for x in p.procs] == ["prefill", "decode", "router"], (pre, dec)
+
+
+def test_the_port_past_65535_is_the_one_named(tmp_path):
+    assert refused(tmp_path, PREFILL_GPUS="0;1", BOOTSTRAP_PORT="65535") == \
+        "prefill replica 2 would listen past port 65535 (BOOTSTRAP_PORT + 1): set PREFILL_PORT / BOOTSTRAP_PORT lower"
+    assert refused(tmp_path, PREFILL_GPUS="0;1", PREFILL_PORT="65535", BOOTSTRAP_PORT="8998") == \
+        "prefill replica 2 would listen past port 65535 (PREFILL_PORT + 1): set PREFILL_PORT / BOOTSTRAP_PORT lower"

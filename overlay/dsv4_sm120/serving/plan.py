@@ -178,7 +178,7 @@ def fp8_gemm_backend(setting: str, repo: Path, device_name: Optional[str]) -> Tu
     :func:`dsv4_sm120.fp8_configs.recommended_fp8_gemm_backend`, which also honours
     ``DSV4_SM120_FP8_GEMM_BACKEND``) decides; without a GPU name or a summary SGLang's default stays.
     """
-    setting = (setting or "auto").strip().lower()
+    setting = (setting or "").strip().lower() or "auto"   # unset or blank: auto, as the settings table says
     if setting != "auto":
         if setting not in FP8_BACKENDS:
             raise ConfigError(f"FP8_GEMM_BACKEND={setting!r}: expected one of {', '.join(FP8_BACKENDS)}")
@@ -408,23 +408,44 @@ def _urls(s: Dict[str, str], ports: Dict[str, int], pg: List[List[int]], dg: Lis
         names = replica_names(role, len(groups))
         for i, name in enumerate(names):
             if ports[key] + i > 65535 or (role == "prefill" and ports["BOOTSTRAP_PORT"] + i > 65535):
-                raise ConfigError(f"{role} replica {i + 1} would listen past port 65535 ({key} + {i}): set {key} / "
+                over = key if ports[key] + i > 65535 else "BOOTSTRAP_PORT"
+                raise ConfigError(f"{role} replica {i + 1} would listen past port 65535 ({over} + {i}): set {key} / "
                                   f"BOOTSTRAP_PORT lower")
             urls[name] = f"http://{_url_host(host)}:{ports[key] + i}"
         urls[role] = urls[names[0]]
     return urls
 
 
+WILDCARD = ("", "0.0.0.0", "::")   # a bind on every address of the host (``::`` is dual-stack on Linux)
+
+
+def _bind_host(host: str) -> str:
+    """One spelling per address: host names are case-free, IPv6 may come in brackets, ``localhost`` is
+    ``127.0.0.1``."""
+    h = host.strip().lower()
+    h = h[1:-1] if h.startswith("[") and h.endswith("]") else h
+    return "127.0.0.1" if h == "localhost" else h
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Two binds (spellings from :func:`_bind_host`) take the same address: the same host, or a wildcard and one
+    of this host's own (another wildcard or a loopback address; a wildcard and a remote host's address are on
+    different machines of a multi-node plan)."""
+    def here(h: str) -> bool:
+        return h in WILDCARD or h.startswith("127.") or h == "::1"
+    return a == b or (a in WILDCARD and here(b)) or (b in WILDCARD and here(a))
+
+
 def _check_ports(procs: List[Proc]) -> None:
-    """Two parts on one host must not share a port."""
-    seen: Dict[Tuple[str, int], str] = {}
+    """Two parts on one host must not share a port (however the host is spelled)."""
+    seen: List[Tuple[str, int, str]] = []
     for p in procs:
         for h, port, what in p.binds:
-            key = (_url_host(h), port)
-            if key in seen:
-                raise ConfigError(f"port {port} is configured twice on {h}: {seen[key]} ({port_variable(seen[key])}) "
+            first = next((w for sh, sp, w in seen if sp == port and _same_address(sh, _bind_host(h))), None)
+            if first is not None:
+                raise ConfigError(f"port {port} is configured twice on {h}: {first} ({port_variable(first)}) "
                                   f"and {what} ({port_variable(what)}): set one of them to another port")
-            seen[key] = what
+            seen.append((_bind_host(h), port, what))
 
 
 def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[float] = None) -> Plan:
