@@ -163,6 +163,10 @@ def test_nvidia_smi_rows_and_the_gpu_table():
         "prefill: GPU 7 not found (nvidia-smi lists 4 GPU(s): 0,1,2,3)"]
     assert pf.check_gpus_table({}, [("prefill", [0], 0.5)]) == [
         "prefill: GPU 0 not found (nvidia-smi lists 0 GPU(s): none)"]
+    # an RTX PRO 6000 (97887 MiB) with 40000 MiB free: MiB -> GiB by 1024 (39.06 / 95.59 / 86.03 GiB)
+    big = {4: {"name": "RTX PRO 6000", "cc": "12.0", "total_mib": 97887.0, "free_mib": 40000.0}}
+    assert pf.check_gpus_table(big, [("decode", [4], 0.9)]) == [
+        "decode: GPU 4 has 39.1 GiB free of 95.6 GiB; mem fraction 0.9 needs 86.0 GiB (another process is using it?)"]
 
 
 def test_the_gpu_check_asks_nvidia_smi(run):
@@ -346,6 +350,11 @@ def test_the_profile_notes():
         "calibrate`, or CALIBRATE=1, picks by measurement)"]
     assert pf.interpret_profile_status([{"gpu": "G", "usable": True, "path": "/p"}], where) == [
         "machine profile /p applies to G (decode GPU 4)"]
+    two = [{"gpu": "G", "usable": False, "reasons": ["driver 580 in profile, 590 running", "warning: w",
+                                                       "no allreduce decision"]}]
+    assert pf.interpret_profile_status(two, where) == [
+        "WARNING: no matching machine profile for G (decode GPU 4): driver 580 in profile, 590 running; no allreduce "
+        "decision; the servers use the default choices (`make calibrate`, or CALIBRATE=1, picks by measurement)"]
 
 
 def test_the_profile_check(run, monkeypatch):
