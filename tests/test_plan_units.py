@@ -1059,6 +1059,10 @@ def test_a_blank_fp8_backend_plans_as_auto(tmp_path, monkeypatch):
         p = plan(tmp_path, FP8_GEMM_BACKEND=blank, NVIDIA_SMI=naming_smi(tmp_path))
         assert p.fp8_reason == "triton: triton wins everywhere", blank
         assert [x.argv[9:11] for x in p.procs[:2]] == [["--fp8-gemm-backend", "triton"]] * 2
+        # the MoE runner named by the user: the GPU name is asked for the FP8 choice alone
+        p = plan(tmp_path, FP8_GEMM_BACKEND=blank, NVIDIA_SMI=naming_smi(tmp_path),
+                 SERVER_EXTRA_ARGS="--moe-runner-backend triton")
+        assert p.fp8_reason == "triton: triton wins everywhere", blank
 
 
 def test_port_clashes_whatever_the_host_spelling(tmp_path):
@@ -1079,7 +1083,13 @@ def test_port_clashes_whatever_the_host_spelling(tmp_path):
         "port 30100 is configured twice on ::1: prefill HTTP")
     assert clash(PREFILL_HOST="127.0.0.2", DECODE_HOST="0.0.0.0", DECODE_PORT="30100").startswith(
         "port 30100 is configured twice on 0.0.0.0: prefill HTTP")
-    # distinct addresses, or a wildcard on one node and another node's address: no clash
+    assert clash(PREFILL_HOST="[FD00::1]", DECODE_HOST="fd00::1", DECODE_PORT="30100").startswith(
+        "port 30100 is configured twice on fd00::1: prefill HTTP")
+    # distinct addresses, or a wildcard on one node and another node's address: no clash; a host with one bracket
+    # is not an IPv6 literal in brackets
+    for pre, dec in (("[fd00::12", "fd00::1"), ("fd00::1]", "d00::1")):
+        p = plan(tmp_path, PREFILL_HOST=pre, DECODE_HOST=dec, DECODE_PORT="30100")
+        assert [x.name for x in p.procs] == ["prefill", "decode", "router"], (pre, dec)
     for pre, dec in (("127.0.0.1", "127.0.0.2"), ("0.0.0.0", "10.0.0.2"), ("node-a", "node-b"), ("::1", "10.0.0.2")):
         p = plan(tmp_path, PREFILL_HOST=pre, DECODE_HOST=dec, DECODE_PORT="30100")
         assert [x.name for x in p.procs] == ["prefill", "decode", "router"], (pre, dec)
@@ -1087,6 +1097,8 @@ def test_port_clashes_whatever_the_host_spelling(tmp_path):
 
 def test_the_port_past_65535_is_the_one_named(tmp_path):
     assert refused(tmp_path, PREFILL_GPUS="0;1", BOOTSTRAP_PORT="65535") == \
+        "prefill replica 2 would listen past port 65535 (BOOTSTRAP_PORT + 1): set PREFILL_PORT / BOOTSTRAP_PORT lower"
+    assert refused(tmp_path, PREFILL_GPUS="0;1", PREFILL_PORT="65534", BOOTSTRAP_PORT="65535") == \
         "prefill replica 2 would listen past port 65535 (BOOTSTRAP_PORT + 1): set PREFILL_PORT / BOOTSTRAP_PORT lower"
     assert refused(tmp_path, PREFILL_GPUS="0;1", PREFILL_PORT="65535", BOOTSTRAP_PORT="8998") == \
         "prefill replica 2 would listen past port 65535 (PREFILL_PORT + 1): set PREFILL_PORT / BOOTSTRAP_PORT lower"
