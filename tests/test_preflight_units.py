@@ -508,6 +508,14 @@ def test_a_dry_run_runs_what_it_has_inputs_for(monkeypatch):
     assert "preflight numa: ok" in said and "preflight nixl: not run (dry run: moves KV pages through NIXL)" in said
     assert "preflight p2p: not run (dry run: copies between the GPUs)" in said
     assert "preflight ucx: not run (dry run: moves KV pages between the GPUs through NIXL/UCX)" in said
+    # a bad overlay environment and a missing python: a dry run returns both failures, env first
+    monkeypatch.setattr(pf, "check_overlay_env", lambda plan: ["bad env"])
+    monkeypatch.setattr(pf, "check_python", lambda plan: ["no python at /venv"])
+    said.clear()
+    assert pf.run_dry_checks(p, said.append) == ["bad env", "no python at /venv"]
+    assert said[1:5] == ["preflight env: FAILED", "  bad env", "preflight python: FAILED", "  no python at /venv"]
+    monkeypatch.setattr(pf, "check_python", lambda plan: [])
+    assert pf.run_dry_checks(p, said.append) == ["bad env"]
 
 
 def test_the_dry_runs_model_note(monkeypatch):
