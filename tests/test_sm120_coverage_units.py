@@ -473,6 +473,89 @@ def test_the_cache_key_ignores_the_order_options_were_written_in():
     assert len(SC.compile_key(a, src)) == 64
 
 
+
+# ---- the attention enumeration's parts, against the numbers they stand for
+
+
+def test_the_attention_shapes_are_the_models_at_the_longest_context():
+    """DeepSeek-V4-Flash: a 128-token sliding window, c4 top-k 512, c128 candidates at a 1 Mi-token context:
+    ceil64(2 * ceil(2**20 / 256)) = 8192."""
+    assert SL._attention_shapes() == (("swa", 128, 0), ("c4", 128, 512), ("c128", 128, 8192))
+
+
+def test_the_attention_device_is_an_sm120_part_without_a_table_of_its_own():
+    for nsm in (84, 188):
+        d = SL._attention_device(nsm)
+        assert (d.name, d.capability, d.num_sms) == ("default", (12, 0), nsm)
+
+
+def test_every_way_the_product_asks_for_a_split_launch_on_sm120():
+    """The defaults in both QK modes, each body sm_120 runs by name (wgmma / wgmma_t are Hopper's; reg and wspec
+    take bf16 QK only), then calibrate's variants (bf16 QK)."""
+    from dsv4_sm120.calibrate.attention import VARIANTS
+
+    got = SL._attention_requests()
+    head = [("bf16", {}, ""), ("fp8", {}, ""),
+            ("bf16", {"impl": "tiled"}, "impl=tiled"), ("fp8", {"impl": "tiled"}, "impl=tiled"),
+            ("bf16", {"impl": "flat"}, "impl=flat"), ("fp8", {"impl": "flat"}, "impl=flat"),
+            ("bf16", {"impl": "reg"}, "impl=reg"), ("bf16", {"impl": "wspec"}, "impl=wspec")]
+    assert got[:len(head)] == head
+    tail = got[len(head):]
+    assert [label for _, _, label in tail] == list(VARIANTS) and {qk for qk, _, _ in tail} == {"bf16"}
+    by_label = {label: ov for _, ov, label in tail}
+    assert by_label["impl=wspec,BLOCK_H=32"] == {"impl": "wspec", "BLOCK_H": 32}
+    assert by_label["BLOCK_N=64,num_warps=8,waves=1"] == {"BLOCK_N": 64, "num_warps": 8, "waves": 1}
+    assert by_label["spanning_splits=0"] == {"spanning_splits": 0}
+
+
+REG = {"impl": "reg", "BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "maxnreg": 0, "waves": 3,
+       "e4m3_int_decode": 1, "late_decode": 1, "spanning_splits": 1, "PART_BF16": 0}
+
+
+def test_a_register_body_launch_as_attention_launch_makes_it():
+    (la,) = SL._split_launch(dict(REG), "bf16", True, "o")
+    assert (la.family, la.kernel, la.origins) == ("attention", "attention.split_kernel_reg", ["o"])
+    assert la.constexprs == {"HAS_MAIN_LEN": True, "HAS_EXTRA": True, "HAS_EXTRA_LEN": True, "BLOCK_H": 16,
+                             "BLOCK_N": 32, "FP8_QK": False, "INTERP": False, "KCVT": True, "DEC_LATE": True,
+                             "SPAN": True}
+    assert la.options == {"num_warps": 4, "num_stages": 1} and la.sig == {"acc_ws": "*fp32"}
+    assert la.need == {"ctas": 3}                        # the spanning plan counts on `waves` CTAs per SM
+    (la,) = SL._split_launch(dict(REG, spanning_splits=0, late_decode=0, e4m3_int_decode=0, PART_BF16=1, waves=0,
+                                  maxnreg=168), "bf16", False, "o")
+    assert {k: la.constexprs[k] for k in ("HAS_EXTRA", "HAS_EXTRA_LEN", "KCVT", "DEC_LATE", "SPAN")} == \
+        {"HAS_EXTRA": False, "HAS_EXTRA_LEN": False, "KCVT": False, "DEC_LATE": False, "SPAN": False}
+    assert la.need == {"ctas": 1} and la.sig == {"acc_ws": "*bf16"}
+    assert la.options == {"num_warps": 4, "num_stages": 1, "maxnreg": 168}
+    (la,) = SL._split_launch(dict(REG, waves=0), "bf16", False, "o")
+    assert la.need == {"ctas": 1}                        # at least one
+
+
+def test_tiled_flat_and_wspec_launches_as_attention_launch_makes_them():
+    tiled = {"impl": "tiled", "BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "maxnreg": 0,
+             "waves": 2, "PREFETCH": 1, "e4m3_int_decode": 1, "PART_BF16": 1}
+    split, quant = SL._split_launch(dict(tiled), "fp8", False, "t")
+    assert split.kernel == "attention.split_kernel_tiled" and split.need == {"ctas": 1, "mma": "fp8"}
+    assert split.constexprs == {"HAS_MAIN_LEN": True, "HAS_EXTRA": False, "HAS_EXTRA_LEN": False, "BLOCK_H": 32,
+                                "BLOCK_N": 32, "FP8_QK": True, "INTERP": False, "PREFETCH": 1, "KCVT": True}
+    assert split.sig == {"acc_ws": "*bf16"} and split.options == {"num_warps": 8, "num_stages": 2}
+    assert (quant.kernel, quant.constexprs, quant.options, quant.sig, quant.need, quant.origins) == \
+        ("attention.q_fp8_kernel", {"BLOCK_H": 32, "INTERP": False}, {"num_warps": 4}, {}, {}, ["t"])
+    (split,) = SL._split_launch(dict(tiled, PREFETCH=0), "bf16", True, "t")   # bf16: no Q quantization launch
+    assert split.need == {"ctas": 1} and split.constexprs["FP8_QK"] is False and split.constexprs["PREFETCH"] == 0
+    assert split.constexprs["q8_ptr"] is None and split.constexprs["qsc_ptr"] is None
+    flat = {"impl": "flat", "BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "maxnreg": 0, "waves": 2,
+            "PART_BF16": 1}
+    (la,) = SL._split_launch(dict(flat), "fp8", True, "f")   # one launch; the flat partial is fp32
+    assert la.kernel == "attention.split_kernel_flat" and la.sig == {"acc_ws": "*fp32"}
+    assert la.need == {"ctas": 1, "mma": "fp8"} and "KCVT" not in la.constexprs and "q8_ptr" not in la.constexprs
+    wspec = {"impl": "wspec", "BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "maxnreg": 168,
+             "waves": 1, "spanning_splits": 1, "PART_BF16": 1}
+    (la,) = SL._split_launch(dict(wspec), "bf16", True, "w")
+    assert la.constexprs["PRODUCER_REGS"] == 104 and la.constexprs["CWARPS"] == 8 and la.constexprs["SPAN"] is True
+    assert la.need == {"ctas": 1} and la.options == {"num_warps": 8, "num_stages": 1, "maxnreg": 168}
+    (la,) = SL._split_launch(dict(wspec, BLOCK_H=16, maxnreg=128, num_warps=4), "bf16", True, "w")
+    assert la.constexprs["PRODUCER_REGS"] == 96 and la.constexprs["CWARPS"] == 4
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
         sys.exit("usage: PYTHONPATH=overlay python tests/test_sm120_coverage_units.py --record")
