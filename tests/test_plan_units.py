@@ -1075,16 +1075,11 @@ def test_port_clashes_whatever_the_host_spelling(tmp_path):
         "one of them to another port"
     assert clash(PREFILL_HOST="LocalHost", DECODE_HOST="localhost", DECODE_PORT="30100").startswith(
         "port 30100 is configured twice on localhost: prefill HTTP (PREFILL_PORT) and decode HTTP (DECODE_PORT)")
-    assert clash(PREFILL_HOST="Node-A", DECODE_HOST="node-a", DECODE_PORT="30100").startswith(
-        "port 30100 is configured twice on node-a: prefill HTTP")
-    assert clash(PREFILL_HOST="[::1]", DECODE_HOST="::1", DECODE_PORT="30100").startswith(
-        "port 30100 is configured twice on ::1: prefill HTTP")
-    assert clash(PREFILL_HOST="::", DECODE_HOST="::1", DECODE_PORT="30100").startswith(
-        "port 30100 is configured twice on ::1: prefill HTTP")
-    assert clash(PREFILL_HOST="127.0.0.2", DECODE_HOST="0.0.0.0", DECODE_PORT="30100").startswith(
-        "port 30100 is configured twice on 0.0.0.0: prefill HTTP")
-    assert clash(PREFILL_HOST="[FD00::1]", DECODE_HOST="fd00::1", DECODE_PORT="30100").startswith(
-        "port 30100 is configured twice on fd00::1: prefill HTTP")
+    # (prefill host, decode host): the line names the decode bind's spelling
+    for pre, dec in (("Node-A", "node-a"), ("[::1]", "::1"), ("::", "::1"), ("127.0.0.2", "0.0.0.0"),
+                     ("[FD00::1]", "fd00::1")):
+        assert clash(PREFILL_HOST=pre, DECODE_HOST=dec, DECODE_PORT="30100").startswith(
+            f"port 30100 is configured twice on {dec}: prefill HTTP"), (pre, dec)
     # distinct addresses, or a wildcard on one node and another node's address: no clash; a host with one bracket
     # is not an IPv6 literal in brackets
     for pre, dec in (("[fd00::12", "fd00::1"), ("fd00::1]", "d00::1")):
