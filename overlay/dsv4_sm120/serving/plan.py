@@ -441,11 +441,12 @@ def _check_ports(procs: List[Proc]) -> None:
     seen: List[Tuple[str, int, str]] = []
     for p in procs:
         for h, port, what in p.binds:
-            first = next((w for sh, sp, w in seen if sp == port and _same_address(sh, _bind_host(h))), None)
+            addr = _bind_host(h)
+            first = next((w for sh, sp, w in seen if sp == port and _same_address(sh, addr)), None)
             if first is not None:
                 raise ConfigError(f"port {port} is configured twice on {h}: {first} ({port_variable(first)}) "
                                   f"and {what} ({port_variable(what)}): set one of them to another port")
-            seen.append((_bind_host(h), port, what))
+            seen.append((addr, port, what))
 
 
 def build_plan(environ: Mapping[str, str], variant: str = "base", now: Optional[float] = None) -> Plan:
