@@ -107,8 +107,9 @@ def main(argv=None) -> int:
           f"{args.num_warps} warps, maxnreg {args.maxnreg or 'none'}")
     for arch in arches:
         for kcvt in kcvts:
-            cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=args.block_n,
-                       FP8_QK=args.qk == "fp8", INTERP=False)
+            cst = dict(HAS_MAIN_LEN=False, HAS_EXTRA=True, HAS_EXTRA_LEN=False, BLOCK_H=16, BLOCK_N=args.block_n)
+            if "FP8_QK" in fn.arg_names:   # the Gluon bodies are bf16 only and never interpreted
+                cst.update(FP8_QK=args.qk == "fp8", INTERP=False)
             if "PREFETCH" in fn.arg_names:
                 cst["PREFETCH"] = True
             if "KCVT" in fn.arg_names:

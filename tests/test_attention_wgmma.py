@@ -24,7 +24,7 @@ from dsv4_sm120.dev.sass import compile_inspect, split_kernel_source
 L = config.resolve(64, 384, 128, 512, config.Device("NVIDIA H200", (9, 0), 132), overrides={"impl": "wgmma"})
 c = L.config
 base = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-            FP8_QK=False, INTERP=False, SPAN=bool(c["spanning_splits"]), PRODUCER_REGS=producer_regs("wgmma", c["maxnreg"]))
+            PRODUCER_REGS=producer_regs("wgmma", c["maxnreg"]))
 opts = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "maxnreg": c["maxnreg"]}
 
 
@@ -98,7 +98,6 @@ def build(H, cst, acc="*bf16"):
     # the launch attention.launch makes on an H200 for H heads
     c = config.resolve(H, 384, 128, 512, dev, overrides={"impl": "wgmma_t"}).config
     base = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-                FP8_QK=False, INTERP=False, SPAN=bool(c["spanning_splits"]),
                 PRODUCER_REGS=producer_regs("wgmma_t", c["maxnreg"]))
     opts = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "maxnreg": c["maxnreg"]}
     try:

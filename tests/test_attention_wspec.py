@@ -23,8 +23,8 @@ fn = SPLIT_KERNELS["wspec"]
 out = {}
 # as attention.launch passes them: Hopper with maxnreg 128 (producers at 96 registers), sm_120 without a cap
 for cap, maxnreg, producer in ((90, 128, 96), (120, 0, 128)):
-    cst = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=16, BLOCK_N=32, FP8_QK=False,
-               INTERP=False, SPAN=True, PRODUCER_REGS=producer)
+    cst = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=16, BLOCK_N=32,
+               PRODUCER_REGS=producer)
     opts = {"num_warps": 4, "num_stages": 1}
     if maxnreg:
         opts["maxnreg"] = maxnreg
@@ -78,7 +78,7 @@ for cap in (90, 120):
         c = config.resolve(bh, 96, 128, 512, config.Device("x", (cap // 10, 0), 132),
                            overrides={"impl": "wspec", "BLOCK_H": bh}).config
         cst = dict(HAS_MAIN_LEN=True, HAS_EXTRA=True, HAS_EXTRA_LEN=True, BLOCK_H=bh, BLOCK_N=c["BLOCK_N"],
-                   FP8_QK=False, INTERP=False, SPAN=True, PRODUCER_REGS=producer_regs("wspec", c["maxnreg"], bh),
+                   PRODUCER_REGS=producer_regs("wspec", c["maxnreg"], bh),
                    CWARPS=c["num_warps"])
         k, sass, res = compile_inspect(split_kernel_source(SPLIT_KERNELS["wspec"], cst), cap,
                                        {"num_warps": c["num_warps"], "num_stages": 1, "maxnreg": c["maxnreg"]})

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .config import DecodeInputError, Device, Launch
-from .keys import WGMMA_IMPLS, producer_regs
+from .keys import GPU_ONLY_IMPLS, WGMMA_IMPLS, producer_regs
 from .kernels import SPLIT_KERNELS, combine_kernel, q_fp8_kernel
 from .launch_plan import interpreting, plan_call, row_chunks
 from .plan import balanced_sizes, cdiv, plan_span, plan_splits, ws_words
@@ -149,18 +149,20 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
     HG = HP // BH
     main_u8, idx1, len1, K1, P1, PB1 = main
     extra_u8, idx2, len2, K2, P2, PB2 = extra
-    args = (
-        q, q.stride(0), q.stride(2),
-        main_u8, idx1, idx1.stride(0), len1 if len1 is not None else idx1, K1, P1, PB1, PB1 // 2, s1, c1,
-        extra_u8, idx2, idx2.stride(0), len2 if len2 is not None else idx2, K2, P2, PB2, PB2 // 2, c2,
-        acc_ws, m_ws, l_ws, H, s1 + s2, HP, float(softmax_scale) * LOG2E,
-    )
+    qa = (q, q.stride(0), q.stride(2))
+    main_a = (main_u8, idx1, idx1.stride(0), len1 if len1 is not None else idx1, K1, P1, PB1, PB1 // 2)
+    extra_a = (extra_u8, idx2, idx2.stride(0), len2 if len2 is not None else idx2, K2, P2, PB2, PB2 // 2)
+    ws_a = (acc_ws, m_ws, l_ws, H, s1 + s2, HP, float(softmax_scale) * LOG2E)
+    # the Triton bodies: per-cache split counts and chunks; the Gluon ones: spanning splits of c1 candidates only
+    args = (*qa, *main_a, s1, c1, *extra_a, c2, *ws_a)
+    span_args = (*qa, *main_a, *extra_a, c1, *ws_a)
     flags = dict(HAS_MAIN_LEN=len1 is not None, HAS_EXTRA=K2 > 0, HAS_EXTRA_LEN=len2 is not None, BLOCK_H=BH,
-                 BLOCK_N=cfg["BLOCK_N"], FP8_QK=fp8, INTERP=interp, num_warps=cfg["num_warps"],
-                 num_stages=cfg["num_stages"])
+                 BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"]:
         flags["maxnreg"] = cfg["maxnreg"]
     impl = cfg["impl"]
+    if impl not in GPU_ONLY_IMPLS:
+        flags.update(FP8_QK=fp8, INTERP=interp)
     if impl == "tiled":
         if fp8:
             # the fp8 path's Q quantization once per (row, head), not once per candidate block
@@ -174,7 +176,7 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
         SPLIT_KERNELS["reg"][(T, s1 + s2, HG)](*args, KCVT=bool(cfg["e4m3_int_decode"]),
                                                DEC_LATE=bool(cfg["late_decode"]),
                                                SPAN=bool(cfg["spanning_splits"]), **flags)
-    elif impl in ("wspec", "wgmma", "wgmma_t"):
+    elif impl in GPU_ONLY_IMPLS:
         if impl not in SPLIT_KERNELS:
             raise DecodeInputError(f"impl={impl} is a Gluon kernel and this Triton has no Gluon "
                                    "(triton.experimental.gluon) or not its Hopper module; use another impl")
@@ -184,8 +186,8 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
                          HAS_SINK=sink is not None)
         if balanced(L):
             C, NB, W = balanced_grid(L, T, H, q.device)
-            SPLIT_KERNELS[impl][(C,)](*args, SPAN=True, PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), NB=NB,
-                                      W=W, C=C, BALANCED=True, **flags)
+            SPLIT_KERNELS[impl][(C,)](*span_args, PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"]), NB=NB, W=W, C=C,
+                                      BALANCED=True, **flags)
             return
         if impl == "wgmma":
             # the output / partial through shared memory where most of a program's 64 head rows are real (with 16
@@ -193,8 +195,8 @@ def _launch_split(L: Launch, q, main, extra, acc_ws, m_ws, l_ws, H: int, HP: int
             flags["STAGE_OUT"] = H > 16
         if impl == "wspec":
             flags["CWARPS"] = cfg["num_warps"]   # the consumer warps (the default partition)
-        SPLIT_KERNELS[impl][(T, s1 + s2, HG)](*args, SPAN=bool(cfg["spanning_splits"]),
-                                              PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"], BH), **flags)
+        SPLIT_KERNELS[impl][(T, s1 + s2, HG)](*span_args, PRODUCER_REGS=producer_regs(impl, cfg["maxnreg"], BH),
+                                              **flags)
     else:
         SPLIT_KERNELS["flat"][(T, s1 + s2, HG)](*args, **flags)
 

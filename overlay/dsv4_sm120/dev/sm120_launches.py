@@ -180,16 +180,18 @@ def _attention_shapes():
 def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str) -> List[Launch]:
     from ..attention.config import BODY_KEYS
     from ..attention.key_aliases import CONSTEXPR
-    from ..attention.keys import producer_regs
+    from ..attention.keys import GPU_ONLY_IMPLS, producer_regs
     from ..attention.plan import ws_words
 
     impl = cfg["impl"]
     fp8 = qk == "fp8"
     cst = dict(HAS_MAIN_LEN=True, HAS_EXTRA=has_extra, HAS_EXTRA_LEN=has_extra, BLOCK_H=cfg["BLOCK_H"],
-               BLOCK_N=cfg["BLOCK_N"], FP8_QK=fp8, INTERP=False)
-    for k in BODY_KEYS[impl]:
-        if k != "PART_BF16":   # PART_BF16 is the workspace's dtype (the acc_ws pointer type), not a constexpr
-            cst[CONSTEXPR.get(k, k)] = bool(cfg.get(k, 0)) if k != "PREFETCH" else int(cfg[k])
+               BLOCK_N=cfg["BLOCK_N"])
+    if impl not in GPU_ONLY_IMPLS:   # the Gluon bodies: spanning splits, bf16 QK, never interpreted (no such flags)
+        cst.update(FP8_QK=fp8, INTERP=False)
+        for k in BODY_KEYS[impl]:
+            if k != "PART_BF16":   # PART_BF16 is the workspace's dtype (the acc_ws pointer type), not a constexpr
+                cst[CONSTEXPR.get(k, k)] = bool(cfg.get(k, 0)) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
     if impl in ("wspec", "wgmma"):   # as attention.launch passes them

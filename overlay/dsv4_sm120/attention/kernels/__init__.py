@@ -20,6 +20,12 @@ scales, keeps rope in bf16, runs an online softmax in base 2 and writes the un-n
   heads as N (no padded MMA rows at 16 heads), two producer partitions; bf16 QK. Its balanced launch (grid ``(C,)``,
   ``plan.plan_balanced``) walks an equal run of blocks across rows per program instead.
 
+The Gluon bodies (wspec, wgmma, wgmma_t) take spanning splits only, bf16 QK, on a GPU: program ``s`` of row
+``t`` takes candidates ``s*chunk .. (s+1)*chunk`` of main ++ extra. Their arguments are the Triton bodies' less
+what that contract leaves unused (the per-cache split counts and chunks, ``FP8_QK``, ``INTERP``, ``SPAN``): the
+query, ``chunk``, each cache's pages / indices / lengths, the workspace, then ``PRODUCER_REGS`` (the producer
+partitions' registers, ``keys.producer_regs``).
+
 ``combine_kernel`` (``combine.py``), grid ``(T, H, 512 / BLOCK_D)``, merges the ``S`` partials and the sink into
 bf16 ``out`` and the natural-log ``lse`` without the sink (zeros and ``-inf`` for rows with no valid candidate).
 

@@ -13,7 +13,7 @@ or partial goes through Q's tile, free by then, for whole-sector stores (``STAGE
 
 Why: the mma.sync bodies run 16 heads per program, so 32 and 64 heads gather, decode and stage every block two
 and four times, and their consumers re-read Q from shared memory per warp; a warpgroup MMA reads each operand
-tile once per warpgroup. Same contract as ``split_kernel_reg`` with ``SPAN`` (chunks of main ++ extra).
+tile once per warpgroup. The Gluon bodies' spanning-split contract (``kernels/__init__``).
 sm_120 has no warpgroup MMA: the launch refuses this body there, and Triton's CPU interpreter does not run Gluon.
 """
 
@@ -228,16 +228,15 @@ def _consumer(q_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t, s, 
 @gluon.jit
 def split_kernel_wgmma(
     q_ptr, stride_qt, stride_qh,
-    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
-    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
-    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
+    chunk, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PRODUCER_REGS: gl.constexpr, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
     STAGE_OUT: gl.constexpr = True,
 ):
-    """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64, spanning splits), with the
+    """The spanning-split contract (bf16 QK, ``BLOCK_H`` 64, ``BLOCK_N`` 64), with the
     warpgroup-MMA body: 8 consumer warps (the launch's ``num_warps``) and 4 producer warps. ``FINAL`` (one split
     per row, ``S`` = 1): the program writes the row's ``out`` [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with
     the sink ``sink_ptr`` (``HAS_SINK``), and the combine is not launched. ``STAGE_OUT``: the output (and a bf16
@@ -245,16 +244,12 @@ def split_kernel_wgmma(
     pieces (the launch sets it where most of the 64 head rows are real: H > 16)."""
     gl.static_assert(BLOCK_H == 64, "the warpgroup-MMA body takes 64 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the warpgroup-MMA body consumes 64-candidate blocks")
-    gl.static_assert(SPAN, "the warpgroup-MMA body takes spanning splits")
-    gl.static_assert(PRODUCER_REGS is not None,
-                     "the warpgroup-MMA body's producer registers come from the launch (keys.producer_regs)")
     t = gl.program_id(0)
     s = gl.program_id(1)
     g = gl.program_id(2)
     main = main_ptr.to(gl.pointer_type(gl.uint8))
     extra = extra_ptr.to(gl.pointer_type(gl.uint8))
-    start = s * main_chunk
-    chunk = main_chunk
+    start = s * chunk
     NV: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 2 * HALF, 512], NV)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], NV)

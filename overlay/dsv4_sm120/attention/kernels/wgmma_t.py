@@ -14,7 +14,7 @@ partition doing both halves), into a two-slot ring in the wgmma operand layout (
 the slot is full when both have arrived. One consumer warpgroup (the launch's 4 warps) runs the products and the
 softmax; it writes the row's output and lse itself where it holds all of the row's candidates (``FINAL``), or its
 partial. One CTA of 12 warps per SM (the ring, Q and P take ~150 KB); the producers run at ``PRODUCER_REGS`` and
-the consumers take the rest of ``maxnreg`` x 384. Same contract as ``split_kernel_reg`` with ``SPAN``. sm_120 has no
+the consumers take the rest of ``maxnreg`` x 384. The Gluon bodies' spanning-split contract. sm_120 has no
 warpgroup MMA: the launch refuses this body there, and Triton's CPU interpreter does not run Gluon.
 """
 
@@ -243,16 +243,15 @@ def _consumer(q_s, p_s, ring, flags, full, empty, q_ptr, stride_qt, stride_qh, t
 @gluon.jit
 def split_kernel_wgmma_t(
     q_ptr, stride_qt, stride_qh,
-    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
-    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
-    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
+    chunk, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PRODUCER_REGS: gl.constexpr, SLOTS: gl.constexpr = 2,
     out_ptr=None, lse_ptr=None, sink_ptr=None, FINAL: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
     NB=1, W=1, C=1, BALANCED: gl.constexpr = False,
 ):
-    """Same contract as ``split_kernel_reg`` (bf16 QK, ``BLOCK_H`` 16 or 32, ``BLOCK_N`` 64, spanning splits),
+    """The spanning-split contract (bf16 QK, ``BLOCK_H`` 16 or 32, ``BLOCK_N`` 64),
     with the candidates-as-M warpgroup-MMA body: 4 consumer warps (the launch's ``num_warps``) and two partitions
     of 4 producer warps. ``FINAL`` (one split per row, ``S`` = 1): the program writes the row's ``out``
     [T, 1, H, 512] bf16 and ``lse`` [T, H, 1] itself, with the sink ``sink_ptr`` (``HAS_SINK``), and the combine is
@@ -265,17 +264,13 @@ def split_kernel_wgmma_t(
     in its row, ``S`` = the most pieces of a row) for the combine."""
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32, "the candidates-as-M body takes 16 or 32 heads per program")
     gl.static_assert(BLOCK_N == 2 * HALF, "the candidates-as-M body consumes 64-candidate blocks")
-    gl.static_assert(SPAN, "the candidates-as-M body takes spanning splits")
-    gl.static_assert(PRODUCER_REGS is not None,
-                     "the candidates-as-M body's producer registers come from the launch (keys.producer_regs)")
     t = gl.program_id(0)
     s = gl.program_id(1)
     g = gl.program_id(2)
     HG = HP // BLOCK_H
     main = main_ptr.to(gl.pointer_type(gl.uint8))
     extra = extra_ptr.to(gl.pointer_type(gl.uint8))
-    start = s * main_chunk
-    chunk = main_chunk
+    start = s * chunk
     NV: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, 2 * HALF, 512], NV)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 512], NV)

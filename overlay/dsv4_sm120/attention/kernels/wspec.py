@@ -20,7 +20,7 @@ block is read once instead of two / four times (16-head programs each read it).
   Q is 64 KB, so the ring holds two 16-candidate blocks (32 KB; producer loads of 8 bytes, a candidate's 64-byte
   tile row by one warp).
 
-Same contract as ``split_kernel_reg`` with ``SPAN`` (chunks of main ++ extra). Triton's CPU interpreter does not run
+The Gluon bodies' spanning-split contract (``kernels/__init__``). Triton's CPU interpreter does not run
 Gluon: the tests compile it for sm_90 and sm_120 and the H200 runs it. The e4m3 decode is
 ``common.E4M3_BF16_ASM``'s, on 32-bit words.
 """
@@ -242,15 +242,14 @@ def _consumer(q_s, ring, full, empty, q_ptr, stride_qt, stride_qh, t, s, g,
 @gluon.jit
 def split_kernel_wspec(
     q_ptr, stride_qt, stride_qh,
-    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2, main_nsplit, main_chunk,
-    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2, extra_chunk,
-    acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
+    main_ptr, main_idx_ptr, main_idx_st, main_len_ptr, main_K, main_P, main_PB, main_PB2,
+    extra_ptr, extra_idx_ptr, extra_idx_st, extra_len_ptr, extra_K, extra_P, extra_PB, extra_PB2,
+    chunk, acc_ws, m_ws, l_ws, H, S, HP, sm_scale_log2,
     HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_QK: gl.constexpr, INTERP: gl.constexpr,
-    SPAN: gl.constexpr = False, PRODUCER_REGS: gl.constexpr = None, SLOTS: gl.constexpr = 2,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PRODUCER_REGS: gl.constexpr, SLOTS: gl.constexpr = 2,
     CWARPS: gl.constexpr = 4,
 ):
-    """Same contract as ``split_kernel_reg`` (bf16 QK), with the warp-specialized body: ``CWARPS`` consumer warps
+    """The spanning-split contract (bf16 QK), with the warp-specialized body: ``CWARPS`` consumer warps
     (the launch's ``num_warps``) for ``BLOCK_H`` heads (16, 32 or 64; the MMA tiles' rows split over
     ``BLOCK_H / 16`` of them) and 4 producer warps gathering ``BLOCK_N``-candidate blocks (32 or 16) into a ring of
     ``SLOTS`` (1 or 2)."""
@@ -264,11 +263,7 @@ def split_kernel_wspec(
     main = main_ptr.to(gl.pointer_type(gl.uint8))
     extra = extra_ptr.to(gl.pointer_type(gl.uint8))
     # this program's candidates: chunk s of main ++ extra (spanning splits only)
-    gl.static_assert(SPAN, "the warp-specialized body takes spanning splits")
-    gl.static_assert(PRODUCER_REGS is not None,
-                     "the warp-specialized body's producer registers come from the launch (keys.producer_regs)")
-    start = s * main_chunk
-    chunk = main_chunk
+    start = s * chunk
     KV2: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     KVW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
     ring = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, BLOCK_N, 512], KV2)
