@@ -1,0 +1,143 @@
+"""The sm_120 launch enumeration's own rules (dsv4_sm120.dev.sm120_launches), each against an expectation written
+here: the resource / spill rules match options as well as constexprs, a launch met twice keeps the stricter need
+and each origin once, the requests follow the architecture list of the bodies, row counts are integers, the long
+context's c128 candidates, the origin each launch names (what a problem line shows), one family asked for alone
+gives the launches it gives among all, every MoE table key is reached, and the decode batches the combine covers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dsv4_sm120 import launch_tables as lt
+from dsv4_sm120.attention import keys as K
+from dsv4_sm120.calibrate.attention import VARIANTS
+from dsv4_sm120.dev import sm120_launches as SL
+
+FACTS = json.loads((Path(__file__).resolve().parent / "data" / "sm120_compile_facts.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def launches():
+    return SL.enumerate_launches()
+
+
+def _la(kernel="k", cst=None, options=None, origin="o", **need):
+    return SL.Launch("attention", kernel, dict(cst or {"BLOCK_H": 16}), dict(options or {"num_warps": 4}), {},
+                     dict(need), [origin])
+
+
+def test_the_rules_match_a_launch_option_too(monkeypatch):
+    """A rule may name a launch option (num_warps, maxnreg) as well as a constexpr."""
+    monkeypatch.setattr(SL, "RESOURCE_BOUNDS", ({"kernel": "k", "match": {"BLOCK_H": 16, "num_warps": 8},
+                                                 "max_shared": 1, "max_regs": 2, "partition_regs": (3, 4)},))
+    monkeypatch.setattr(SL, "ACCEPTED_SPILLS", ({"kernel": "k", "match": {"num_warps": 8}, "max_ldl_stl": 7},))
+    eight, four = _la(options={"num_warps": 8}), _la(options={"num_warps": 4})
+    assert SL.resource_bounds(eight) == {"max_shared": 1, "max_regs": 2, "partition_regs": (3, 4)}
+    assert SL.resource_bounds(four) == {}
+    assert SL.accepted_spills(eight) == 7 and SL.accepted_spills(four) == 0
+
+
+def test_a_launch_met_again_keeps_the_stricter_need_and_each_origin_once():
+    s = SL._Set()
+    first = _la(origin="a.json[1]", ctas=3)
+    s.add(first)
+    s.add(_la(origin="b.json[2]", ctas=2))           # asks for less: named after, the 3 CTAs stay
+    assert first.need == {"ctas": 3} and first.origins == ["a.json[1]", "b.json[2]"]
+    s.add(_la(origin="b.json[2]", ctas=5))           # an origin met before (not the first): nothing changes
+    assert first.need == {"ctas": 3} and first.origins == ["a.json[1]", "b.json[2]"]
+    bare = _la(kernel="k2", origin="c.json[1]")      # no CTA need: one CTA per SM
+    s.add(bare)
+    s.add(_la(kernel="k2", origin="d.json[4]", ctas=2))
+    assert bare.need == {"ctas": 2} and bare.origins == ["d.json[4]", "c.json[1]"]
+    assert sorted(s.by_key) == sorted([first.key, bare.key])
+
+
+def test_the_requests_follow_the_bodies_architecture_list(monkeypatch):
+    """A body listed for sm_120 only is asked for; one listed for other architectures is skipped and the bodies
+    after it are still asked for."""
+    monkeypatch.setitem(K.IMPL_ARCHS, "flat", (12,))
+    monkeypatch.setitem(K.IMPL_ARCHS, "tiled", (9, 10))
+    got = SL._attention_requests()
+    by_name = got[2:len(got) - len(VARIANTS)]   # after the two defaults, before calibrate's variants
+    assert by_name == [("bf16", {"impl": "flat"}, "impl=flat"), ("fp8", {"impl": "flat"}, "impl=flat"),
+                       ("bf16", {"impl": "reg"}, "impl=reg"), ("bf16", {"impl": "wspec"}, "impl=wspec")]
+
+
+def test_row_counts_are_whole_numbers():
+    # ceil(57 * 3 / 170) = 2 and ceil(56 * 3 / 170) = 1: 57 is the first T of key 2 (not 170 / 3 + 1)
+    got = SL._rows_for_keys([1, 2, 3], 3, 170)
+    assert got == [1, 57, 114] and all(type(t) is int for t in got)
+
+
+@pytest.mark.parametrize("context,c128", [(1 << 20, 8192), (131072, 1024), (16385, 192), (256, 64), (1, 64)])
+def test_the_c128_candidates_of_the_long_context(monkeypatch, context, c128):
+    """ceil(context / 256) pairs of compressed blocks, rounded up to whole 64-candidate blocks: 16385 tokens are
+    65 x 256-token spans -> 130 -> 192."""
+    monkeypatch.setattr(SL, "LONG_CONTEXT", context)
+    shapes = dict((name, (k1, k2)) for name, k1, k2 in SL._attention_shapes())
+    assert shapes["c128"][1] == c128 and type(shapes["c128"][1]) is int
+    assert shapes["swa"][1] == 0 and shapes["c4"][1] > 0
+
+
+def test_the_hopper_warpgroup_body_gets_its_producer_registers():
+    cfg = {"impl": "wgmma", "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "maxnreg": 168,
+           "waves": 1, "spanning_splits": 1, "PART_BF16": 1}
+    (la,) = SL._split_launch(cfg, "bf16", False, "w")
+    assert la.constexprs["PRODUCER_REGS"] == 152 and "CWARPS" not in la.constexprs
+
+
+ATT_ORIGIN = re.compile(r"attention/(H=(16|32|64),qk=(bf16|fp8)|impl=reg),device_name=(arch_sm_120|default)\.json"
+                        r"\[\d+\]( \([^()]+\))?( with [^ ]+)? \(qk=(bf16|fp8)\)")   # (a note the resolve adds)
+COMBINE_ORIGIN = re.compile(ATT_ORIGIN.pattern + r", combine of T=(?P<T>\d+) H=(\d+) on (84|170|188) SMs")
+MOE_ORIGIN = re.compile(r"moe/E=\d+,topk=\d+,path=(fp4|bf16),device_name=default\.json\[\d+\]( \(APRE=[01]\))?")
+
+
+def test_each_origin_names_its_table_entry_request_and_mode(launches):
+    for la in launches["attention"]:
+        for o in la.origins:
+            assert ATT_ORIGIN.fullmatch(o), o
+    for la in launches["combine"]:
+        for o in la.origins:
+            assert COMBINE_ORIGIN.fullmatch(o), o
+    for path in ("fp4", "bf16"):
+        for la in launches[f"moe_{path}"]:
+            gemm = "_gemm" in la.kernel or "_quant_rows" in la.kernel
+            for o in la.origins:
+                m = MOE_ORIGIN.fullmatch(o)
+                assert m and m.group(1) == path, o
+                # fp4 GEMMs (and their quantizers) say whether the activation was pre-quantized; nothing else does
+                assert bool(m.group(2)) == (gemm and path == "fp4"), o
+
+
+@pytest.mark.parametrize("family", ["attention", "combine"])
+def test_a_family_asked_for_alone_gives_its_recorded_launches(family):
+    got = SL.enumerate_launches([family])
+    assert list(got) == [family]
+    assert {la.key for la in got[family]} == set(FACTS[family])
+
+
+def test_every_moe_table_key_is_reached(launches):
+    for path in ("fp4", "bf16"):
+        text = " | ".join(o for la in launches[f"moe_{path}"] for o in la.origins)
+        for _, _, tpath in SL._moe_shapes(path):
+            for key in lt.read_table(tpath):
+                assert f"{tpath.name}[{key}]" in text, (tpath.name, key)
+
+
+def test_the_combine_covers_every_decode_batch_and_the_table_rows(launches):
+    """T = 1..64 and the powers of two 128..4096 (decode and verify batches), plus the first row of each table key
+    at each SM count; nothing else, and no T = 0."""
+    seen = {int(COMBINE_ORIGIN.fullmatch(o).group("T")) for la in launches["combine"] for o in la.origins}
+    batches = set(range(1, 65)) | {128, 256, 512, 1024, 2048, 4096}
+    table_rows = set()
+    for shape in [f"H={h},qk={q}" for h in (16, 32, 64) for q in ("bf16", "fp8")] + ["impl=reg"]:
+        keys = lt.read_table(lt.lookup("attention", shape, 1, lt.DEFAULT_DEVICE, SL.CAPABILITY).path)
+        for nsm in SL.SM120_SMS:
+            for hg in (1, 2, 4):
+                table_rows |= set(SL._rows_for_keys(keys, hg, nsm))
+    assert batches <= seen and seen <= batches | table_rows and min(seen) == 1
+    assert 65 not in seen and 8192 not in seen
