@@ -118,6 +118,12 @@ def test_a_family_asked_for_alone_gives_its_recorded_launches(family):
     got = SL.enumerate_launches([family])
     assert list(got) == [family]
     assert {la.key for la in got[family]} == set(FACTS[family])
+    # every entry of every table an sm_120 GPU reads is named, without the combine's extra batches too
+    names = " | ".join(o for la in got[family] for o in la.origins)
+    for shape in [f"H={h},qk={q}" for h in (16, 32, 64) for q in ("bf16", "fp8")] + ["impl=reg"]:
+        found = lt.lookup("attention", shape, 1, lt.DEFAULT_DEVICE, SL.CAPABILITY)
+        for key in lt.read_table(found.path):
+            assert f"{found.path.name}[{key}]" in names, (shape, key)
 
 
 def test_every_moe_table_key_is_reached(launches):
@@ -141,3 +147,18 @@ def test_the_combine_covers_every_decode_batch_and_the_table_rows(launches):
                 table_rows |= set(SL._rows_for_keys(keys, hg, nsm))
     assert batches <= seen and seen <= batches | table_rows and min(seen) == 1
     assert 65 not in seen and 8192 not in seen
+
+
+def test_the_combine_launch_as_launch_combine_makes_it():
+    cfg = {"impl": "reg", "PART_BF16": 1, "BLOCK_D": 128, "BLOCK_S": 8, "combine_warps": 2, "combine_maxnreg": 64}
+    la = SL._combine_launch(cfg, "o")
+    assert (la.family, la.kernel, la.origins, la.need) == ("combine", "attention.combine_kernel", ["o"], {})
+    assert la.constexprs == {"HAS_SINK": True, "BLOCK_D": 128, "BLOCK_S": 8, "BALANCED": False, "BH": 16, "NB": 1,
+                             "W": 1, "C": 1}
+    assert la.options == {"num_warps": 2, "num_stages": 1, "maxnreg": 64} and la.sig == {"acc_ws": "*bf16"}
+    # no register cap: no maxnreg option (not maxnreg=0); the flat body (no PART_BF16 key) and PART_BF16=0: fp32
+    la = SL._combine_launch(dict(cfg, combine_maxnreg=0, PART_BF16=0), "o")
+    assert la.options == {"num_warps": 2, "num_stages": 1} and la.sig == {"acc_ws": "*fp32"}
+    flat = {k: v for k, v in cfg.items() if k != "PART_BF16"}
+    assert SL._combine_launch(dict(flat, impl="flat"), "o").sig == {"acc_ws": "*fp32"}
+    assert SL._combine_launch(dict(cfg, impl="flat"), "o").sig == {"acc_ws": "*fp32"}   # flat's partial is fp32

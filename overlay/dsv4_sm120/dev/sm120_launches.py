@@ -181,7 +181,6 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
     from ..attention.config import BODY_KEYS
     from ..attention.key_aliases import CONSTEXPR
     from ..attention.keys import GPU_ONLY_IMPLS, producer_regs
-    from ..attention.plan import ws_words
 
     impl = cfg["impl"]
     fp8 = qk == "fp8"
@@ -191,7 +190,7 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
         cst.update(FP8_QK=fp8, INTERP=False)
         for k in BODY_KEYS[impl]:
             if k != "PART_BF16":   # PART_BF16 is the workspace's dtype (the acc_ws pointer type), not a constexpr
-                cst[CONSTEXPR.get(k, k)] = bool(cfg.get(k, 0)) if k != "PREFETCH" else int(cfg[k])
+                cst[CONSTEXPR.get(k, k)] = bool(cfg[k]) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
     if impl in ("wspec", "wgmma"):   # as attention.launch passes them
@@ -207,7 +206,7 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
     need = {"ctas": max(1, int(cfg["waves"])) if span else 1}
     if fp8:
         need["mma"] = "fp8"
-    acc = "*bf16" if ws_words(impl, cfg.get("PART_BF16", 0)) == 258 else "*fp32"
+    acc = _partial_type(cfg)
     out = [Launch("attention", f"attention.split_kernel_{impl}", cst, opts, {"acc_ws": acc}, need, [origin])]
     if fp8 and impl == "tiled":
         out.append(Launch("attention", "attention.q_fp8_kernel", dict(BLOCK_H=cfg["BLOCK_H"], INTERP=False),
@@ -218,8 +217,6 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
 def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
     from .. import launch_tables as lt
     from ..attention import config as C
-    from ..attention.plan import ws_words
-
     from ..calibrate.deployment import FLASH
 
     heads = sorted({FLASH["num_attention_heads"] // tp for tp in TP_SIZES})
@@ -230,7 +227,7 @@ def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
                 impl = ov.get("impl")
                 shape = "impl=reg" if impl in C.REG_TABLE_IMPLS else \
                     f"H={C.head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
-                found = lt.lookup(C.KERNEL, shape, 1, lt.DEFAULT_DEVICE, CAPABILITY)
+                found = lt.lookup(C.KERNEL, shape, 1, capability=CAPABILITY)
                 rows = _rows_for_keys(lt.read_table(found.path), -(-H // 16), nsm)
                 if "combine" in want:   # decode and verify batches between the table keys too
                     rows = sorted(set(rows) | set(range(1, 65)) | {1 << i for i in range(7, 13)})
@@ -242,16 +239,25 @@ def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
                             for la in _split_launch(L.config, qk, K2 > 0, origin):
                                 sets["attention"].add(la)
                         if "combine" in want:
-                            cfg = L.config
-                            acc = "*bf16" if ws_words(cfg["impl"], cfg.get("PART_BF16", 0)) == 258 else "*fp32"
-                            sets["combine"].add(Launch(
-                                "combine", "attention.combine_kernel",
-                                # (the balanced launch is Hopper's: here its arguments keep their defaults)
-                                dict(HAS_SINK=True, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"], BALANCED=False,
-                                     BH=16, NB=1, W=1, C=1),
-                                {"num_warps": cfg["combine_warps"], "num_stages": 1,
-                                 **({"maxnreg": cfg["combine_maxnreg"]} if cfg["combine_maxnreg"] else {})},
-                                {"acc_ws": acc}, {}, [f"{origin}, combine of T={T} H={H} on {nsm} SMs"]))
+                            sets["combine"].add(_combine_launch(L.config, f"{origin}, combine of T={T} H={H} on "
+                                                                          f"{nsm} SMs"))
+
+
+def _partial_type(cfg: Dict[str, object]) -> str:
+    """The workspace partial's pointer type of a resolved config (flat has no PART_BF16 key: fp32)."""
+    from ..attention.plan import ws_words
+    return "*bf16" if ws_words(cfg["impl"], cfg.get("PART_BF16")) == 258 else "*fp32"
+
+
+def _combine_launch(cfg: Dict[str, object], origin: str) -> Launch:
+    """The combine launch after the split launch of ``cfg``, as ``attention.launch.launch_combine`` makes it (the
+    balanced launch is Hopper's: here its arguments keep their defaults)."""
+    opts = {"num_warps": cfg["combine_warps"], "num_stages": 1}
+    if cfg["combine_maxnreg"]:
+        opts["maxnreg"] = cfg["combine_maxnreg"]
+    return Launch("combine", "attention.combine_kernel",
+                  dict(HAS_SINK=True, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=cfg["BLOCK_S"], BALANCED=False, BH=16, NB=1,
+                       W=1, C=1), opts, {"acc_ws": _partial_type(cfg)}, {}, [origin])
 
 
 # ---- MoE
@@ -267,7 +273,7 @@ def _moe_shapes(path: str):
     from ..moe import config as MC
 
     for E, topk in MC._default_shapes(path, None):
-        hit = lt.lookup(MC.KERNEL, MC.shape_key(E, topk, path), 1, lt.DEFAULT_DEVICE, CAPABILITY)
+        hit = lt.lookup(MC.KERNEL, MC.shape_key(E, topk, path), 1, capability=CAPABILITY)
         yield E, topk, hit.path
 
 
