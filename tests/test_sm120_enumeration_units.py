@@ -20,11 +20,6 @@ from dsv4_sm120.dev import sm120_launches as SL
 FACTS = json.loads((Path(__file__).resolve().parent / "data" / "sm120_compile_facts.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def launches():
-    return SL.enumerate_launches()
-
-
 def _la(kernel="k", cst=None, options=None, origin="o", **need):
     return SL.Launch("attention", kernel, dict(cst or {"BLOCK_H": 16}), dict(options or {"num_warps": 4}), {},
                      dict(need), [origin])
@@ -96,7 +91,15 @@ COMBINE_ORIGIN = re.compile(ATT_ORIGIN.pattern + r", combine of T=(?P<T>\d+) H=(
 MOE_ORIGIN = re.compile(r"moe/E=\d+,topk=\d+,path=(fp4|bf16),device_name=default\.json\[\d+\]( \(APRE=[01]\))?")
 
 
-def test_each_origin_names_its_table_entry_request_and_mode(launches):
+def test_the_whole_enumeration_origins_moe_keys_and_combine_batches():
+    """One enumeration (mutation testing records a module-scoped fixture for its first test only), three checks."""
+    launches = SL.enumerate_launches()
+    _each_origin_names_its_table_entry_request_and_mode(launches)
+    _every_moe_table_key_is_reached(launches)
+    _the_combine_covers_every_decode_batch_and_the_table_rows(launches)
+
+
+def _each_origin_names_its_table_entry_request_and_mode(launches):
     for la in launches["attention"]:
         for o in la.origins:
             assert ATT_ORIGIN.fullmatch(o), o
@@ -126,7 +129,7 @@ def test_a_family_asked_for_alone_gives_its_recorded_launches(family):
             assert f"{found.path.name}[{key}]" in names, (shape, key)
 
 
-def test_every_moe_table_key_is_reached(launches):
+def _every_moe_table_key_is_reached(launches):
     for path in ("fp4", "bf16"):
         text = " | ".join(o for la in launches[f"moe_{path}"] for o in la.origins)
         for _, _, tpath in SL._moe_shapes(path):
@@ -134,7 +137,7 @@ def test_every_moe_table_key_is_reached(launches):
                 assert f"{tpath.name}[{key}]" in text, (tpath.name, key)
 
 
-def test_the_combine_covers_every_decode_batch_and_the_table_rows(launches):
+def _the_combine_covers_every_decode_batch_and_the_table_rows(launches):
     """T = 1..64 and the powers of two 128..4096 (decode and verify batches), plus the first row of each table key
     at each SM count; nothing else, and no T = 0."""
     seen = {int(COMBINE_ORIGIN.fullmatch(o).group("T")) for la in launches["combine"] for o in la.origins}
