@@ -329,7 +329,7 @@ def main(argv=None) -> int:
                          "separated (default: every line of scripts/mutate_targets.txt)")
     ap.add_argument("--jobs", type=int, default=2, help="mutants tested at once (default 2)")
     ap.add_argument("--out", default=str(CACHE / "mutate"), help="where the reports and scratch trees go")
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds one item may take (default 1800)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds one item may take (default 3600)")
     ap.add_argument("--dry-run", action="store_true", help="list each item's files and test files; run nothing")
     ap.add_argument("--report-only", action="store_true",
                     help="report the last run's results again (after editing scripts/mutate_equivalent.txt)")
