@@ -174,7 +174,7 @@ def unknown_hub_id_problem(model_path: str) -> Optional[str]:
         if model_path.lower() == known.lower() or _distance(model_path, known) <= TYPO_DISTANCE:
             return (f"MODEL_PATH={model_path} is not in the local Hugging Face cache nor a published checkpoint: did "
                     f"you mean {known}?")
-    first = model_path.split("/", 1)[0]
+    first = model_path.partition("/")[0]
     if os.path.isdir(first):
         return (f"MODEL_PATH={model_path} does not exist here ({os.path.abspath(first)} does: a local path?) and is "
                 f"not a Hugging Face id in the local cache nor a published checkpoint")
