@@ -1,5 +1,5 @@
-"""Long code: no overlay file over 700 lines and no function over 100 lines. Triton kernels (functions decorated
-``@triton.jit``) are excepted: a kernel body is one compiled unit."""
+"""Long code: no overlay file over 700 lines and no function over 100 lines (Triton kernels, functions decorated
+``@triton.jit``, are excepted: a kernel body is one compiled unit); no test file defines a test twice."""
 
 from __future__ import annotations
 
@@ -28,3 +28,19 @@ def test_no_long_file_or_function():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
     assert not long, "over the limits (file 700, function 100 lines): " + "; ".join(long)
+
+
+def test_no_test_is_shadowed_by_another_of_its_name():
+    """Two module-level ``test_*`` functions of one name in a file: pytest collects the last only, and the first
+    (its asserts, its coverage) silently never runs."""
+    tests_dir = OVERLAY.parent / "tests"
+    twice = []
+    for p in sorted(tests_dir.rglob("test_*.py")):
+        seen = set()
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name.startswith(
+                    ("test_", "Test")):
+                if node.name in seen:
+                    twice.append(f"{p.relative_to(tests_dir.parent)}:{node.lineno} {node.name}")
+                seen.add(node.name)
+    assert not twice, "defined again (the first never runs): " + "; ".join(twice)

@@ -387,7 +387,7 @@ def test_default_reason_and_status(clean, tmp_path):
     assert P.status("X", VERS)["path"] is None
 
 
-def test_the_status_command(clean, tmp_path, capsys):
+def test_the_status_command_on_real_profiles(clean, tmp_path, capsys):
     clean.setattr(P, "running_versions", lambda: dict(VERS))
     path = _write(tmp_path, _profile())
     assert P.main(["status", "--gpu", GPU, "--gpu", "Other GPU", "--gpu", GPU, "--dir", str(tmp_path)]) == 0
@@ -398,8 +398,9 @@ def test_the_status_command(clean, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == {"gpu": GPU, "usable": True, "path": str(path), "reasons": []}
     assert logging.getLogger("dsv4_sm120.machine_profile").level == logging.ERROR
     logging.getLogger("dsv4_sm120.machine_profile").setLevel(logging.NOTSET)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         P.main(["status"])
+    assert e.value.code == 2 and "the following arguments are required: --gpu" in capsys.readouterr().err
     assert P.now_iso().endswith("Z") and len(P.now_iso()) == 20
 
 
