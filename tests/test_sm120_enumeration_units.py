@@ -165,3 +165,32 @@ def test_the_combine_launch_as_launch_combine_makes_it():
     flat = {k: v for k, v in cfg.items() if k != "PART_BF16"}
     assert SL._combine_launch(dict(flat, impl="flat"), "o").sig == {"acc_ws": "*fp32"}
     assert SL._combine_launch(dict(cfg, impl="flat"), "o").sig == {"acc_ws": "*fp32"}   # flat's partial is fp32
+
+
+@pytest.mark.parametrize("H,ov,qk,table", [
+    (64, {}, "bf16", "H=64,qk=bf16,device_name=arch_sm_120.json"),
+    (8, {}, "fp8", "H=16,qk=fp8,device_name=arch_sm_120.json"),            # 8 heads: the 16-head class
+    (32, {"impl": "tiled"}, "bf16", "H=32,qk=fp8,device_name=arch_sm_120.json"),
+    (16, {"impl": "flat"}, "bf16", "H=16,qk=fp8,device_name=arch_sm_120.json"),
+    (64, {"impl": "reg"}, "bf16", "impl=reg,device_name=default.json"),
+    (32, {"impl": "wspec", "BLOCK_H": 32}, "bf16", "impl=reg,device_name=default.json"),
+    (32, {"BLOCK_N": 16}, "bf16", "H=32,qk=bf16,device_name=arch_sm_120.json"),
+])
+def test_the_table_and_rows_each_request_reads(H, ov, qk, table):
+    """The table by hand; its rows: the first T of each key, found by walking T upward (``ceil(T * groups / nsm)``
+    with 16-head groups), and the batches 1..64, 128..4096 only for the combine."""
+    from dsv4_sm120.attention import config as C
+
+    path = SL._attention_table(H, ov, qk)
+    assert path.name == table and path.parent.name == C.KERNEL
+    keys, groups = set(lt.read_table(path)), -(-H // 16)
+    for nsm in (84, 188):
+        first, T = {}, 1
+        while len(first) < len(keys) and T < 100000:
+            k = -(-T * groups // nsm)
+            if k in keys:
+                first.setdefault(k, T)
+            T += 1
+        assert SL._attention_rows(H, ov, qk, nsm, False) == sorted(first.values())
+        with_batches = SL._attention_rows(H, ov, qk, nsm, True)
+        assert with_batches == sorted(set(first.values()) | set(range(1, 65)) | {128, 256, 512, 1024, 2048, 4096})

@@ -214,8 +214,32 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
     return out
 
 
-def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
+def _attention_table(H: int, ov: Dict[str, object], qk: str):
+    """The launch table a request (launch overrides ``ov``, QK mode ``qk``) at ``H`` heads reads on sm_120: the
+    register table for the bodies that take it, else the head class's table in the QK mode (the fp8 one for tiled
+    or flat asked for by name, whatever the mode)."""
     from .. import launch_tables as lt
+    from ..attention import config as C
+
+    impl = ov.get("impl")
+    shape = "impl=reg" if impl in C.REG_TABLE_IMPLS else \
+        f"H={C.head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
+    return lt.lookup(C.KERNEL, shape, 1, capability=CAPABILITY).path
+
+
+def _attention_rows(H: int, ov: Dict[str, object], qk: str, nsm: int, batches: bool) -> List[int]:
+    """The row counts at which the enumeration resolves a request: the first of each key of its table (keys count
+    ``ceil(T * head groups of 16 / nsm)``), and with ``batches`` (the combine family) the decode and verify batches
+    1..64 and 128..4096 between them."""
+    from .. import launch_tables as lt
+
+    rows = set(_rows_for_keys(lt.read_table(_attention_table(H, ov, qk)), -(-H // 16), nsm))
+    if batches:
+        rows |= set(range(1, 65)) | {1 << i for i in range(7, 13)}
+    return sorted(rows)
+
+
+def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
     from ..attention import config as C
     from ..calibrate.deployment import FLASH
 
@@ -224,13 +248,7 @@ def _attention(want: Tuple[str, ...], sets: Dict[str, _Set]) -> None:
         dev = _attention_device(nsm)
         for qk, ov, label in _attention_requests():
             for H in heads:
-                impl = ov.get("impl")
-                shape = "impl=reg" if impl in C.REG_TABLE_IMPLS else \
-                    f"H={C.head_class(H)},qk={'fp8' if impl in ('tiled', 'flat') else qk}"
-                found = lt.lookup(C.KERNEL, shape, 1, capability=CAPABILITY)
-                rows = _rows_for_keys(lt.read_table(found.path), -(-H // 16), nsm)
-                if "combine" in want:   # decode and verify batches between the table keys too
-                    rows = sorted(set(rows) | set(range(1, 65)) | {1 << i for i in range(7, 13)})
+                rows = _attention_rows(H, ov, qk, nsm, "combine" in want)
                 for name, K1, K2 in _attention_shapes():
                     for T in rows:
                         L = C.resolve(H, T, K1, K2, dev, qk=qk, overrides=ov)
