@@ -194,3 +194,38 @@ def test_the_table_and_rows_each_request_reads(H, ov, qk, table):
         assert SL._attention_rows(H, ov, qk, nsm, False) == sorted(first.values())
         with_batches = SL._attention_rows(H, ov, qk, nsm, True)
         assert with_batches == sorted(set(first.values()) | set(range(1, 65)) | {128, 256, 512, 1024, 2048, 4096})
+
+
+def test_an_sm120_moe_table_is_read_where_one_exists(tmp_path, monkeypatch, request):
+    """An arch_sm_120 MoE table beside the default ones: the enumeration names it and launches its entries (here: the
+    default table of one shape with 2 warps in every entry)."""
+    import shutil
+
+    shutil.copytree(lt.TABLE_DIR, tmp_path / "tables")
+    moe = tmp_path / "tables" / "moe"
+    default = json.loads((moe / "E=256,topk=8,path=fp4,device_name=default.json").read_text())
+    mine = {k: (dict(v, warps1=2, warps2=2) if isinstance(v, dict) else v) for k, v in default.items()}
+    (moe / "E=256,topk=8,path=fp4,device_name=arch_sm_120.json").write_text(json.dumps(mine))
+    from dsv4_sm120.moe import config as MoC
+
+    monkeypatch.setattr(lt, "TABLE_DIR", tmp_path / "tables")
+    MoC._choose.cache_clear()   # memoized by shape, not by table directory: cleared before and after
+    request.addfinalizer(MoC._choose.cache_clear)
+    paths = {(E, topk): p.name for E, topk, p in SL._moe_shapes("fp4")}
+    assert paths[(256, 8)] == "E=256,topk=8,path=fp4,device_name=arch_sm_120.json"
+    assert paths[(256, 6)] == "E=256,topk=6,path=fp4,device_name=default.json"
+    s = SL._Set()
+    SL._moe("fp4", s)
+    arch = [la for la in s.by_key.values() if "_gemm" in la.kernel
+            and any("device_name=arch_sm_120.json" in o for o in la.origins)]
+    assert arch and all(la.options["num_warps"] == 2 for la in arch)
+
+
+def test_a_calibrate_variant_that_does_not_parse_is_named(monkeypatch):
+    import dsv4_sm120.calibrate.attention as CA
+    from dsv4_sm120.attention.config import DecodeInputError
+
+    monkeypatch.setattr(CA, "VARIANTS", ("BLOCK_N=zz",))
+    with pytest.raises(DecodeInputError) as e:
+        SL._attention_requests()
+    assert "calibrate variant" in str(e.value) and "BLOCK_N" in str(e.value)
