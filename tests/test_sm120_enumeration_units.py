@@ -78,11 +78,13 @@ def test_the_c128_candidates_of_the_long_context(monkeypatch, context, c128):
     assert shapes["swa"][1] == 0 and shapes["c4"][1] > 0
 
 
-def test_the_hopper_warpgroup_body_gets_its_producer_registers():
+def test_the_hopper_warpgroup_bodies_get_their_producer_registers():
     cfg = {"impl": "wgmma", "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "maxnreg": 168,
            "waves": 1, "spanning_splits": 1, "PART_BF16": 1}
     (la,) = SL._split_launch(cfg, "bf16", False, "w")
     assert la.constexprs["PRODUCER_REGS"] == 152 and "CWARPS" not in la.constexprs
+    (la,) = SL._split_launch(dict(cfg, impl="wgmma_t", BLOCK_H=16, num_warps=4), "bf16", False, "w")
+    assert la.constexprs["PRODUCER_REGS"] == 144 and "CWARPS" not in la.constexprs
 
 
 ATT_ORIGIN = re.compile(r"attention/(H=(16|32|64),qk=(bf16|fp8)|impl=reg),device_name=(arch_sm_120|default)\.json"

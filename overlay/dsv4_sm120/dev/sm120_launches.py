@@ -193,7 +193,7 @@ def _split_launch(cfg: Dict[str, object], qk: str, has_extra: bool, origin: str)
                 cst[CONSTEXPR.get(k, k)] = bool(cfg[k]) if k != "PREFETCH" else int(cfg[k])
     if impl == "tiled" and not fp8:
         cst.update(q8_ptr=None, qsc_ptr=None)   # the bf16 launch does not pass them
-    if impl in ("wspec", "wgmma"):   # as attention.launch passes them
+    if impl in GPU_ONLY_IMPLS:   # as attention.launch passes them (a required argument of the Gluon bodies)
         cst["PRODUCER_REGS"] = producer_regs(impl, cfg["maxnreg"], cfg["BLOCK_H"])
     if impl == "wspec":
         cst["CWARPS"] = cfg["num_warps"]
