@@ -264,6 +264,20 @@ def test_a_launch_asked_for_twice_keeps_every_origin_and_the_stricter_need():
     assert first.origins == ["u.json[8]", "t.json[1]", "t.json[2]"] and first.need["ctas"] == 2
     s.add(la("v.json[1]"))
     assert first.origins[-1] == "v.json[1]" and first.need["ctas"] == 2 and list(s.by_key) == [first.key]
+    s.add(la("t.json[2]", ctas=5))                   # an origin met before (not the first): nothing changes
+    assert first.origins == ["u.json[8]", "t.json[1]", "t.json[2]", "v.json[1]"] and first.need["ctas"] == 2
+    s.add(la("w.json[3]", ctas=1))                   # asks for less than the 2 already needed: named last
+    assert first.origins[-1] == "w.json[3]" and first.need["ctas"] == 2
+    s = SL._Set()
+    bare = la("c.json[1]")                           # no CTA need: one CTA per SM
+    s.add(bare)
+    s.add(la("d.json[4]", ctas=2))
+    assert bare.need == {"ctas": 2} and bare.origins == ["d.json[4]", "c.json[1]"]
+    s = SL._Set()
+    strict = la("x.json[1]", ctas=3)
+    s.add(strict)
+    s.add(la("y.json[2]", ctas=2))                   # more than one CTA, less than the 3 needed: the 3 stay
+    assert strict.need == {"ctas": 3} and strict.origins == ["x.json[1]", "y.json[2]"]
 
 
 def test_rows_per_key_and_powers_of_two():
@@ -273,12 +287,15 @@ def test_rows_per_key_and_powers_of_two():
         for key in (1, 2, 7, 64):
             T = SL._rows_for_keys([key], hg, nsm)[0]
             assert -(-T * hg // nsm) == key and (T == 1 or -(-(T - 1) * hg // nsm) < key), (hg, nsm, key)
+    # whole numbers: ceil(57 * 3 / 170) = 2 and ceil(56 * 3 / 170) = 1, so 57 is key 2's first T (not 170 / 3 + 1)
+    got = SL._rows_for_keys([1, 2, 3], 3, 170)
+    assert got == [1, 57, 114] and all(type(t) is int for t in got)
     assert [SL._pow2(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024)] == [1, 1, 2, 4, 4, 8, 1024, 1024]
 
 
-def test_the_rules_match_by_kernel_and_constexprs():
-    def la(kernel, **cst):
-        return SL.Launch("x", kernel, cst, {"num_warps": 8}, {})
+def test_the_rules_match_by_kernel_constexprs_and_options(monkeypatch):
+    def la(kernel, warps=8, **cst):
+        return SL.Launch("x", kernel, cst, {"num_warps": warps}, {})
 
     assert SL.accepted_spills(la("attention.split_kernel_tiled", BLOCK_H=32)) == 40
     assert SL.accepted_spills(la("attention.split_kernel_tiled", BLOCK_H=16)) == 0
@@ -289,6 +306,14 @@ def test_the_rules_match_by_kernel_and_constexprs():
     assert SL.resource_bounds(la("attention.split_kernel_wspec", BLOCK_H=64)) == {
         "max_shared": 100388, "max_regs": 168, "partition_regs": (208, 88)}
     assert SL.resource_bounds(la("attention.split_kernel_tiled", BLOCK_H=32)) == {}
+    # a rule may name a launch option (num_warps) as well as a constexpr
+    monkeypatch.setattr(SL, "RESOURCE_BOUNDS", ({"kernel": "k", "match": {"BLOCK_H": 16, "num_warps": 8},
+                                                 "max_shared": 1, "max_regs": 2, "partition_regs": (3, 4)},))
+    monkeypatch.setattr(SL, "ACCEPTED_SPILLS", ({"kernel": "k", "match": {"num_warps": 8}, "max_ldl_stl": 7},))
+    eight, four = la("k", BLOCK_H=16), la("k", warps=4, BLOCK_H=16)
+    assert SL.resource_bounds(eight) == {"max_shared": 1, "max_regs": 2, "partition_regs": (3, 4)}
+    assert SL.resource_bounds(four) == {}
+    assert SL.accepted_spills(eight) == 7 and SL.accepted_spills(four) == 0
     with pytest.raises(ValueError) as e:
         SL.enumerate_launches(["attention", "bogus", "alsobad"])
     assert str(e.value) == ("unknown launch families ['alsobad', 'bogus']; known: attention, combine, moe_fp4, "

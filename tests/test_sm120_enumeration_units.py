@@ -1,6 +1,6 @@
 """The sm_120 launch enumeration's own rules (dsv4_sm120.dev.sm120_launches), each against an expectation written
-here: the resource / spill rules match options as well as constexprs, a launch met twice keeps the stricter need
-and each origin once, the requests follow the architecture list of the bodies, row counts are integers, the long
+here (the rules, the launch set and the row counts are tested beside their older checks in
+test_sm120_coverage_units.py): the requests follow the architecture list of the bodies, the long
 context's c128 candidates, the origin each launch names (what a problem line shows), one family asked for alone
 gives the launches it gives among all, every MoE table key is reached, and the decode batches the combine covers."""
 
@@ -20,37 +20,6 @@ from dsv4_sm120.dev import sm120_launches as SL
 FACTS = json.loads((Path(__file__).resolve().parent / "data" / "sm120_compile_facts.json").read_text())
 
 
-def _la(kernel="k", cst=None, options=None, origin="o", **need):
-    return SL.Launch("attention", kernel, dict(cst or {"BLOCK_H": 16}), dict(options or {"num_warps": 4}), {},
-                     dict(need), [origin])
-
-
-def test_the_rules_match_a_launch_option_too(monkeypatch):
-    """A rule may name a launch option (num_warps, maxnreg) as well as a constexpr."""
-    monkeypatch.setattr(SL, "RESOURCE_BOUNDS", ({"kernel": "k", "match": {"BLOCK_H": 16, "num_warps": 8},
-                                                 "max_shared": 1, "max_regs": 2, "partition_regs": (3, 4)},))
-    monkeypatch.setattr(SL, "ACCEPTED_SPILLS", ({"kernel": "k", "match": {"num_warps": 8}, "max_ldl_stl": 7},))
-    eight, four = _la(options={"num_warps": 8}), _la(options={"num_warps": 4})
-    assert SL.resource_bounds(eight) == {"max_shared": 1, "max_regs": 2, "partition_regs": (3, 4)}
-    assert SL.resource_bounds(four) == {}
-    assert SL.accepted_spills(eight) == 7 and SL.accepted_spills(four) == 0
-
-
-def test_a_launch_met_again_keeps_the_stricter_need_and_each_origin_once():
-    s = SL._Set()
-    first = _la(origin="a.json[1]", ctas=3)
-    s.add(first)
-    s.add(_la(origin="b.json[2]", ctas=2))           # asks for less: named after, the 3 CTAs stay
-    assert first.need == {"ctas": 3} and first.origins == ["a.json[1]", "b.json[2]"]
-    s.add(_la(origin="b.json[2]", ctas=5))           # an origin met before (not the first): nothing changes
-    assert first.need == {"ctas": 3} and first.origins == ["a.json[1]", "b.json[2]"]
-    bare = _la(kernel="k2", origin="c.json[1]")      # no CTA need: one CTA per SM
-    s.add(bare)
-    s.add(_la(kernel="k2", origin="d.json[4]", ctas=2))
-    assert bare.need == {"ctas": 2} and bare.origins == ["d.json[4]", "c.json[1]"]
-    assert sorted(s.by_key) == sorted([first.key, bare.key])
-
-
 def test_the_requests_follow_the_bodies_architecture_list(monkeypatch):
     """A body listed for sm_120 only is asked for; one listed for other architectures is skipped and the bodies
     after it are still asked for."""
@@ -60,12 +29,6 @@ def test_the_requests_follow_the_bodies_architecture_list(monkeypatch):
     by_name = got[2:len(got) - len(VARIANTS)]   # after the two defaults, before calibrate's variants
     assert by_name == [("bf16", {"impl": "flat"}, "impl=flat"), ("fp8", {"impl": "flat"}, "impl=flat"),
                        ("bf16", {"impl": "reg"}, "impl=reg"), ("bf16", {"impl": "wspec"}, "impl=wspec")]
-
-
-def test_row_counts_are_whole_numbers():
-    # ceil(57 * 3 / 170) = 2 and ceil(56 * 3 / 170) = 1: 57 is the first T of key 2 (not 170 / 3 + 1)
-    got = SL._rows_for_keys([1, 2, 3], 3, 170)
-    assert got == [1, 57, 114] and all(type(t) is int for t in got)
 
 
 @pytest.mark.parametrize("context,c128", [(1 << 20, 8192), (131072, 1024), (16385, 192), (256, 64), (1, 64)])
